@@ -1,0 +1,63 @@
+# Helpers that register epmoe's tests; included by tests/CMakeLists.txt after include(Catch).
+include_guard(GLOBAL)
+
+set(_epmoe_testing_dir "${CMAKE_CURRENT_LIST_DIR}")
+
+# True in <out> when every source exists; otherwise warns (a typo or a file not written yet).
+function(_epmoe_sources_exist out what)
+  foreach(src IN LISTS ARGN)
+    if(NOT IS_ABSOLUTE "${src}")
+      set(src "${CMAKE_CURRENT_SOURCE_DIR}/${src}")
+    endif()
+    if(NOT EXISTS "${src}")
+      message(WARNING "epmoe: skipping ${what}: ${src} does not exist")
+      set(${out} FALSE PARENT_SCOPE)
+      return()
+    endif()
+  endforeach()
+  set(${out} TRUE PARENT_SCOPE)
+endfunction()
+
+# epmoe_add_test(<name> <sources...> [LIBS <targets...>] [LABELS <labels...>])
+# One Catch2 executable; Catch2WithMain supplies main(), each TEST_CASE becomes a CTest test
+# named "<name>:<case>" (Catch passes the prefix through cmake -D, which drops a trailing
+# space) labelled "unit" plus <labels>.
+function(epmoe_add_test name)
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "LIBS;LABELS")
+  _epmoe_sources_exist(ok "test ${name}" ${arg_UNPARSED_ARGUMENTS})
+  if(NOT ok)
+    return()
+  endif()
+  add_executable(${name} ${arg_UNPARSED_ARGUMENTS})
+  target_link_libraries(${name} PRIVATE epmoe::epmoe ${arg_LIBS} Catch2::Catch2WithMain)
+  target_compile_options(${name} PRIVATE
+    $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang,AppleClang>:-Wall -Wextra -Wpedantic>)
+  catch_discover_tests(${name} TEST_PREFIX "${name}:" TEST_LIST ${name}_TESTS)
+  # Catch's discovery script splits a PROPERTIES list, so labels are set after its tests load.
+  set(labels unit ${arg_LABELS})
+  set(labels_file "${CMAKE_CURRENT_BINARY_DIR}/${name}_labels.cmake")
+  file(WRITE "${labels_file}" "if(${name}_TESTS)\n"
+    "  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${labels}\")\n"
+    "endif()\n")
+  set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${labels_file}")
+endfunction()
+
+# epmoe_add_compile_fail_test(<name> <source> <regex>)
+# <source> must NOT compile, and the compiler output must match <regex> (the static_assert
+# message), so a typo or a missing include cannot pass for the check firing.
+function(epmoe_add_compile_fail_test name source regex)
+  _epmoe_sources_exist(ok "compile-fail test ${name}" ${source})
+  if(NOT ok)
+    return()
+  endif()
+  add_executable(${name} EXCLUDE_FROM_ALL ${source})
+  set_target_properties(${name} PROPERTIES EXCLUDE_FROM_DEFAULT_BUILD ON)
+  target_link_libraries(${name} PRIVATE epmoe::epmoe)
+  add_test(NAME compile_fail.${name}
+    COMMAND "${CMAKE_COMMAND}" "-DBUILD_DIR=${CMAKE_BINARY_DIR}" "-DTARGET=${name}"
+            "-DCONFIG=$<CONFIG>" "-DREGEX=${regex}"
+            -P "${_epmoe_testing_dir}/run_compile_fail.cmake")
+  # Builds in one tree must not run concurrently (make would race on shared files).
+  set_tests_properties(compile_fail.${name} PROPERTIES
+    LABELS compile_fail RESOURCE_LOCK epmoe_build_tree TIMEOUT 300)
+endfunction()

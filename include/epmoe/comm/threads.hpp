@@ -1,0 +1,192 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/view.hpp"
+
+namespace epmoe::comm {
+
+class threads;
+
+/// R ranks as threads of one process, exchanging rows through shared memory.
+/// The world is an explicit object (no global state); `run` starts one thread per rank and
+/// hands each its `comm::threads` endpoint. If a rank throws, the others are released from
+/// any exchange with `comm_aborted`, and `run` rethrows the first real error.
+class threads_world {
+ public:
+  explicit threads_world(int ranks) : ranks_(ranks), slots_(static_cast<std::size_t>(ranks)) {
+    if (ranks < 1) throw config_error("ranks", std::to_string(ranks), "must be >= 1");
+  }
+  threads_world(const threads_world&) = delete;
+  threads_world& operator=(const threads_world&) = delete;
+
+  int size() const { return ranks_; }
+
+  /// Runs fn(comm::threads) on `size()` threads, one per rank, and joins them.
+  template <class Fn>
+  void run(Fn&& fn);
+
+ private:
+  friend class threads;
+
+  // What a rank publishes for one exchange: its send buffer and per-peer counts/displs.
+  struct slot {
+    const void* send = nullptr;
+    const index_t* counts = nullptr;
+    const index_t* displs = nullptr;
+    std::size_t elem_size = 0;
+  };
+
+  // A barrier that can be broken: waiting ranks throw comm_aborted instead of hanging.
+  void barrier() {
+    std::unique_lock lock(mutex_);
+    if (aborted_) throw comm_aborted();
+    const std::uint64_t gen = generation_;
+    if (++waiting_ == ranks_) {
+      waiting_ = 0;
+      ++generation_;
+      cv_.notify_all();
+      return;
+    }
+    cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
+    if (generation_ == gen) throw comm_aborted();
+  }
+
+  void abort() {
+    std::lock_guard lock(mutex_);
+    aborted_ = true;
+    cv_.notify_all();
+  }
+
+  // Marks the current exchange as failed; every rank throws once it has left it.
+  void fail() {
+    std::lock_guard lock(mutex_);
+    failed_ = true;
+  }
+  bool failed() {
+    std::lock_guard lock(mutex_);
+    return failed_;
+  }
+
+  int ranks_;
+  std::vector<slot> slots_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int waiting_ = 0;
+  std::uint64_t generation_ = 0;
+  bool aborted_ = false;
+  bool failed_ = false;
+};
+
+/// One rank's endpoint in a threads_world. Exchanges are collective: every rank calls the
+/// same sequence. Rows are pulled by the receiver straight from the sender's buffer, so an
+/// exchange costs one copy.
+class threads {
+ public:
+  threads(threads_world& world, int rank)
+      : world_(&world), rank_(rank), scratch_(2 * static_cast<std::size_t>(world.size())) {}
+
+  int rank() const { return rank_; }
+  int size() const { return world_->size(); }
+
+  /// Fixed-size all-to-all: n elements to every rank, block r of send goes to rank r.
+  template <class T>
+  void alltoall(const T* send, T* recv, index_t n) {
+    const int R = size();
+    std::vector<index_t>& cd = scratch_;  // counts then displs, n per peer
+    for (int r = 0; r < R; ++r) {
+      cd[r] = n;
+      cd[R + r] = r * n;
+    }
+    alltoallv(send, cd.data(), cd.data() + R, recv, cd.data(), cd.data() + R);
+  }
+
+  /// All-to-all-v; counts and displacements per rank, in elements. The receive counts must
+  /// match what each peer sends (they normally come from a preceding alltoall of counts).
+  template <class T>
+  void alltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
+                 const index_t* recv_counts, const index_t* recv_displs) {
+    static_assert(std::is_trivially_copyable_v<T>, "comm::threads moves trivially copyable data");
+    threads_world& w = *world_;
+    w.slots_[rank_] = {send, send_counts, send_displs, sizeof(T)};
+    w.barrier();  // every sender published
+    int bad_peer = -1;
+    index_t bad_count = 0;
+    for (int s = 0; s < size(); ++s) {
+      const threads_world::slot& peer = w.slots_[s];
+      const index_t n = peer.counts[rank_];
+      if (n != recv_counts[s] || peer.elem_size != sizeof(T)) {
+        if (bad_peer < 0) {
+          bad_peer = s;
+          bad_count = n;
+        }
+        continue;
+      }
+      if (n > 0)
+        std::memcpy(recv + recv_displs[s], static_cast<const T*>(peer.send) + peer.displs[rank_],
+                    static_cast<std::size_t>(n) * sizeof(T));
+    }
+    // A rank that found a mismatch still waits for the others: peers may be reading its
+    // send buffer, which must stay valid until every copy of this exchange is done.
+    if (bad_peer >= 0) w.fail();
+    w.barrier();  // every receiver done: senders may reuse their buffers
+    if (bad_peer >= 0)
+      throw comm_error("epmoe: comm::threads: rank " + std::to_string(rank_) + " expects " +
+                       std::to_string(recv_counts[bad_peer]) + " elements from rank " +
+                       std::to_string(bad_peer) + ", which sends " + std::to_string(bad_count));
+    if (w.failed())
+      throw comm_aborted(
+          "epmoe: comm::threads: a peer rank found a count mismatch in this "
+          "exchange");
+  }
+
+ private:
+  threads_world* world_;
+  int rank_;
+  std::vector<index_t> scratch_;  // 2R entries, sized once: exchanges allocate nothing
+};
+
+template <class Fn>
+void threads_world::run(Fn&& fn) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(ranks_));
+  {
+    std::vector<std::jthread> pool;
+    pool.reserve(static_cast<std::size_t>(ranks_));
+    for (int r = 0; r < ranks_; ++r)
+      pool.emplace_back([&, r] {
+        try {
+          fn(threads(*this, r));
+        } catch (...) {
+          errors[r] = std::current_exception();
+          abort();
+        }
+      });
+  }
+  // A world is reusable after a clean run; after a failure it stays aborted.
+  std::exception_ptr aborted;
+  for (auto& e : errors) {
+    if (!e) continue;
+    try {
+      std::rethrow_exception(e);
+    } catch (const comm_aborted&) {
+      aborted = e;
+    } catch (...) {
+      throw;
+    }
+  }
+  if (aborted) std::rethrow_exception(aborted);
+}
+
+}  // namespace epmoe::comm

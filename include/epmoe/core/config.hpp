@@ -1,0 +1,46 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "epmoe/core/error.hpp"
+
+namespace epmoe {
+
+/// Shape and run-time knobs of one MoE layer. Knobs that change code (top-k selection,
+/// activation, padding) live in the policies; these are plain values.
+struct layer_config {
+  int hidden = 0;                // H: model width of a token row
+  int ffn = 0;                   // F: inner width of each expert FFN
+  int experts = 0;               // E: logical routed experts
+  int top_k = 0;                 // K: experts per token (must equal the router's top_k)
+  int ranks = 1;                 // R: expert-parallel ranks
+  int max_tokens = 0;            // most tokens one rank passes to forward(); sizes the workspace
+  double capacity_factor = 1.0;  // capacity::factor: rows per expert = ceil(cf * T * K / E)
+
+  int experts_per_rank() const { return experts / ranks; }
+
+  /// Throws config_error naming the first field that breaks its rule.
+  void validate() const {
+    using detail::require;
+    require(hidden > 0, "hidden", hidden, "must be > 0");
+    require(ffn > 0, "ffn", ffn, "must be > 0");
+    require(experts > 0, "experts", experts, "must be > 0");
+    require(top_k >= 1, "top_k", top_k, "must be >= 1");
+    require(top_k <= experts, "top_k", top_k,
+            "must be <= experts (a token picks distinct experts)");
+    require(ranks >= 1, "ranks", ranks, "must be >= 1");
+    require(experts % ranks == 0, "experts", experts,
+            "must be divisible by ranks (every rank holds experts/ranks experts)");
+    require(max_tokens >= 1, "max_tokens", max_tokens, "must be >= 1");
+    require(std::isfinite(capacity_factor) && capacity_factor > 0, "capacity_factor",
+            capacity_factor, "must be finite and > 0");
+    // Row offsets are 32-bit on the device side: keep every buffer's row count in range.
+    require(static_cast<std::int64_t>(max_tokens) * top_k * ranks < (std::int64_t{1} << 31),
+            "max_tokens", max_tokens, "max_tokens * top_k * ranks must be < 2^31");
+  }
+};
+
+}  // namespace epmoe

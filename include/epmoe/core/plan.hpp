@@ -1,0 +1,126 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/macros.hpp"
+#include "epmoe/core/routing.hpp"
+#include "epmoe/core/view.hpp"
+
+namespace epmoe {
+
+/// Where every (token, k) assignment of one rank goes in one pass. All arrays live in the
+/// layer's workspace (host or device memory, as the space decides); the plan only points.
+///
+/// Send buffer layout: blocks b = dest_rank * L + local_expert, in order; block b holds
+/// `send_counts[b]` rows from `send_offsets[b]` (padding rows last, their token is -1).
+/// Receive buffer layout: blocks b = src_rank * L + local_expert ("source-major"); the
+/// experts read them regrouped "expert-major" (local_expert * R + src_rank).
+struct dispatch_plan {
+  int ranks = 0;          // R
+  int local_experts = 0;  // L: experts per rank
+  int top_k = 0;          // K
+  index_t tokens = 0;     // T of this pass
+
+  std::int32_t* slot = nullptr;        // [T*K]: send row of assignment (t,k); -1 if dropped
+  std::int32_t* row_token = nullptr;   // [send rows]: token of each send row; -1 for padding
+  index_t* send_counts = nullptr;      // [R*L]: rows sent to (dest, local expert), padding included
+  index_t* send_valid = nullptr;       // [R*L]: of which real (not padding)
+  index_t* send_offsets = nullptr;     // [R*L+1]
+  index_t* recv_counts = nullptr;      // [R*L]: rows received from (src, local expert)
+  index_t* recv_valid = nullptr;       // [R*L]: of which real
+  index_t* recv_offsets = nullptr;     // [R*L+1]: source-major receive layout
+  index_t* expert_offsets = nullptr;   // [L+1]: first row of each local expert, expert-major
+  index_t* regroup_offsets = nullptr;  // [R*L]: expert-major row of source-major block s*L+j
+  index_t* routed = nullptr;           // [E]: assignments per logical expert, before capacity
+
+  index_t dropped = 0;  // assignments past capacity
+  index_t padding = 0;  // padding rows this rank sends
+
+  EPMOE_HD index_t send_rows() const { return send_offsets[ranks * local_experts]; }
+  EPMOE_HD index_t recv_rows() const { return recv_offsets[ranks * local_experts]; }
+  /// Rows to / from one peer rank: its L blocks are contiguous.
+  EPMOE_HD index_t send_rows_to(int r) const {
+    return send_offsets[(r + 1) * local_experts] - send_offsets[r * local_experts];
+  }
+  EPMOE_HD index_t recv_rows_from(int r) const {
+    return recv_offsets[(r + 1) * local_experts] - recv_offsets[r * local_experts];
+  }
+};
+
+/// Builds the send side of `plan` from a routing, in token order (the order capacity drops
+/// follow): each assignment to expert e takes the next row of its (rank_of(e), local slot)
+/// block while fewer than `limit` rows are there; later ones are dropped. With `pad`, every
+/// block is `limit` rows. Host version; a device space computes the same with a scan.
+template <class Placement>
+void build_send_plan(routing_view routing, const Placement& placement, int experts, index_t limit,
+                     bool pad, dispatch_plan& p) {
+  const int L = p.local_experts, B = p.ranks * L, K = p.top_k;
+  const index_t T = routing.tokens();
+  p.tokens = T;
+  p.dropped = 0;
+  p.padding = 0;
+  for (int e = 0; e < experts; ++e) p.routed[e] = 0;
+  for (int b = 0; b < B; ++b) p.send_valid[b] = 0;
+
+  // Pass 1: position of each assignment inside its block, or dropped.
+  for (index_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      const int e = routing.ids(t, k);
+      if (e < 0 || e >= experts)
+        throw config_error("routing.ids", std::to_string(e),
+                           "expert id must be in [0, " + std::to_string(experts) + ")");
+      ++p.routed[e];
+      const int b = placement.rank_of(e) * L + placement.local_index(e);
+      std::int32_t& s = p.slot[t * K + k];
+      if (p.send_valid[b] < limit) {
+        s = static_cast<std::int32_t>(p.send_valid[b]++);
+      } else {
+        s = -1;
+        ++p.dropped;
+      }
+    }
+  }
+  // Block sizes and offsets.
+  p.send_offsets[0] = 0;
+  for (int b = 0; b < B; ++b) {
+    p.send_counts[b] = pad ? limit : p.send_valid[b];
+    p.padding += p.send_counts[b] - p.send_valid[b];
+    p.send_offsets[b + 1] = p.send_offsets[b] + p.send_counts[b];
+  }
+  // Pass 2: absolute rows; padding rows carry token -1.
+  for (int b = 0; b < B; ++b)
+    for (index_t i = p.send_valid[b]; i < p.send_counts[b]; ++i)
+      p.row_token[p.send_offsets[b] + i] = -1;
+  for (index_t t = 0; t < T; ++t) {
+    for (int k = 0; k < K; ++k) {
+      std::int32_t& s = p.slot[t * K + k];
+      if (s < 0) continue;
+      const int e = routing.ids(t, k);
+      s += static_cast<std::int32_t>(
+          p.send_offsets[placement.rank_of(e) * L + placement.local_index(e)]);
+      p.row_token[s] = static_cast<std::int32_t>(t);
+    }
+  }
+}
+
+/// Receive offsets, source-major and expert-major, once recv_counts are known.
+inline void build_recv_plan(dispatch_plan& p) {
+  const int R = p.ranks, L = p.local_experts;
+  p.recv_offsets[0] = 0;
+  for (int b = 0; b < R * L; ++b) p.recv_offsets[b + 1] = p.recv_offsets[b] + p.recv_counts[b];
+  index_t row = 0;
+  for (int j = 0; j < L; ++j) {
+    p.expert_offsets[j] = row;
+    for (int s = 0; s < R; ++s) {
+      p.regroup_offsets[s * L + j] = row;
+      row += p.recv_counts[s * L + j];
+    }
+  }
+  p.expert_offsets[L] = row;
+}
+
+}  // namespace epmoe

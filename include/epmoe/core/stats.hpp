@@ -1,0 +1,52 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "epmoe/core/view.hpp"
+
+namespace epmoe {
+
+/// Wall time of each stage of the last pass on this rank, in seconds.
+struct stage_times {
+  double route = 0;     // gate GEMM + per-token top-k
+  double plan = 0;      // counts, capacity, row order
+  double permute = 0;   // gather token rows into the send buffer
+  double dispatch = 0;  // all-to-all #1 (counts + rows), regroup by expert
+  double experts = 0;   // grouped expert FFN
+  double combine = 0;   // all-to-all #2 back to the home rank
+  double reduce = 0;    // weighted sum of each token's K outputs
+  double total = 0;
+};
+
+/// What one forward pass did on this rank. Sized once at layer construction; a pass only
+/// overwrites the numbers.
+struct pass_stats {
+  index_t tokens = 0;                          // T of the pass
+  index_t assignments = 0;                     // T * K routed (token, expert) pairs
+  index_t dropped = 0;                         // assignments past capacity: contribute nothing
+  index_t padding_rows = 0;                    // zero rows this rank sent to pad blocks
+  std::vector<index_t> routed_per_expert;      // [E]: this rank's assignments per logical expert
+  std::vector<index_t> rows_per_local_expert;  // [L]: real rows this rank's experts computed
+  std::vector<index_t> padded_rows_per_local_expert;  // [L]: same, padding included
+  std::vector<index_t> rows_sent;                     // [R]: rows sent to each rank (dispatch)
+  std::vector<index_t> rows_received;   // [R]: rows received from each rank (dispatch)
+  index_t dispatch_bytes_sent = 0;      // to other ranks (self rows stay local)
+  index_t dispatch_bytes_received = 0;  // from other ranks
+  index_t combine_bytes_sent = 0;
+  index_t combine_bytes_received = 0;
+  double expert_flops = 0;  // FLOPs of this rank's expert GEMMs, padding included
+  stage_times time;
+
+  pass_stats() = default;
+  pass_stats(int experts, int local_experts, int ranks)
+      : routed_per_expert(experts),
+        rows_per_local_expert(local_experts),
+        padded_rows_per_local_expert(local_experts),
+        rows_sent(ranks),
+        rows_received(ranks) {}
+};
+
+}  // namespace epmoe

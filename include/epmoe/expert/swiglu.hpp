@@ -1,0 +1,62 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <cmath>
+
+#include "epmoe/core/config.hpp"
+#include "epmoe/core/macros.hpp"
+#include "epmoe/core/view.hpp"
+
+namespace epmoe::expert {
+
+/// silu(a) * b, one element: the gated activation between the SwiGLU GEMMs.
+EPMOE_HD float silu_mul(float a, float b) { return a / (1.f + expf(-a)) * b; }
+
+/// SwiGLU expert FFN (Mixtral, DeepSeek, Qwen): y = W2 (silu(W1 x) * W3 x).
+/// Each local expert's rows run as one GEMM block per projection.
+struct swiglu {
+  /// This rank's L local experts, stacked; PyTorch [out, in] layout, fp32.
+  struct weights {
+    stacked_view<const float> w1;  // [L, F, H] gate projection
+    stacked_view<const float> w3;  // [L, F, H] up projection
+    stacked_view<const float> w2;  // [L, H, F] down projection
+  };
+
+  static void validate(const layer_config& cfg, const weights& w) {
+    const index_t L = cfg.experts_per_rank(), H = cfg.hidden, F = cfg.ffn;
+    detail::require_shape(w.w1, L, F, H, "weights.experts.w1");
+    detail::require_shape(w.w3, L, F, H, "weights.experts.w3");
+    detail::require_shape(w.w2, L, H, F, "weights.experts.w2");
+  }
+
+  /// Three GEMMs of [rows, H] x [H, F] (or back): 2 FLOPs per multiply-add.
+  static double flops_per_row(const layer_config& cfg) {
+    return 6.0 * static_cast<double>(cfg.hidden) * cfg.ffn;
+  }
+
+  /// Scratch floats per row: the two [rows, F] projections.
+  static index_t scratch_per_row(const layer_config& cfg) { return 2 * index_t{cfg.ffn}; }
+
+  struct silu_mul_rows {
+    float* h1;
+    const float* h3;
+    EPMOE_HD void operator()(index_t i) const { h1[i] = silu_mul(h1[i], h3[i]); }
+  };
+
+  /// Runs local expert j on rows x [n, H]; the output [n, H] overwrites x (its input is no
+  /// longer needed once both up-projections are done). scratch holds n * scratch_per_row.
+  template <class Space>
+  static void forward(const Space& space, const weights& w, index_t j, matrix_view<float> x,
+                      float* scratch) {
+    const index_t n = x.rows, F = w.w1.rows;
+    if (n == 0) return;
+    matrix_view<float> h1(scratch, n, F), h3(scratch + n * F, n, F);
+    space.gemm_nt(x, w.w1[j], h1);
+    space.gemm_nt(x, w.w3[j], h3);
+    space.for_each(n * F, silu_mul_rows{h1.data, h3.data});
+    space.gemm_nt(h1, w.w2[j], x);
+  }
+};
+
+}  // namespace epmoe::expert

@@ -1,0 +1,388 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "epmoe/capacity/dropless.hpp"
+#include "epmoe/comm/local.hpp"
+#include "epmoe/core/concepts.hpp"
+#include "epmoe/core/config.hpp"
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/plan.hpp"
+#include "epmoe/core/routing.hpp"
+#include "epmoe/core/rows.hpp"
+#include "epmoe/core/stats.hpp"
+#include "epmoe/core/view.hpp"
+#include "epmoe/expert/swiglu.hpp"
+#include "epmoe/placement/block.hpp"
+#include "epmoe/router/topk_softmax.hpp"
+#include "epmoe/schedule/sequential.hpp"
+#include "epmoe/space/host.hpp"
+
+namespace epmoe {
+
+/// The policy bundle a layer starts from; derive and override the slots you change:
+///   struct my_policies : epmoe::default_policies { using comm = epmoe::comm::threads; };
+struct default_policies {
+  using space = space::host;
+  using router = router::topk_softmax<2>;
+  using placement = placement::block;
+  using capacity = capacity::dropless;
+  using comm = comm::local;
+  using expert = expert::swiglu;
+  using schedule = schedule::sequential;
+};
+
+/// One rank's share of an expert-parallel MoE layer.
+///
+/// Each forward pass routes the rank's T tokens, sends every (token, expert) row to the rank
+/// holding that expert (all-to-all #1), runs the local experts on what arrives, returns the
+/// outputs (all-to-all #2) and sums each token's K outputs, weighted, at home. Every rank of
+/// the communicator calls forward() the same number of times (T may differ, even be 0).
+/// All workspace is allocated at construction from `max_tokens`; forward allocates nothing.
+template <class Policies = default_policies>
+class moe_layer {
+ public:
+  using space_type = typename Policies::space;
+  using router_type = typename Policies::router;
+  using placement_type = typename Policies::placement;
+  using capacity_type = typename Policies::capacity;
+  using comm_type = typename Policies::comm;
+  using expert_type = typename Policies::expert;
+  using schedule_type = typename Policies::schedule;
+
+  static_assert(space_policy<space_type>,
+                "epmoe: the space policy must provide allocate<T>(n) returning a buffer with "
+                "data(), gemm_nt(a, b, c) and synchronize() (see space/host.hpp)");
+  static_assert(router_policy<router_type>,
+                "epmoe: the router policy must provide `static constexpr int top_k`, "
+                "`static constexpr bool uses_gate` and route_token(const float* logits, "
+                "int experts, int* ids, float* weights) const (see router/topk_softmax.hpp)");
+  static_assert(placement_policy<placement_type>,
+                "epmoe: the placement policy must be constructible from layer_config and "
+                "provide experts_per_rank(), rank_of(e), local_index(e), expert_at(r, j) "
+                "(see placement/block.hpp)");
+  static_assert(capacity_policy<capacity_type>,
+                "epmoe: the capacity policy must provide `static constexpr bool pads` and "
+                "limit(const layer_config&, index_t tokens) const (see capacity/factor.hpp)");
+  static_assert(communicator<comm_type>,
+                "epmoe: the comm policy must provide rank(), size(), alltoall(send, recv, n) "
+                "and alltoallv(send, counts, displs, recv, counts, displs) (see comm/local.hpp)");
+  static_assert(expert_policy<expert_type>,
+                "epmoe: the expert policy must provide a `weights` type and static "
+                "validate(cfg, w), flops_per_row(cfg), scratch_per_row(cfg) and "
+                "forward(space, w, j, rows, scratch) (see expert/swiglu.hpp)");
+  static_assert(schedule_policy<schedule_type>,
+                "epmoe: the schedule policy must provide static run(stages&) calling route, "
+                "plan, permute, dispatch, experts, combine, reduce (see schedule/sequential.hpp)");
+
+  /// The weights one rank holds (non-owning; they must outlive the layer).
+  struct weights {
+    matrix_view<const float> gate;          // [E, H] router gate, the same on every rank
+    typename expert_type::weights experts;  // this rank's L = E/R experts
+  };
+
+  /// Validates everything (throws config_error naming the field) and sizes the workspace.
+  moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router = {},
+            capacity_type capacity = {}, space_type space = {})
+      : cfg_(checked(cfg, comm, w)),
+        comm_(std::move(comm)),
+        w_(w),
+        router_(router),
+        capacity_(capacity),
+        space_(space),
+        placement_(cfg_),
+        stats_(cfg_.experts, cfg_.experts_per_rank(), cfg_.ranks) {
+    allocate_workspace();
+  }
+
+  moe_layer(const moe_layer&) = delete;
+  moe_layer& operator=(const moe_layer&) = delete;
+
+  /// y [T, H] = MoE(x [T, H]), T <= max_tokens, row-major with row strides. Collective.
+  void forward(matrix_view<const float> x, matrix_view<float> y) {
+    detail::require(x.rows <= cfg_.max_tokens, "x.rows", x.rows,
+                    "tokens per pass must be <= config max_tokens");
+    detail::require_shape(x, x.rows, cfg_.hidden, "x");
+    detail::require_shape(y, x.rows, cfg_.hidden, "y");
+    x_ = x;
+    y_ = y;
+    const auto start = clock::now();
+    stage_runner stages{*this};
+    schedule_type::run(stages);
+    space_.synchronize();
+    stats_.time.total = seconds_since(start);
+  }
+
+  const layer_config& config() const { return cfg_; }
+  const pass_stats& stats() const { return stats_; }
+  const placement_type& placement() const { return placement_; }
+  const comm_type& comm() const { return comm_; }
+  int rank() const { return comm_.rank(); }
+  /// Expert ids and weights of the last pass, [T, K].
+  routing_view last_routing() const { return {ids_view(tokens_), weights_view(tokens_)}; }
+  /// Where each assignment of the last pass went.
+  const dispatch_plan& last_plan() const { return plan_; }
+
+ private:
+  using clock = std::chrono::steady_clock;
+  template <class T>
+  using buffer = typename space_type::template buffer<T>;
+
+  static double seconds_since(clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  }
+
+  static const layer_config& checked(const layer_config& cfg, const comm_type& comm,
+                                     const weights& w) {
+    cfg.validate();
+    detail::require(
+        cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
+        ("must equal the router's top_k (" + std::to_string(router_type::top_k) + ")").c_str());
+    detail::require(
+        cfg.ranks == comm.size(), "ranks", cfg.ranks,
+        ("must equal the communicator's size (" + std::to_string(comm.size()) + ")").c_str());
+    if constexpr (router_type::uses_gate)
+      detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
+    expert_type::validate(cfg, w.experts);
+    return cfg;
+  }
+
+  void allocate_workspace() {
+    const index_t T = cfg_.max_tokens, K = cfg_.top_k, E = cfg_.experts, R = cfg_.ranks;
+    const index_t L = cfg_.experts_per_rank(), H = cfg_.hidden;
+    // Rows one source sends one expert: bounded by capacity, and by T (distinct experts).
+    const index_t per_expert = std::min(T, capacity_.limit(cfg_, T));
+    const index_t per_expert_buf = capacity_type::pads ? capacity_.limit(cfg_, T) : per_expert;
+    const index_t send_rows =
+        capacity_type::pads ? R * L * per_expert_buf : std::min(T * K, R * L * per_expert);
+    const index_t from_one_rank =
+        capacity_type::pads ? L * per_expert_buf : std::min(T * std::min(K, L), L * per_expert);
+    const index_t recv_rows = R * from_one_rank;
+    const index_t expert_rows = R * per_expert_buf;
+
+    logits_ = space_.template allocate<float>(router_type::uses_gate ? T * E : 0);
+    ids_ = space_.template allocate<std::int32_t>(T * K);
+    weights_ = space_.template allocate<float>(T * K);
+    slot_ = space_.template allocate<std::int32_t>(T * K);
+    row_token_ = space_.template allocate<std::int32_t>(send_rows);
+    counts_ = space_.template allocate<index_t>(8 * R * L + 3 + L + 1 + E);
+    exchange_ = space_.template allocate<index_t>(4 * R * L + 4 * R);
+    x_send_ = space_.template allocate<float>(send_rows * H);
+    x_recv_ = space_.template allocate<float>(recv_rows * H);
+    x_expert_ = space_.template allocate<float>(recv_rows * H);
+    scratch_ = space_.template allocate<float>(expert_rows * expert_type::scratch_per_row(cfg_));
+    send_capacity_ = send_rows;
+    recv_capacity_ = recv_rows;
+
+    index_t* c = counts_.data();
+    const index_t B = R * L;
+    plan_.ranks = cfg_.ranks;
+    plan_.local_experts = static_cast<int>(L);
+    plan_.top_k = cfg_.top_k;
+    plan_.slot = slot_.data();
+    plan_.row_token = row_token_.data();
+    plan_.send_counts = c;
+    plan_.send_valid = c += B;
+    plan_.send_offsets = c += B;
+    plan_.recv_counts = c += B + 1;
+    plan_.recv_valid = c += B;
+    plan_.recv_offsets = c += B;
+    plan_.regroup_offsets = c += B + 1;
+    plan_.expert_offsets = c += B;
+    plan_.routed = c += L + 1;
+  }
+
+  matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.data(), T, cfg_.top_k}; }
+  matrix_view<float> weights_view(index_t T) const { return {weights_.data(), T, cfg_.top_k}; }
+
+  // The stages a schedule drives. Each one times itself into stats().time.
+  struct stage_runner {
+    moe_layer& l;
+    void route() {
+      l.timed(l.stats_.time.route, [&] { l.do_route(); });
+    }
+    void plan() {
+      l.timed(l.stats_.time.plan, [&] { l.do_plan(); });
+    }
+    void permute() {
+      l.timed(l.stats_.time.permute, [&] { l.do_permute(); });
+    }
+    void dispatch() {
+      l.timed(l.stats_.time.dispatch, [&] { l.do_dispatch(); });
+    }
+    void experts() {
+      l.timed(l.stats_.time.experts, [&] { l.do_experts(); });
+    }
+    void combine() {
+      l.timed(l.stats_.time.combine, [&] { l.do_combine(); });
+    }
+    void reduce() {
+      l.timed(l.stats_.time.reduce, [&] { l.do_reduce(); });
+    }
+  };
+
+  template <class F>
+  void timed(double& into, F&& f) {
+    const auto start = clock::now();
+    f();
+    space_.synchronize();
+    into = seconds_since(start);
+  }
+
+  void do_route() {
+    const index_t T = x_.rows;
+    tokens_ = T;
+    matrix_view<float> logits(logits_.data(), T, cfg_.experts);
+    if constexpr (router_type::uses_gate) space_.gemm_nt(x_, w_.gate, logits);
+    space_.for_each(T,
+                    rows::route_tokens<router_type>{router_, logits, ids_view(T), weights_view(T)});
+  }
+
+  void do_plan() {
+    const index_t limit = capacity_.limit(cfg_, tokens_);
+    build_send_plan(last_routing(), placement_, cfg_.experts, limit, capacity_type::pads, plan_);
+    stats_.tokens = tokens_;
+    stats_.assignments = tokens_ * cfg_.top_k;
+    stats_.dropped = plan_.dropped;
+    stats_.padding_rows = plan_.padding;
+    std::copy_n(plan_.routed, cfg_.experts, stats_.routed_per_expert.begin());
+  }
+
+  void do_permute() {
+    space_.for_each(plan_.send_rows(),
+                    rows::gather{x_, plan_.row_token, send_view(plan_.send_rows())});
+  }
+
+  void do_dispatch() {
+    const int R = cfg_.ranks, L = plan_.local_experts;
+    const index_t H = cfg_.hidden;
+    // 1. Counts: per destination, L padded counts then L real counts.
+    index_t* send_pairs = exchange_.data();
+    index_t* recv_pairs = send_pairs + 2 * R * L;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < L; ++j) {
+        send_pairs[2 * r * L + j] = plan_.send_counts[r * L + j];
+        send_pairs[2 * r * L + L + j] = plan_.send_valid[r * L + j];
+      }
+    comm_.alltoall(send_pairs, recv_pairs, 2 * L);
+    for (int s = 0; s < R; ++s)
+      for (int j = 0; j < L; ++j) {
+        plan_.recv_counts[s * L + j] = recv_pairs[2 * s * L + j];
+        plan_.recv_valid[s * L + j] = recv_pairs[2 * s * L + L + j];
+      }
+    build_recv_plan(plan_);
+    if (plan_.recv_rows() > recv_capacity_)
+      throw comm_error("epmoe: rank " + std::to_string(rank()) + " would receive " +
+                       std::to_string(plan_.recv_rows()) + " rows, more than its workspace (" +
+                       std::to_string(recv_capacity_) +
+                       "); a peer passed more tokens than max_tokens?");
+    // 2. Rows, then regroup source-major -> expert-major for the grouped GEMMs.
+    set_rank_counts(H);
+    comm_.alltoallv(x_send_.data(), send_n_, send_d_, x_recv_.data(), recv_n_, recv_d_);
+    space_.copy_blocks(recv_view(), expert_view(), R * L, plan_.recv_offsets, plan_.regroup_offsets,
+                       plan_.recv_counts);
+    fill_comm_stats(H);
+  }
+
+  void do_experts() {
+    const int L = plan_.local_experts;
+    double rows = 0;
+    for (int j = 0; j < L; ++j) {
+      const index_t begin = plan_.expert_offsets[j], n = plan_.expert_offsets[j + 1] - begin;
+      expert_type::forward(space_, w_.experts, j, expert_view().rows_slice(begin, n),
+                           scratch_.data());
+      rows += static_cast<double>(n);
+    }
+    stats_.expert_flops = rows * expert_type::flops_per_row(cfg_);
+  }
+
+  void do_combine() {
+    const int R = cfg_.ranks, L = plan_.local_experts;
+    space_.copy_blocks(expert_view(), recv_view(), R * L, plan_.regroup_offsets, plan_.recv_offsets,
+                       plan_.recv_counts);
+    // The reverse exchange: what came from rank s goes back to rank s.
+    comm_.alltoallv(x_recv_.data(), recv_n_, recv_d_, x_send_.data(), send_n_, send_d_);
+  }
+
+  void do_reduce() {
+    space_.for_each(tokens_, rows::weighted_reduce{send_view(plan_.send_rows()), plan_.slot,
+                                                   weights_view(tokens_), y_});
+  }
+
+  // Per-rank element counts and displacements of the row exchanges.
+  void set_rank_counts(index_t H) {
+    const int R = cfg_.ranks, L = plan_.local_experts;
+    send_n_ = exchange_.data() + 4 * R * L;
+    send_d_ = send_n_ + R;
+    recv_n_ = send_d_ + R;
+    recv_d_ = recv_n_ + R;
+    for (int r = 0; r < R; ++r) {
+      send_n_[r] = plan_.send_rows_to(r) * H;
+      send_d_[r] = plan_.send_offsets[r * L] * H;
+      recv_n_[r] = plan_.recv_rows_from(r) * H;
+      recv_d_[r] = plan_.recv_offsets[r * L] * H;
+    }
+  }
+
+  void fill_comm_stats(index_t H) {
+    const int R = cfg_.ranks, L = plan_.local_experts, me = rank();
+    const index_t row_bytes = H * static_cast<index_t>(sizeof(float));
+    index_t sent = 0, received = 0;
+    for (int r = 0; r < R; ++r) {
+      stats_.rows_sent[r] = plan_.send_rows_to(r);
+      stats_.rows_received[r] = plan_.recv_rows_from(r);
+      if (r != me) {
+        sent += stats_.rows_sent[r];
+        received += stats_.rows_received[r];
+      }
+    }
+    stats_.dispatch_bytes_sent = stats_.combine_bytes_received = sent * row_bytes;
+    stats_.dispatch_bytes_received = stats_.combine_bytes_sent = received * row_bytes;
+    for (int j = 0; j < L; ++j) {
+      index_t real = 0, padded = 0;
+      for (int s = 0; s < R; ++s) {
+        real += plan_.recv_valid[s * L + j];
+        padded += plan_.recv_counts[s * L + j];
+      }
+      stats_.rows_per_local_expert[j] = real;
+      stats_.padded_rows_per_local_expert[j] = padded;
+    }
+  }
+
+  matrix_view<float> send_view(index_t rows) const { return {x_send_.data(), rows, cfg_.hidden}; }
+  matrix_view<float> recv_view() const { return {x_recv_.data(), plan_.recv_rows(), cfg_.hidden}; }
+  matrix_view<float> expert_view() const {
+    return {x_expert_.data(), plan_.recv_rows(), cfg_.hidden};
+  }
+
+  layer_config cfg_;
+  comm_type comm_;
+  weights w_;
+  router_type router_;
+  capacity_type capacity_;
+  space_type space_;
+  placement_type placement_;
+  pass_stats stats_;
+  dispatch_plan plan_;
+
+  buffer<float> logits_, weights_, x_send_, x_recv_, x_expert_, scratch_;
+  buffer<std::int32_t> ids_, slot_, row_token_;
+  buffer<index_t> counts_, exchange_;
+  index_t send_capacity_ = 0, recv_capacity_ = 0;
+  index_t* send_n_ = nullptr;
+  index_t* send_d_ = nullptr;
+  index_t* recv_n_ = nullptr;
+  index_t* recv_d_ = nullptr;
+
+  matrix_view<const float> x_;
+  matrix_view<float> y_;
+  index_t tokens_ = 0;
+};
+
+}  // namespace epmoe

@@ -1,0 +1,100 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "epmoe/core/config.hpp"
+#include "epmoe/core/view.hpp"
+#include "epmoe/expert/swiglu.hpp"
+
+// Owned weights and inputs for tests, examples and benchmarks.
+namespace epmoe::reference {
+
+/// A small multiple of 1/16 in [-1, 1]. Gate weights and tokens drawn this way make every
+/// logit an exact float sum in any order (BLAS or loop), so the layer and the reference pick
+/// the same experts even at ties; expert weights need no such care.
+inline float dyadic(std::mt19937_64& rng) {
+  return static_cast<float>(static_cast<int>(rng() % 33) - 16) / 16.f;
+}
+
+/// Random tokens [rows, H], dyadic (see above).
+inline std::vector<float> random_tokens(index_t rows, index_t hidden, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> x(static_cast<std::size_t>(rows * hidden));
+  for (float& v : x) v = dyadic(rng);
+  return x;
+}
+
+/// Every weight of the layer (all E experts), owned.
+struct full_weights {
+  layer_config cfg;
+  std::vector<float> gate;  // [E, H]
+  std::vector<float> w1;    // [E, F, H]
+  std::vector<float> w3;    // [E, F, H]
+  std::vector<float> w2;    // [E, H, F]
+
+  /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in).
+  static full_weights random(const layer_config& cfg, std::uint64_t seed) {
+    const std::size_t E = cfg.experts, H = cfg.hidden, F = cfg.ffn;
+    full_weights w{cfg, std::vector<float>(E * H), std::vector<float>(E * F * H),
+                   std::vector<float>(E * F * H), std::vector<float>(E * H * F)};
+    std::mt19937_64 rng(seed);
+    for (float& v : w.gate) v = dyadic(rng);
+    std::uniform_real_distribution<float> in(-1.f, 1.f);
+    const float sh = 1.f / std::sqrt(static_cast<float>(H)),
+                sf = 1.f / std::sqrt(static_cast<float>(F));
+    for (float& v : w.w1) v = in(rng)*sh;
+    for (float& v : w.w3) v = in(rng)*sh;
+    for (float& v : w.w2) v = in(rng)*sf;
+    return w;
+  }
+
+  matrix_view<const float> gate_view() const { return {gate.data(), cfg.experts, cfg.hidden}; }
+  stacked_view<const float> w1_view() const {
+    return {w1.data(), cfg.experts, cfg.ffn, cfg.hidden};
+  }
+  stacked_view<const float> w3_view() const {
+    return {w3.data(), cfg.experts, cfg.ffn, cfg.hidden};
+  }
+  stacked_view<const float> w2_view() const {
+    return {w2.data(), cfg.experts, cfg.hidden, cfg.ffn};
+  }
+};
+
+/// Copies of the experts one rank holds under a placement, stacked in local-slot order:
+/// what a framework hands the layer for that rank.
+struct rank_weights {
+  std::vector<float> w1, w3, w2;
+  index_t local = 0, hidden = 0, ffn = 0;
+
+  expert::swiglu::weights experts() const {
+    return {{w1.data(), local, ffn, hidden},
+            {w3.data(), local, ffn, hidden},
+            {w2.data(), local, hidden, ffn}};
+  }
+};
+
+template <class Placement>
+rank_weights slice(const full_weights& w, const Placement& placement, int rank) {
+  const index_t L = placement.experts_per_rank(), H = w.cfg.hidden, F = w.cfg.ffn;
+  rank_weights r{std::vector<float>(L * F * H),
+                 std::vector<float>(L * F * H),
+                 std::vector<float>(L * H * F),
+                 L,
+                 H,
+                 F};
+  for (index_t j = 0; j < L; ++j) {
+    const index_t e = placement.expert_at(rank, static_cast<int>(j));
+    std::copy_n(w.w1.begin() + e * F * H, F * H, r.w1.begin() + j * F * H);
+    std::copy_n(w.w3.begin() + e * F * H, F * H, r.w3.begin() + j * F * H);
+    std::copy_n(w.w2.begin() + e * H * F, H * F, r.w2.begin() + j * H * F);
+  }
+  return r;
+}
+
+}  // namespace epmoe::reference

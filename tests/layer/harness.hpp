@@ -1,0 +1,107 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Runs a layer on R in-process ranks and the plain reference on the same tokens.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include <epmoe/epmoe.hpp>
+#include <epmoe/reference/forward.hpp>
+#include <epmoe/reference/weights.hpp>
+
+namespace epmoe::test {
+
+template <int K, class Capacity = capacity::dropless>
+struct threads_policies : default_policies {
+  using router = epmoe::router::topk_softmax<K>;
+  using capacity = Capacity;
+  using comm = epmoe::comm::threads;
+};
+
+/// Every rank's tokens, rank after rank, with the counts per rank.
+struct global_tokens {
+  std::vector<index_t> per_rank;
+  std::vector<float> x;  // [sum(per_rank), H]
+  index_t total() const { return std::accumulate(per_rank.begin(), per_rank.end(), index_t{0}); }
+  index_t offset(int r) const {
+    return std::accumulate(per_rank.begin(), per_rank.begin() + r, index_t{0});
+  }
+};
+
+inline global_tokens make_tokens(std::vector<index_t> per_rank, index_t hidden,
+                                 std::uint64_t seed) {
+  global_tokens g{std::move(per_rank), {}};
+  g.x = reference::random_tokens(g.total(), hidden, seed);
+  return g;
+}
+
+/// What a multi-rank run returns: outputs in global token order and each rank's stats
+/// (one entry per pass).
+struct run_result {
+  std::vector<float> y;
+  std::vector<std::vector<pass_stats>> stats;  // [rank][pass]
+};
+
+/// Runs `passes` forward passes of moe_layer<P> on cfg.ranks threads over the same tokens
+/// (pass p uses tokens seeded seed + p when passes > 1; y is the last pass).
+template <class P>
+run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
+                     const global_tokens& g, int passes = 1, typename P::capacity capacity = {}) {
+  run_result out{std::vector<float>(g.x.size()), std::vector<std::vector<pass_stats>>(cfg.ranks)};
+  comm::threads_world world(cfg.ranks);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    const auto mine = reference::slice(w, typename P::placement(cfg), r);
+    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts()}, {}, capacity);
+    const index_t T = g.per_rank[r], H = cfg.hidden;
+    for (int p = 0; p < passes; ++p) {
+      const float* x = g.x.data() + g.offset(r) * H;
+      layer.forward({x, T, H}, {out.y.data() + g.offset(r) * H, T, H});
+      out.stats[r].push_back(layer.stats());
+    }
+  });
+  return out;
+}
+
+template <class P>
+std::vector<float> run_reference(const layer_config& cfg, const reference::full_weights& w,
+                                 const global_tokens& g, typename P::capacity capacity = {}) {
+  std::vector<float> y(g.x.size());
+  const index_t n = g.total(), H = cfg.hidden;
+  reference::forward(w, typename P::router{}, capacity, {g.x.data(), n, H}, g.per_rank,
+                     {y.data(), n, H});
+  return y;
+}
+
+/// max |a - b| / max(max |b|, tiny): the error measure of the acceptance tests.
+inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
+    scale = std::max(scale, std::abs(double{b[i]}));
+  }
+  return diff / std::max(scale, 1e-30);
+}
+
+/// Calls f.template operator()<K>() for the run-time K in {1, 2, 4}.
+template <class F>
+void with_top_k(int k, F&& f) {
+  switch (k) {
+    case 1:
+      f.template operator()<1>();
+      break;
+    case 2:
+      f.template operator()<2>();
+      break;
+    case 4:
+      f.template operator()<4>();
+      break;
+    default:
+      throw std::logic_error("with_top_k: K must be 1, 2 or 4");
+  }
+}
+
+}  // namespace epmoe::test
