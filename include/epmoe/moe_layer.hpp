@@ -5,14 +5,17 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "epmoe/capacity/dropless.hpp"
 #include "epmoe/comm/local.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
+#include "epmoe/core/losses.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/routing.hpp"
 #include "epmoe/core/rows.hpp"
@@ -61,8 +64,9 @@ class moe_layer {
                 "data(), gemm_nt(a, b, c) and synchronize() (see space/host.hpp)");
   static_assert(router_policy<router_type>,
                 "epmoe: the router policy must provide `static constexpr int top_k`, "
-                "`static constexpr bool uses_gate` and route_token(const float* logits, "
-                "int experts, int* ids, float* weights) const (see router/topk_softmax.hpp)");
+                "`static constexpr bool uses_gate` and either route_token(const token_input&, "
+                "int* ids, float* weights) const (see router/topk_softmax.hpp) or "
+                "route_batch(...) with scratch_floats/scratch_ints (see router/expert_choice.hpp)");
   static_assert(placement_policy<placement_type>,
                 "epmoe: the placement policy must be constructible from layer_config and "
                 "provide experts_per_rank(), rank_of(e), local_index(e), expert_at(r, j) "
@@ -75,48 +79,69 @@ class moe_layer {
                 "and alltoallv(send, counts, displs, recv, counts, displs) (see comm/local.hpp)");
   static_assert(expert_policy<expert_type>,
                 "epmoe: the expert policy must provide a `weights` type and static "
-                "validate(cfg, w), flops_per_row(cfg), scratch_per_row(cfg) and "
-                "forward(space, w, j, rows, scratch) (see expert/swiglu.hpp)");
+                "validate(cfg, w), validate(w, count, hidden, ffn, name), flops_per_row(hidden, "
+                "ffn), scratch_per_row(ffn) and forward(space, w, j, rows, scratch) (see "
+                "expert/swiglu.hpp)");
   static_assert(schedule_policy<schedule_type>,
                 "epmoe: the schedule policy must provide static run(stages&) calling route, "
-                "plan, permute, dispatch, experts, combine, reduce (see schedule/sequential.hpp)");
+                "plan, permute, shared, dispatch, experts, combine, reduce (see "
+                "schedule/sequential.hpp)");
 
   /// The weights one rank holds (non-owning; they must outlive the layer).
   struct weights {
-    matrix_view<const float> gate;          // [E, H] router gate, the same on every rank
-    typename expert_type::weights experts;  // this rank's L = E/R experts
+    matrix_view<const float> gate;           // [E, H] router gate, the same on every rank
+    typename expert_type::weights experts;   // this rank's L = E/R experts
+    typename expert_type::weights shared{};  // [N] shared experts (config shared_experts)
+    matrix_view<const float> noise_gate{};   // [E, H] noisy top-k's noise projection
   };
 
   /// Validates everything (throws config_error naming the field) and sizes the workspace.
   moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router = {},
             capacity_type capacity = {}, space_type space = {})
-      : cfg_(checked(cfg, comm, w)),
+      : cfg_(checked(cfg, comm, w, router)),
         comm_(std::move(comm)),
         w_(w),
         router_(router),
         capacity_(capacity),
         space_(space),
         placement_(cfg_),
-        stats_(cfg_.experts, cfg_.experts_per_rank(), cfg_.ranks) {
+        stats_(cfg_.experts, cfg_.experts_per_rank(), cfg_.ranks),
+        width_(router_type::top_k > 0 ? router_type::top_k : cfg_.experts) {
     allocate_workspace();
   }
 
   moe_layer(const moe_layer&) = delete;
   moe_layer& operator=(const moe_layer&) = delete;
 
-  /// y [T, H] = MoE(x [T, H]), T <= max_tokens, row-major with row strides. Collective.
-  void forward(matrix_view<const float> x, matrix_view<float> y) {
+  /// y [T, H] = MoE(x [T, H]), T <= max_tokens, row-major with row strides. Collective:
+  /// every rank calls it, each with its own T (0 is fine). token_ids [T] are the tokens'
+  /// vocabulary ids, needed by routers that hash them (router::hash); other routers use
+  /// them, when given, as the token's identity for seeded training noise.
+  void forward(matrix_view<const float> x, matrix_view<float> y,
+               std::span<const std::int64_t> token_ids = {}) {
     detail::require(x.rows <= cfg_.max_tokens, "x.rows", x.rows,
                     "tokens per pass must be <= config max_tokens");
     detail::require_shape(x, x.rows, cfg_.hidden, "x");
     detail::require_shape(y, x.rows, cfg_.hidden, "y");
+    if constexpr (router_needs_token_ids<router_type>)
+      detail::require(token_ids.size() == static_cast<std::size_t>(x.rows), "token_ids",
+                      token_ids.size(), "this router hashes token ids: pass one per token");
+    else
+      detail::require(token_ids.empty() || token_ids.size() == static_cast<std::size_t>(x.rows),
+                      "token_ids", token_ids.size(), "must be empty or one id per token");
+    if constexpr (router_with_noise_gate<router_type>)
+      if (router_.training)
+        detail::require_shape(w_.noise_gate, cfg_.experts, cfg_.hidden, "weights.noise_gate");
     x_ = x;
     y_ = y;
+    token_ids_ = token_ids;
+    if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
     const auto start = clock::now();
     stage_runner stages{*this};
     schedule_type::run(stages);
     space_.synchronize();
     stats_.time.total = seconds_since(start);
+    ++pass_;
   }
 
   const layer_config& config() const { return cfg_; }
@@ -124,10 +149,38 @@ class moe_layer {
   const placement_type& placement() const { return placement_; }
   const comm_type& comm() const { return comm_; }
   int rank() const { return comm_.rank(); }
-  /// Expert ids and weights of the last pass, [T, K].
+  /// The router, to inspect or change its settings (e.g. `training`) between passes.
+  router_type& router() { return router_; }
+  const router_type& router() const { return router_; }
+  /// Expert ids and weights of the last pass, [T, slots]; empty slots hold no_expert.
   routing_view last_routing() const { return {ids_view(tokens_), weights_view(tokens_)}; }
   /// Where each assignment of the last pass went.
   const dispatch_plan& last_plan() const { return plan_; }
+  /// Passes run so far (the counter behind seeded training noise).
+  std::uint64_t passes() const { return pass_; }
+
+  /// The router's per-expert selection bias [E] (routers with has_bias): read it, or write
+  /// a trained model's bias into it. Every rank must hold the same values.
+  std::span<float> router_bias() requires router_with_bias<router_type> {
+    return {bias_.data(), static_cast<std::size_t>(cfg_.experts)};
+  }
+
+  /// Collective: sums the last pass's per-expert load over all ranks and applies the
+  /// router's bias update (DeepSeek-V3 aux-loss-free balancing). Returns the global load.
+  std::span<const index_t> update_router() requires router_with_bias<router_type> {
+    const int R = cfg_.ranks, E = cfg_.experts;
+    // An all-reduce through the comm's all-to-all: send the local load to every rank.
+    for (int r = 0; r < R; ++r)
+      std::copy_n(plan_.routed, E, load_send_.begin() + static_cast<std::size_t>(r) * E);
+    comm_.alltoall(load_send_.data(), load_recv_.data(), E);
+    for (int e = 0; e < E; ++e) {
+      index_t sum = 0;
+      for (int r = 0; r < R; ++r) sum += load_recv_[static_cast<std::size_t>(r) * E + e];
+      global_load_[static_cast<std::size_t>(e)] = sum;
+    }
+    router_.update_bias(router_bias(), global_load_);
+    return global_load_;
+  }
 
  private:
   using clock = std::chrono::steady_clock;
@@ -139,25 +192,32 @@ class moe_layer {
   }
 
   static const layer_config& checked(const layer_config& cfg, const comm_type& comm,
-                                     const weights& w) {
+                                     const weights& w, const router_type& router) {
     cfg.validate();
-    detail::require(
-        cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
-        ("must equal the router's top_k (" + std::to_string(router_type::top_k) + ")").c_str());
+    if constexpr (router_type::top_k > 0)
+      detail::require(
+          cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
+          ("must equal the router's top_k (" + std::to_string(router_type::top_k) + ")").c_str());
     detail::require(
         cfg.ranks == comm.size(), "ranks", cfg.ranks,
         ("must equal the communicator's size (" + std::to_string(comm.size()) + ")").c_str());
+    if constexpr (router_with_validate<router_type>) router.validate(cfg);
     if constexpr (router_type::uses_gate)
       detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
     expert_type::validate(cfg, w.experts);
+    if (cfg.shared_experts > 0)
+      expert_type::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
+                            "weights.shared");
     return cfg;
   }
 
   void allocate_workspace() {
-    const index_t T = cfg_.max_tokens, K = cfg_.top_k, E = cfg_.experts, R = cfg_.ranks;
+    const index_t T = cfg_.max_tokens, K = width_, E = cfg_.experts, R = cfg_.ranks;
     const index_t L = cfg_.experts_per_rank(), H = cfg_.hidden;
     // Rows one source sends one expert: bounded by capacity, and by T (distinct experts).
-    const index_t per_expert = std::min(T, capacity_.limit(cfg_, T));
+    index_t per_expert = std::min(T, capacity_.limit(cfg_, T));
+    if constexpr (requires { router_type::capacity(cfg_, T); })
+      per_expert = std::min(per_expert, router_type::capacity(cfg_, T));  // expert choice
     const index_t per_expert_buf = capacity_type::pads ? capacity_.limit(cfg_, T) : per_expert;
     const index_t send_rows =
         capacity_type::pads ? R * L * per_expert_buf : std::min(T * K, R * L * per_expert);
@@ -165,8 +225,28 @@ class moe_layer {
         capacity_type::pads ? L * per_expert_buf : std::min(T * std::min(K, L), L * per_expert);
     const index_t recv_rows = R * from_one_rank;
     const index_t expert_rows = R * per_expert_buf;
+    const index_t N = cfg_.shared_experts;
 
-    logits_ = space_.template allocate<float>(router_type::uses_gate ? T * E : 0);
+    const bool gate = router_type::uses_gate;
+    logits_ = space_.template allocate<float>(gate ? T * E : 0);
+    if constexpr (router_with_noise_gate<router_type>)
+      noise_logits_ = space_.template allocate<float>(T * E);
+    if constexpr (router_with_jitter<router_type>)
+      gate_input_ = space_.template allocate<float>(T * H);
+    if constexpr (batch_router<router_type>) {
+      batch_floats_ = space_.template allocate<float>(router_type::scratch_floats(cfg_));
+      batch_ints_ = space_.template allocate<std::int32_t>(router_type::scratch_ints(cfg_));
+    }
+    if constexpr (router_type::uses_gate && has_probabilities<router_type>) {
+      loss_probs_.resize(static_cast<std::size_t>(T * E));
+      loss_acc_.resize(static_cast<std::size_t>(2 * E));
+    }
+    if constexpr (router_with_bias<router_type>) {
+      bias_ = space_.template allocate<float>(E);
+      load_send_.resize(static_cast<std::size_t>(R * E));
+      load_recv_.resize(static_cast<std::size_t>(R * E));
+      global_load_.resize(static_cast<std::size_t>(E));
+    }
     ids_ = space_.template allocate<std::int32_t>(T * K);
     weights_ = space_.template allocate<float>(T * K);
     slot_ = space_.template allocate<std::int32_t>(T * K);
@@ -176,15 +256,21 @@ class moe_layer {
     x_send_ = space_.template allocate<float>(send_rows * H);
     x_recv_ = space_.template allocate<float>(recv_rows * H);
     x_expert_ = space_.template allocate<float>(recv_rows * H);
-    scratch_ = space_.template allocate<float>(expert_rows * expert_type::scratch_per_row(cfg_));
-    send_capacity_ = send_rows;
+    const index_t shared_scratch =
+        N > 0 ? T * expert_type::scratch_per_row(cfg_.shared_width()) : 0;
+    scratch_ = space_.template allocate<float>(
+        std::max(expert_rows * expert_type::scratch_per_row(cfg_.ffn), shared_scratch));
+    if (N > 0) {
+      shared_in_ = space_.template allocate<float>(T * H);
+      shared_out_ = space_.template allocate<float>(T * H);
+    }
     recv_capacity_ = recv_rows;
 
     index_t* c = counts_.data();
     const index_t B = R * L;
     plan_.ranks = cfg_.ranks;
     plan_.local_experts = static_cast<int>(L);
-    plan_.top_k = cfg_.top_k;
+    plan_.top_k = width_;
     plan_.slot = slot_.data();
     plan_.row_token = row_token_.data();
     plan_.send_counts = c;
@@ -198,8 +284,8 @@ class moe_layer {
     plan_.routed = c += L + 1;
   }
 
-  matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.data(), T, cfg_.top_k}; }
-  matrix_view<float> weights_view(index_t T) const { return {weights_.data(), T, cfg_.top_k}; }
+  matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.data(), T, width_}; }
+  matrix_view<float> weights_view(index_t T) const { return {weights_.data(), T, width_}; }
 
   // The stages a schedule drives. Each one times itself into stats().time.
   struct stage_runner {
@@ -212,6 +298,9 @@ class moe_layer {
     }
     void permute() {
       l.timed(l.stats_.time.permute, [&] { l.do_permute(); });
+    }
+    void shared() {
+      l.timed(l.stats_.time.shared, [&] { l.do_shared(); });
     }
     void dispatch() {
       l.timed(l.stats_.time.dispatch, [&] { l.do_dispatch(); });
@@ -236,19 +325,50 @@ class moe_layer {
   }
 
   void do_route() {
-    const index_t T = x_.rows;
+    const index_t T = x_.rows, E = cfg_.experts, H = cfg_.hidden;
     tokens_ = T;
-    matrix_view<float> logits(logits_.data(), T, cfg_.experts);
-    if constexpr (router_type::uses_gate) space_.gemm_nt(x_, w_.gate, logits);
-    space_.for_each(T,
-                    rows::route_tokens<router_type>{router_, logits, ids_view(T), weights_view(T)});
+    // Without ids, a token's identity for noise is its global position.
+    const std::int64_t first = std::int64_t{rank()} * cfg_.max_tokens;
+    const std::int64_t* tid = token_ids_.empty() ? nullptr : token_ids_.data();
+    matrix_view<float> logits(logits_.data(), router_type::uses_gate ? T : 0, E);
+    matrix_view<float> noise{};
+    if constexpr (router_type::uses_gate) {
+      matrix_view<const float> in = x_;
+      if constexpr (router_with_jitter<router_type>) {
+        if (router_.training) {  // Switch jitter: the gate sees x * U(1-eps, 1+eps)
+          matrix_view<float> j(gate_input_.data(), T, H);
+          for (index_t t = 0; t < T; ++t)
+            for (index_t h = 0; h < H; ++h)
+              j(t, h) = x_(t, h) * router_.factor(pass_, tid ? tid[t] : first + t, h);
+          in = j;
+        }
+      }
+      space_.gemm_nt(in, w_.gate, logits);
+      if constexpr (router_with_noise_gate<router_type>) {
+        if (router_.training) {
+          noise = {noise_logits_.data(), T, E};
+          space_.gemm_nt(in, w_.noise_gate, noise);
+        }
+      }
+    }
+    if constexpr (token_router<router_type>) {
+      space_.for_each(
+          T, rows::route_tokens<router_type>{router_, logits, noise, ids_view(T), weights_view(T),
+                                             tid, first, pass_, cfg_.experts});
+    } else {
+      router_.route_batch(cfg_, logits, {ids_view(T), weights_view(T)},
+                          {batch_floats_.data(), static_cast<std::size_t>(batch_floats_.size())},
+                          {batch_ints_.data(), static_cast<std::size_t>(batch_ints_.size())});
+    }
+    compute_losses(router_, cfg_, logits, last_routing(), std::span<float>(loss_probs_),
+                   std::span<double>(loss_acc_), stats_.losses);
   }
 
   void do_plan() {
     const index_t limit = capacity_.limit(cfg_, tokens_);
     build_send_plan(last_routing(), placement_, cfg_.experts, limit, capacity_type::pads, plan_);
     stats_.tokens = tokens_;
-    stats_.assignments = tokens_ * cfg_.top_k;
+    stats_.assignments = plan_.assignments;
     stats_.dropped = plan_.dropped;
     stats_.padding_rows = plan_.padding;
     std::copy_n(plan_.routed, cfg_.experts, stats_.routed_per_expert.begin());
@@ -258,6 +378,27 @@ class moe_layer {
     space_.for_each(plan_.send_rows(),
                     rows::gather{x_, plan_.row_token, send_view(plan_.send_rows())});
   }
+
+  // Shared experts: every token, on its home rank; their sum waits in shared_out for reduce.
+  void do_shared() {
+    const index_t N = cfg_.shared_experts, T = tokens_, H = cfg_.hidden;
+    stats_.shared_flops = 0;
+    if (N == 0 || T == 0) return;
+    matrix_view<float> in(shared_in_.data(), T, H), out(shared_out_.data(), T, H);
+    for (index_t n = 0; n < N; ++n) {
+      for (index_t t = 0; t < T; ++t) std::copy_n(x_.row(t), H, in.row(t));
+      expert_type::forward(space_, w_.shared, n, in, scratch_.data());
+      space_.for_each(T * H, accumulate{out.data, in.data, n == 0});
+    }
+    stats_.shared_flops = double(N * T) * expert_type::flops_per_row(H, cfg_.shared_width());
+  }
+
+  struct accumulate {
+    float* into;
+    const float* add;
+    bool first;
+    EPMOE_HD void operator()(index_t i) const { into[i] = first ? add[i] : into[i] + add[i]; }
+  };
 
   void do_dispatch() {
     const int R = cfg_.ranks, L = plan_.local_experts;
@@ -299,7 +440,7 @@ class moe_layer {
                            scratch_.data());
       rows += static_cast<double>(n);
     }
-    stats_.expert_flops = rows * expert_type::flops_per_row(cfg_);
+    stats_.expert_flops = rows * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
   }
 
   void do_combine() {
@@ -313,6 +454,10 @@ class moe_layer {
   void do_reduce() {
     space_.for_each(tokens_, rows::weighted_reduce{send_view(plan_.send_rows()), plan_.slot,
                                                    weights_view(tokens_), y_});
+    if (cfg_.shared_experts > 0 && tokens_ > 0)
+      for (index_t t = 0; t < tokens_; ++t)  // y rows may be strided: add row by row
+        space_.for_each(cfg_.hidden,
+                        accumulate{y_.row(t), shared_out_.data() + t * cfg_.hidden, false});
   }
 
   // Per-rank element counts and displacements of the row exchanges.
@@ -370,11 +515,16 @@ class moe_layer {
   placement_type placement_;
   pass_stats stats_;
   dispatch_plan plan_;
+  int width_;  // routing slots per token
 
-  buffer<float> logits_, weights_, x_send_, x_recv_, x_expert_, scratch_;
-  buffer<std::int32_t> ids_, slot_, row_token_;
+  buffer<float> logits_, noise_logits_, gate_input_, batch_floats_, weights_, x_send_, x_recv_,
+      x_expert_, scratch_, shared_in_, shared_out_, bias_;
+  buffer<std::int32_t> ids_, slot_, row_token_, batch_ints_;
   buffer<index_t> counts_, exchange_;
-  index_t send_capacity_ = 0, recv_capacity_ = 0;
+  std::vector<float> loss_probs_;  // host: losses are computed on the host for now
+  std::vector<double> loss_acc_;
+  std::vector<index_t> load_send_, load_recv_, global_load_;
+  index_t recv_capacity_ = 0;
   index_t* send_n_ = nullptr;
   index_t* send_d_ = nullptr;
   index_t* recv_n_ = nullptr;
@@ -382,7 +532,9 @@ class moe_layer {
 
   matrix_view<const float> x_;
   matrix_view<float> y_;
+  std::span<const std::int64_t> token_ids_;
   index_t tokens_ = 0;
+  std::uint64_t pass_ = 0;
 };
 
 }  // namespace epmoe

@@ -210,7 +210,7 @@ TEST_CASE("plan: build_send_plan with a large limit drops nothing", "[capacity][
 TEST_CASE("plan: build_send_plan rejects an out-of-range expert id", "[capacity][plan]") {
   const layer_config cfg = hand_cfg();
   const std::vector<float> w(kIds.size(), 0.5f);
-  for (std::int32_t bad : {kE, -1, 1000}) {
+  for (std::int32_t bad : {kE, -2, 1000}) {  // -1 is no_expert: an empty slot
     std::vector<std::int32_t> ids = kIds;
     ids[7] = bad;
     owned_plan o(kR, kL, kK, kT, kT * kK, kE);
@@ -223,6 +223,21 @@ TEST_CASE("plan: build_send_plan rejects an out-of-range expert id", "[capacity]
       CHECK(e.value() == std::to_string(bad));
     }
   }
+}
+
+TEST_CASE("plan: empty routing slots (no_expert) are skipped, not dropped", "[capacity][plan]") {
+  const layer_config cfg = hand_cfg();
+  const std::vector<float> w(kIds.size(), 0.5f);
+  std::vector<std::int32_t> ids = kIds;
+  ids[0] = epmoe::no_expert;
+  ids[5] = epmoe::no_expert;
+  owned_plan o(kR, kL, kK, kT, kT * kK, kE);
+  epmoe::build_send_plan(hand_routing(ids, w), epmoe::placement::block(cfg), kE, kT, false, o.plan);
+  CHECK(o.plan.assignments == static_cast<epmoe::index_t>(kIds.size()) - 2);
+  CHECK(o.plan.dropped == 0);
+  CHECK(o.plan.slot[0] == -1);
+  CHECK(o.plan.slot[5] == -1);
+  CHECK(o.plan.send_rows() == o.plan.assignments);
 }
 
 TEST_CASE("plan: build_recv_plan lays out source-major and expert-major offsets",

@@ -25,6 +25,10 @@
 #include "epmoe/core/view.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/placement/block.hpp"
+#include "epmoe/router/hash.hpp"
+#include "epmoe/router/jitter.hpp"
+#include "epmoe/router/noisy_topk.hpp"
+#include "epmoe/router/sigmoid_bias.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/sequential.hpp"
 
@@ -35,6 +39,20 @@ using router = epmoe::router::topk_softmax<K>;
 
 static_assert(epmoe::router_policy<router>);
 static_assert(epmoe::router_policy<epmoe::router::topk_softmax<1, false>>);
+static_assert(epmoe::router_policy<epmoe::router::sigmoid_bias<8>>);
+static_assert(epmoe::router_policy<epmoe::router::hash<2>>);
+static_assert(epmoe::router_policy<epmoe::router::noisy_topk<2>>);
+static_assert(epmoe::router_policy<epmoe::router::jitter<epmoe::router::switch_top1>>);
+
+// The other per-token routers also instantiate in device code.
+__global__ void other_routers(const float* logits, int* ids, float* w) {
+  const epmoe::token_input in{logits, logits, E, 7, 3};
+  epmoe::router::sigmoid_bias<K>{.groups = 4, .top_groups = 2, .scaling = 2.5f}.route_token(in, ids,
+                                                                                            w);
+  epmoe::router::hash<2>{}.route_token(in, ids + K, w + K);
+  epmoe::router::noisy_topk<2>{.training = true, .seed = 1}.route_token(in, ids + K + 2, w + K + 2);
+  w[K + 4] = epmoe::router::jitter<epmoe::router::switch_top1>{}.factor(1, 2, 3);
+}
 
 template <class F>
 __global__ void for_each_kernel(epmoe::index_t n, F f) {
@@ -79,8 +97,9 @@ int main() {
 
   // Host results from the very same functors.
   using epmoe::matrix_view;
+  const router rt{.groups = 4, .top_groups = 2};  // group-limited softmax top-K
   epmoe::rows::route_tokens<router> route_h{
-      router{}, {logits.data(), T, E}, {ids_host.data(), T, K}, {w.data(), T, K}};
+      rt, {logits.data(), T, E}, {}, {ids_host.data(), T, K}, {w.data(), T, K}, nullptr, 0, 0, E};
   for (int t = 0; t < T; ++t) route_h(t);
   std::vector<float> send_h(T * K * H), send_d(T * K * H);
   epmoe::rows::gather gather_h{{x.data(), T, H}, row_token.data(), {send_h.data(), T * K, H}};
@@ -110,13 +129,19 @@ int main() {
   cudaMemcpy(d_row_token, row_token.data(), sizeof(std::int32_t) * T * K, cudaMemcpyHostToDevice);
 
   for_each_kernel<<<1, 64>>>(
-      T, epmoe::rows::route_tokens<router>{router{}, {d_logits, T, E}, {d_ids, T, K}, {d_w, T, K}});
+      T, epmoe::rows::route_tokens<router>{
+             rt, {d_logits, T, E}, {}, {d_ids, T, K}, {d_w, T, K}, nullptr, 0, 0, E});
   for_each_kernel<<<(T * K + 63) / 64, 64>>>(
       T * K, epmoe::rows::gather{{d_x, T, H}, d_row_token, {d_send, T * K, H}});
   for_each_kernel<<<1, 64>>>(
       T, epmoe::rows::weighted_reduce{{d_send, T * K, H}, d_slot, {d_w, T, K}, {d_y, T, H}});
   epmoe::layer_config cfg{
       .hidden = H, .ffn = 8, .experts = E, .top_k = K, .ranks = R, .max_tokens = T};
+  other_routers<<<1, 1>>>(d_logits + E, d_ids, d_w);  // results unchecked: it must build
+  if (!check(cudaDeviceSynchronize(), "other routers")) return 1;
+  for_each_kernel<<<1, 64>>>(
+      T, epmoe::rows::route_tokens<router>{
+             rt, {d_logits, T, E}, {}, {d_ids, T, K}, {d_w, T, K}, nullptr, 0, 0, E});
   misc_kernel<<<1, E>>>(epmoe::placement::block(cfg), d_round, d_act);
   if (!check(cudaDeviceSynchronize(), "kernels")) return 1;
 

@@ -45,34 +45,57 @@ struct run_result {
   std::vector<std::vector<pass_stats>> stats;  // [rank][pass]
 };
 
+/// What a run may set beyond the policies: router and capacity objects, token ids (all
+/// ranks, global order), a router bias to load, and the number of passes.
+template <class P>
+struct run_options {
+  typename P::router router{};
+  typename P::capacity capacity{};
+  std::vector<std::int64_t> token_ids{};
+  std::vector<float> bias{};
+  int passes = 1;
+};
+
 /// Runs `passes` forward passes of moe_layer<P> on cfg.ranks threads over the same tokens
-/// (pass p uses tokens seeded seed + p when passes > 1; y is the last pass).
+/// (y is the last pass).
 template <class P>
 run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
-                     const global_tokens& g, int passes = 1, typename P::capacity capacity = {}) {
+                     const global_tokens& g, const run_options<P>& opt = {}) {
   run_result out{std::vector<float>(g.x.size()), std::vector<std::vector<pass_stats>>(cfg.ranks)};
   comm::threads_world world(cfg.ranks);
   world.run([&](comm::threads c) {
     const int r = c.rank();
     const auto mine = reference::slice(w, typename P::placement(cfg), r);
-    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts()}, {}, capacity);
+    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()},
+                       opt.router, opt.capacity);
+    if constexpr (router_with_bias<typename P::router>)
+      if (!opt.bias.empty())
+        std::copy(opt.bias.begin(), opt.bias.end(), layer.router_bias().begin());
     const index_t T = g.per_rank[r], H = cfg.hidden;
-    for (int p = 0; p < passes; ++p) {
+    std::span<const std::int64_t> ids;
+    if (!opt.token_ids.empty())
+      ids = {opt.token_ids.data() + g.offset(r), static_cast<std::size_t>(T)};
+    for (int p = 0; p < opt.passes; ++p) {
       const float* x = g.x.data() + g.offset(r) * H;
-      layer.forward({x, T, H}, {out.y.data() + g.offset(r) * H, T, H});
+      layer.forward({x, T, H}, {out.y.data() + g.offset(r) * H, T, H}, ids);
       out.stats[r].push_back(layer.stats());
     }
   });
   return out;
 }
 
+/// The reference on the same tokens; `pass` is the layer pass to match (training noise).
 template <class P>
 std::vector<float> run_reference(const layer_config& cfg, const reference::full_weights& w,
-                                 const global_tokens& g, typename P::capacity capacity = {}) {
+                                 const global_tokens& g, const run_options<P>& opt = {},
+                                 std::uint64_t pass = 0) {
   std::vector<float> y(g.x.size());
   const index_t n = g.total(), H = cfg.hidden;
-  reference::forward(w, typename P::router{}, capacity, {g.x.data(), n, H}, g.per_rank,
-                     {y.data(), n, H});
+  typename P::router router = opt.router;
+  if constexpr (router_with_bias<typename P::router>)
+    router.bias = opt.bias.empty() ? nullptr : opt.bias.data();
+  reference::forward(w, router, opt.capacity, {g.x.data(), n, H}, g.per_rank, {y.data(), n, H},
+                     {opt.token_ids, pass});
   return y;
 }
 

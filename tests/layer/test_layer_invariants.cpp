@@ -53,8 +53,8 @@ TEST_CASE("layer: rows received over all ranks = routed assignments - dropped, e
                            .capacity_factor = cf};
     const auto w = reference::full_weights::random(cfg, 21);
     const auto g = test::make_tokens({40, 3, 0, 25}, cfg.hidden, 22);
-    const auto run =
-        test::run_layer<test::threads_policies<2, capacity::factor<true>>>(cfg, w, g, 3);
+    const auto run = test::run_layer<test::threads_policies<2, capacity::factor<true>>>(
+        cfg, w, g, {.passes = 3});
     for (int p = 0; p < 3; ++p) {
       index_t received = 0, routed = 0, dropped = 0, sent = 0, recv_rows = 0;
       for (int r = 0; r < cfg.ranks; ++r) {

@@ -26,8 +26,8 @@ struct routed {
 template <class Router>
 routed route(const std::vector<float>& logits) {
   routed r{std::vector<int>(Router::top_k), std::vector<float>(Router::top_k)};
-  Router{}.route_token(logits.data(), static_cast<int>(logits.size()), r.ids.data(),
-                       r.weights.data());
+  const epmoe::token_input in{logits.data(), nullptr, static_cast<int>(logits.size())};
+  Router{}.route_token(in, r.ids.data(), r.weights.data());
   return r;
 }
 

@@ -3,8 +3,12 @@
 #pragma once
 
 #include <concepts>
+#include <cstdint>
+#include <span>
+#include <string>
 
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/routing.hpp"
 #include "epmoe/core/view.hpp"
 
 // One concept per policy slot. moe_layer checks each slot with a static_assert whose message
@@ -19,13 +23,51 @@ concept space_policy = std::semiregular<S> && requires(const S& s, index_t n) {
   s.synchronize();
 };
 
-/// Picks K experts and weights per token from its gate logits (per-token, host+device).
+/// A router that decides per token, from that token alone (host+device code).
 template <class R>
-concept router_policy = std::semiregular<R> &&
-    requires(const R& r, const float* logits, int experts, int* ids, float* weights) {
+concept token_router = requires(const R& r, const token_input& in, int* ids, float* weights) {
+  r.route_token(in, ids, weights);
+};
+
+/// A router that decides over the whole local batch (expert choice, Sinkhorn), with scratch
+/// the layer sizes once.
+template <class R>
+concept batch_router = requires(const R& r, const layer_config& cfg,
+                                matrix_view<const float> logits, mutable_routing_view out,
+                                std::span<float> fs, std::span<std::int32_t> is) {
+  r.route_batch(cfg, logits, out, fs, is);
+  { R::scratch_floats(cfg) } -> std::convertible_to<index_t>;
+  { R::scratch_ints(cfg) } -> std::convertible_to<index_t>;
+};
+
+/// Picks experts and weights for each token. top_k > 0: exactly top_k per token (must equal
+/// config top_k); 0: a variable number, up to E (expert choice).
+template <class R>
+concept router_policy = std::semiregular<R> && requires {
   { R::top_k } -> std::convertible_to<int>;
   { R::uses_gate } -> std::convertible_to<bool>;
-  r.route_token(logits, experts, ids, weights);
+} &&(token_router<R> || batch_router<R>);
+
+// Optional router features, each a static flag the router may declare.
+template <class R>
+concept router_with_bias = requires {
+  requires R::has_bias;
+};
+template <class R>
+concept router_needs_token_ids = requires {
+  requires R::needs_token_ids;
+};
+template <class R>
+concept router_with_noise_gate = requires {
+  requires R::uses_noise_gate;
+};
+template <class R>
+concept router_with_jitter = requires {
+  requires R::jitters_input;
+};
+template <class R>
+concept router_with_validate = requires(const R& r, const layer_config& cfg) {
+  r.validate(cfg);
 };
 
 /// Which rank holds which expert, and in which local slot.
@@ -64,8 +106,9 @@ concept expert_policy = requires {
 }
 &&requires(const layer_config& cfg, const typename X::weights& w) {
   X::validate(cfg, w);
-  { X::flops_per_row(cfg) } -> std::convertible_to<double>;
-  { X::scratch_per_row(cfg) } -> std::convertible_to<index_t>;
+  X::validate(w, index_t{}, index_t{}, index_t{}, std::string{});
+  { X::flops_per_row(index_t{}, index_t{}) } -> std::convertible_to<double>;
+  { X::scratch_per_row(index_t{}) } -> std::convertible_to<index_t>;
 };
 
 namespace detail {
@@ -77,6 +120,7 @@ struct stages_archetype {
   void dispatch() {}
   void experts() {}
   void combine() {}
+  void shared() {}
   void reduce() {}
 };
 }  // namespace detail

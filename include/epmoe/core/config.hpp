@@ -19,8 +19,13 @@ struct layer_config {
   int ranks = 1;                 // R: expert-parallel ranks
   int max_tokens = 0;            // most tokens one rank passes to forward(); sizes the workspace
   double capacity_factor = 1.0;  // capacity::factor: rows per expert = ceil(cf * T * K / E)
+  int shared_experts = 0;        // N always-on experts every token runs on its home rank
+  int shared_ffn = 0;            // inner width of each shared expert (0: same as ffn)
+  double aux_loss_coef = 0.01;   // alpha of the load-balancing loss reported in stats
+  int seq_len = 0;               // tokens per sequence for the sequence-level loss (0: whole pass)
 
   int experts_per_rank() const { return experts / ranks; }
+  int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }
 
   /// Throws config_error naming the first field that breaks its rule.
   void validate() const {
@@ -37,6 +42,11 @@ struct layer_config {
     require(max_tokens >= 1, "max_tokens", max_tokens, "must be >= 1");
     require(std::isfinite(capacity_factor) && capacity_factor > 0, "capacity_factor",
             capacity_factor, "must be finite and > 0");
+    require(shared_experts >= 0, "shared_experts", shared_experts, "must be >= 0");
+    require(shared_ffn >= 0, "shared_ffn", shared_ffn, "must be >= 0 (0: same as ffn)");
+    require(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0, "aux_loss_coef", aux_loss_coef,
+            "must be finite and >= 0");
+    require(seq_len >= 0, "seq_len", seq_len, "must be >= 0 (0: the whole pass)");
     // Row offsets are 32-bit on the device side: keep every buffer's row count in range.
     require(static_cast<std::int64_t>(max_tokens) * top_k * ranks < (std::int64_t{1} << 31),
             "max_tokens", max_tokens, "max_tokens * top_k * ranks must be < 2^31");

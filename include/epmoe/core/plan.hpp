@@ -22,7 +22,7 @@ namespace epmoe {
 struct dispatch_plan {
   int ranks = 0;          // R
   int local_experts = 0;  // L: experts per rank
-  int top_k = 0;          // K
+  int top_k = 0;          // K: routing slots per token (E for expert choice)
   index_t tokens = 0;     // T of this pass
 
   std::int32_t* slot = nullptr;        // [T*K]: send row of assignment (t,k); -1 if dropped
@@ -37,8 +37,9 @@ struct dispatch_plan {
   index_t* regroup_offsets = nullptr;  // [R*L]: expert-major row of source-major block s*L+j
   index_t* routed = nullptr;           // [E]: assignments per logical expert, before capacity
 
-  index_t dropped = 0;  // assignments past capacity
-  index_t padding = 0;  // padding rows this rank sends
+  index_t assignments = 0;  // (token, expert) pairs routed; empty slots excluded
+  index_t dropped = 0;      // assignments past capacity
+  index_t padding = 0;      // padding rows this rank sends
 
   EPMOE_HD index_t send_rows() const { return send_offsets[ranks * local_experts]; }
   EPMOE_HD index_t recv_rows() const { return recv_offsets[ranks * local_experts]; }
@@ -67,13 +68,19 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
   for (int b = 0; b < B; ++b) p.send_valid[b] = 0;
 
   // Pass 1: position of each assignment inside its block, or dropped.
+  p.assignments = 0;
   for (index_t t = 0; t < T; ++t) {
     for (int k = 0; k < K; ++k) {
       const int e = routing.ids(t, k);
+      if (e == no_expert) {  // an empty slot (expert choice): not an assignment, not a drop
+        p.slot[t * K + k] = -1;
+        continue;
+      }
       if (e < 0 || e >= experts)
         throw config_error("routing.ids", std::to_string(e),
                            "expert id must be in [0, " + std::to_string(experts) + ")");
       ++p.routed[e];
+      ++p.assignments;
       const int b = placement.rank_of(e) * L + placement.local_index(e);
       std::int32_t& s = p.slot[t * K + k];
       if (p.send_valid[b] < limit) {
@@ -98,7 +105,7 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
   for (index_t t = 0; t < T; ++t) {
     for (int k = 0; k < K; ++k) {
       std::int32_t& s = p.slot[t * K + k];
-      if (s < 0) continue;
+      if (s < 0) continue;  // dropped or empty
       const int e = routing.ids(t, k);
       s += static_cast<std::int32_t>(
           p.send_offsets[placement.rank_of(e) * L + placement.local_index(e)]);

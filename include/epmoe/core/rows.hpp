@@ -5,21 +5,29 @@
 #include <cstdint>
 
 #include "epmoe/core/macros.hpp"
+#include "epmoe/core/routing.hpp"
 #include "epmoe/core/view.hpp"
 
 // Per-row and per-token functors of the forward pass, run by a space's for_each on host or
 // device: the math of permute, routing and the weighted combine exists once.
 namespace epmoe::rows {
 
-/// Routes token t: router.route_token over its logits row.
+/// Routes token t: router.route_token over what the router sees of it.
 template <class Router>
 struct route_tokens {
   Router router;
-  matrix_view<const float> logits;  // [T, E]
+  matrix_view<const float> logits;  // [T, E]; empty for gate-less routers
+  matrix_view<const float> noise;   // [T, E] noise-gate logits, or empty
   matrix_view<std::int32_t> ids;    // [T, K]
   matrix_view<float> weights;       // [T, K]
+  const std::int64_t* token_ids;    // [T] or nullptr: then first_token + t
+  std::int64_t first_token;
+  std::uint64_t pass;
+  int experts;
   EPMOE_HD void operator()(index_t t) const {
-    router.route_token(logits.row(t), static_cast<int>(logits.cols), ids.row(t), weights.row(t));
+    const token_input in{logits.data ? logits.row(t) : nullptr, noise.data ? noise.row(t) : nullptr,
+                         experts, token_ids ? token_ids[t] : first_token + t, pass};
+    router.route_token(in, ids.row(t), weights.row(t));
   }
 };
 

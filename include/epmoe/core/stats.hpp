@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "epmoe/core/losses.hpp"
 #include "epmoe/core/view.hpp"
 
 namespace epmoe {
@@ -17,7 +18,8 @@ struct stage_times {
   double dispatch = 0;  // all-to-all #1 (counts + rows), regroup by expert
   double experts = 0;   // grouped expert FFN
   double combine = 0;   // all-to-all #2 back to the home rank
-  double reduce = 0;    // weighted sum of each token's K outputs
+  double shared = 0;    // shared experts on the home rank
+  double reduce = 0;    // weighted sum of each token's K outputs (+ shared experts)
   double total = 0;
 };
 
@@ -38,6 +40,8 @@ struct pass_stats {
   index_t combine_bytes_sent = 0;
   index_t combine_bytes_received = 0;
   double expert_flops = 0;  // FLOPs of this rank's expert GEMMs, padding included
+  double shared_flops = 0;  // FLOPs of the shared experts on this rank
+  router_losses losses;     // of this rank's tokens (valid when the router has a gate)
   stage_times time;
 
   pass_stats() = default;

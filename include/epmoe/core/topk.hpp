@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 
 #include "epmoe/core/macros.hpp"
 
@@ -13,27 +14,86 @@ namespace epmoe::math {
 /// the input; a NaN logit makes its token's weights NaN anyway.
 EPMOE_HD float selection_key(float x) { return x != x ? -INFINITY : x; }
 
+/// Inserts (x, i) into the descending list keys/ids of `count` entries (at most K).
+/// Ties keep the earlier index first.
+template <int K>
+EPMOE_HD void insert_top(float x, int i, int& count, int* ids, float* keys) {
+  if (count == K && !(x > keys[K - 1])) return;
+  int p = count < K ? count++ : K - 1;
+  while (p > 0 && x > keys[p - 1]) {
+    keys[p] = keys[p - 1];
+    ids[p] = ids[p - 1];
+    --p;
+  }
+  keys[p] = x;
+  ids[p] = i;
+}
+
 /// The K largest of v[0..n) (K <= n), descending; ties keep the lower index first.
 /// One pass of insertion into a K-long sorted list: O(n*K), registers only, so one GPU
 /// thread can run it per token.
 template <int K>
 EPMOE_HD void top_k(const float* v, int n, int* ids, float* keys) {
   int count = 0;
-  for (int i = 0; i < n; ++i) {
-    const float x = selection_key(v[i]);
-    if (count == K && !(x > keys[K - 1])) continue;
-    int p = count < K ? count++ : K - 1;
-    while (p > 0 && x > keys[p - 1]) {
-      keys[p] = keys[p - 1];
-      ids[p] = ids[p - 1];
-      --p;
+  for (int i = 0; i < n; ++i) insert_top<K>(selection_key(v[i]), i, count, ids, keys);
+}
+
+/// Most expert groups group-limited selection supports (one bit each in a mask).
+inline constexpr int max_groups = 64;
+
+/// Top-K of key(e) over e in [0, n), limited to the best `top_groups` of `groups` equal,
+/// contiguous expert groups (DeepSeek-V3 node-limited routing): a group scores the sum of
+/// its two best keys (its one key if it has one expert); ties go to the lower group.
+/// groups == 1 is plain top-K. Requires n % groups == 0, K <= top_groups * n / groups.
+template <int K, class KeyFn>
+EPMOE_HD void group_top_k(KeyFn key, int n, int groups, int top_groups, int* ids, float* keys) {
+  std::uint64_t kept = ~std::uint64_t{0};
+  if (groups > 1 && top_groups < groups) {
+    const int size = n / groups;
+    kept = 0;
+    // Pick the top_groups best groups one at a time (groups <= 64: cheap, no arrays).
+    for (int round = 0; round < top_groups; ++round) {
+      int best = -1;
+      float best_score = 0.f;
+      for (int g = 0; g < groups; ++g) {
+        if (kept >> g & 1) continue;
+        float a = -INFINITY, b = -INFINITY;  // two best keys of group g
+        for (int e = g * size; e < (g + 1) * size; ++e) {
+          const float x = selection_key(key(e));
+          if (x > a) {
+            b = a;
+            a = x;
+          } else if (x > b) {
+            b = x;
+          }
+        }
+        const float score = size > 1 ? a + b : a;
+        if (best < 0 || score > best_score) {
+          best = g;
+          best_score = score;
+        }
+      }
+      kept |= std::uint64_t{1} << best;
     }
-    keys[p] = x;
-    ids[p] = i;
   }
+  const int size = n / (groups > 0 ? groups : 1);
+  int count = 0;
+  for (int e = 0; e < n; ++e)
+    if (kept >> (e / size) & 1) insert_top<K>(selection_key(key(e)), e, count, ids, keys);
 }
 
 /// e^(x - max): the stable softmax numerator.
 EPMOE_HD float shifted_exp(float x, float max) { return expf(x - max); }
+
+EPMOE_HD float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+/// log(sum_e exp(v[e])), stable.
+EPMOE_HD float log_sum_exp(const float* v, int n) {
+  float m = -INFINITY;
+  for (int e = 0; e < n; ++e) m = v[e] > m ? v[e] : m;
+  float s = 0.f;
+  for (int e = 0; e < n; ++e) s += expf(v[e] - m);
+  return m + logf(s);
+}
 
 }  // namespace epmoe::math

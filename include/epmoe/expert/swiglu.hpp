@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <string>
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/macros.hpp"
@@ -23,20 +24,29 @@ struct swiglu {
     stacked_view<const float> w2;  // [L, H, F] down projection
   };
 
+  /// Checks `count` stacked experts of width hidden -> ffn -> hidden; `name` prefixes the
+  /// field in errors ("weights.experts", "weights.shared").
+  static void validate(const weights& w, index_t count, index_t hidden, index_t ffn,
+                       const std::string& name) {
+    detail::require_shape(w.w1, count, ffn, hidden, (name + ".w1").c_str());
+    detail::require_shape(w.w3, count, ffn, hidden, (name + ".w3").c_str());
+    detail::require_shape(w.w2, count, hidden, ffn, (name + ".w2").c_str());
+  }
   static void validate(const layer_config& cfg, const weights& w) {
-    const index_t L = cfg.experts_per_rank(), H = cfg.hidden, F = cfg.ffn;
-    detail::require_shape(w.w1, L, F, H, "weights.experts.w1");
-    detail::require_shape(w.w3, L, F, H, "weights.experts.w3");
-    detail::require_shape(w.w2, L, H, F, "weights.experts.w2");
+    validate(w, cfg.experts_per_rank(), cfg.hidden, cfg.ffn, "weights.experts");
   }
 
   /// Three GEMMs of [rows, H] x [H, F] (or back): 2 FLOPs per multiply-add.
+  static double flops_per_row(index_t hidden, index_t ffn) {
+    return 6.0 * static_cast<double>(hidden) * static_cast<double>(ffn);
+  }
   static double flops_per_row(const layer_config& cfg) {
-    return 6.0 * static_cast<double>(cfg.hidden) * cfg.ffn;
+    return flops_per_row(cfg.hidden, cfg.ffn);
   }
 
   /// Scratch floats per row: the two [rows, F] projections.
-  static index_t scratch_per_row(const layer_config& cfg) { return 2 * index_t{cfg.ffn}; }
+  static index_t scratch_per_row(index_t ffn) { return 2 * ffn; }
+  static index_t scratch_per_row(const layer_config& cfg) { return scratch_per_row(cfg.ffn); }
 
   struct silu_mul_rows {
     float* h1;

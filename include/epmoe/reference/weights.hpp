@@ -30,31 +30,52 @@ inline std::vector<float> random_tokens(index_t rows, index_t hidden, std::uint6
   return x;
 }
 
-/// Every weight of the layer (all E experts), owned.
+/// Every weight of the layer (all E experts, the shared experts, the noise gate), owned.
 struct full_weights {
   layer_config cfg;
-  std::vector<float> gate;  // [E, H]
-  std::vector<float> w1;    // [E, F, H]
-  std::vector<float> w3;    // [E, F, H]
-  std::vector<float> w2;    // [E, H, F]
+  std::vector<float> gate;        // [E, H]
+  std::vector<float> w1;          // [E, F, H]
+  std::vector<float> w3;          // [E, F, H]
+  std::vector<float> w2;          // [E, H, F]
+  std::vector<float> shared_w1;   // [N, Fs, H]
+  std::vector<float> shared_w3;   // [N, Fs, H]
+  std::vector<float> shared_w2;   // [N, H, Fs]
+  std::vector<float> noise_gate;  // [E, H] (noisy top-k)
 
-  /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in).
+  /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in); the gate
+  /// dyadic (see above).
   static full_weights random(const layer_config& cfg, std::uint64_t seed) {
     const std::size_t E = cfg.experts, H = cfg.hidden, F = cfg.ffn;
-    full_weights w{cfg, std::vector<float>(E * H), std::vector<float>(E * F * H),
-                   std::vector<float>(E * F * H), std::vector<float>(E * H * F)};
+    const std::size_t N = cfg.shared_experts, Fs = cfg.shared_width();
+    full_weights w{cfg,
+                   std::vector<float>(E * H),
+                   std::vector<float>(E * F * H),
+                   std::vector<float>(E * F * H),
+                   std::vector<float>(E * H * F),
+                   std::vector<float>(N * Fs * H),
+                   std::vector<float>(N * Fs * H),
+                   std::vector<float>(N * H * Fs),
+                   std::vector<float>(E * H)};
     std::mt19937_64 rng(seed);
     for (float& v : w.gate) v = dyadic(rng);
     std::uniform_real_distribution<float> in(-1.f, 1.f);
-    const float sh = 1.f / std::sqrt(static_cast<float>(H)),
-                sf = 1.f / std::sqrt(static_cast<float>(F));
+    const float sh = 1.f / std::sqrt(static_cast<float>(H));
+    const float sf = 1.f / std::sqrt(static_cast<float>(F));
+    const float ss = 1.f / std::sqrt(static_cast<float>(Fs));
     for (float& v : w.w1) v = in(rng)*sh;
     for (float& v : w.w3) v = in(rng)*sh;
     for (float& v : w.w2) v = in(rng)*sf;
+    for (float& v : w.shared_w1) v = in(rng)*sh;
+    for (float& v : w.shared_w3) v = in(rng)*sh;
+    for (float& v : w.shared_w2) v = in(rng)*ss;
+    for (float& v : w.noise_gate) v = in(rng)*sh;
     return w;
   }
 
   matrix_view<const float> gate_view() const { return {gate.data(), cfg.experts, cfg.hidden}; }
+  matrix_view<const float> noise_gate_view() const {
+    return {noise_gate.data(), cfg.experts, cfg.hidden};
+  }
   stacked_view<const float> w1_view() const {
     return {w1.data(), cfg.experts, cfg.ffn, cfg.hidden};
   }
@@ -63,6 +84,12 @@ struct full_weights {
   }
   stacked_view<const float> w2_view() const {
     return {w2.data(), cfg.experts, cfg.hidden, cfg.ffn};
+  }
+  /// The shared experts as a layer takes them.
+  expert::swiglu::weights shared() const {
+    const index_t N = cfg.shared_experts, H = cfg.hidden, Fs = cfg.shared_width();
+    return {
+        {shared_w1.data(), N, Fs, H}, {shared_w3.data(), N, Fs, H}, {shared_w2.data(), N, H, Fs}};
   }
 };
 

@@ -2,15 +2,32 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include "epmoe/core/config.hpp"
+#include "epmoe/core/error.hpp"
 #include "epmoe/core/macros.hpp"
+#include "epmoe/core/routing.hpp"
 #include "epmoe/core/topk.hpp"
 
 namespace epmoe::router {
 
+/// Checks a group-limited router's groups against the layer (shared by the routers).
+inline void validate_groups(const layer_config& cfg, int k, int groups, int top_groups) {
+  detail::require(groups >= 1 && groups <= math::max_groups, "router.groups", groups,
+                  "must be in [1, 64]");
+  detail::require(cfg.experts % groups == 0, "router.groups", groups,
+                  "must divide experts (groups are contiguous and equal)");
+  detail::require(top_groups >= 1 && top_groups <= groups, "router.top_groups", top_groups,
+                  "must be in [1, groups]");
+  detail::require(k <= top_groups * (cfg.experts / groups), "router.top_groups", top_groups,
+                  "kept groups must hold at least top_k experts");
+}
+
 /// Softmax over all E gate logits, then the top-K experts.
-/// Renormalize = true: the K weights are divided by their sum (Mixtral; equal to a softmax
-/// over just the K chosen logits). false: the K softmax probabilities as they are
-/// (Switch / GShard / Qwen `norm_topk_prob = false`).
+/// Renormalize = true: the K weights are divided by their sum (Mixtral, GShard top-2; equal
+/// to a softmax over just the K chosen logits). false: the K softmax probabilities as they
+/// are (Switch top-1, Qwen-MoE `norm_topk_prob = false`).
+/// groups > 1 limits the choice to the best `top_groups` of `groups` contiguous expert groups,
+/// a group scored by the sum of its two best probabilities (DeepSeek group-limited routing).
 /// The gate is a learned [E, H] matrix; the layer computes logits = x * gate^T.
 template <int K, bool Renormalize = true>
 struct topk_softmax {
@@ -18,25 +35,53 @@ struct topk_softmax {
   static constexpr int top_k = K;
   static constexpr bool uses_gate = true;
 
+  int groups = 1;      // expert groups (1: no group limit)
+  int top_groups = 1;  // groups kept per token when groups > 1
+
+  void validate(const layer_config& cfg) const { validate_groups(cfg, K, groups, top_groups); }
+
   /// logits[E] -> ids[K] (distinct, best first) and weights[K].
-  EPMOE_HD void route_token(const float* logits, int num_experts, int* ids, float* weights) const {
-    float best[K] = {};
-    math::top_k<K>(logits, num_experts, ids, best);
-    const float max = best[0];
+  EPMOE_HD void route_token(const token_input& in, int* ids, float* weights) const {
+    const float* l = in.logits;
+    const int E = in.experts;
+    float max = -INFINITY;
+    for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
     float denom = 0.f;
-    for (int e = 0; e < num_experts; ++e) denom += math::shifted_exp(logits[e], max);
+    for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
+    float best[K] = {};
+    // Plain top-K selects on the logits (exact order, NaN never chosen over a number); groups
+    // compare sums of probabilities, i.e. of numerators, as every expert shares denom.
+    math::group_top_k<K>([&](int e) { return groups == 1 ? l[e] : math::shifted_exp(l[e], max); },
+                         E, groups, top_groups, ids, best);
     float chosen = 0.f;
     for (int k = 0; k < K; ++k) {
-      weights[k] = math::shifted_exp(logits[ids[k]], max) / denom;
+      weights[k] = math::shifted_exp(l[ids[k]], max) / denom;
       chosen += weights[k];
     }
     if constexpr (Renormalize)
       for (int k = 0; k < K; ++k) weights[k] /= chosen;
   }
+
+  /// The router's probability of every expert (the P_i of the auxiliary loss).
+  EPMOE_HD void probabilities(const token_input& in, float* p) const {
+    const float* l = in.logits;
+    float max = -INFINITY;
+    for (int e = 0; e < in.experts; ++e) max = l[e] > max ? l[e] : max;
+    float denom = 0.f;
+    for (int e = 0; e < in.experts; ++e) denom += (p[e] = math::shifted_exp(l[e], max));
+    for (int e = 0; e < in.experts; ++e) p[e] /= denom;
+  }
 };
 
-/// Mixtral: softmax, top-K, renormalised.
+/// Mixtral: softmax over all experts, top-K, renormalised.
 template <int K>
 using mixtral = topk_softmax<K, true>;
+/// Qwen-MoE: softmax top-K; NormTopkProb mirrors its `norm_topk_prob` flag.
+template <int K, bool NormTopkProb = false>
+using qwen = topk_softmax<K, NormTopkProb>;
+/// Switch Transformer: top-1, the weight is the expert's softmax probability.
+using switch_top1 = topk_softmax<1, false>;
+/// GShard: top-2, the two gates normalised to sum 1.
+using gshard_top2 = topk_softmax<2, true>;
 
 }  // namespace epmoe::router

@@ -11,6 +11,7 @@ struct sequential {
     s.route();
     s.plan();
     s.permute();
+    s.shared();  // home-rank work; a pipelined schedule overlaps it with dispatch
     s.dispatch();
     s.experts();
     s.combine();

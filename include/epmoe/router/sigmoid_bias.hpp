@@ -1,0 +1,80 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <span>
+
+#include "epmoe/core/config.hpp"
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/macros.hpp"
+#include "epmoe/core/routing.hpp"
+#include "epmoe/core/topk.hpp"
+#include "epmoe/core/view.hpp"
+#include "epmoe/router/topk_softmax.hpp"
+
+namespace epmoe::router {
+
+/// DeepSeek-V3 routing with auxiliary-loss-free balancing:
+///   s = sigmoid(logits); selection on s + b (b: per-expert bias, selection only);
+///   weights = s at the chosen experts, divided by their sum (normalize), times `scaling`.
+/// With groups > 1 the choice is limited to the best `top_groups` groups, a group scored by
+/// the sum of its two best s + b (DeepSeek-V3: 256 experts, 8 groups, top-4 groups, top-8,
+/// scaling 2.5).
+/// The bias is router state owned by the layer (`moe_layer::router_bias()`), shared by the
+/// ranks, updated between passes by update_bias from the global load of the last pass:
+///   b_i += gamma * sign(mean load - load_i).
+template <int K>
+struct sigmoid_bias {
+  static_assert(K >= 1, "router::sigmoid_bias<K>: K must be >= 1");
+  static constexpr int top_k = K;
+  static constexpr bool uses_gate = true;
+  static constexpr bool has_bias = true;
+
+  int groups = 1;
+  int top_groups = 1;
+  float scaling = 1.f;          // routed scaling factor
+  bool normalize = true;        // weights divided by their sum before scaling
+  float gamma = 1e-3f;          // bias update speed
+  const float* bias = nullptr;  // [E]; set by the layer; nullptr means all zero
+
+  void validate(const layer_config& cfg) const {
+    validate_groups(cfg, K, groups, top_groups);
+    detail::require(scaling > 0.f, "router.scaling", scaling, "must be > 0");
+    detail::require(gamma >= 0.f, "router.gamma", gamma, "must be >= 0");
+  }
+
+  EPMOE_HD float selection(const float* l, int e) const {
+    return math::sigmoid(l[e]) + (bias ? bias[e] : 0.f);
+  }
+
+  EPMOE_HD void route_token(const token_input& in, int* ids, float* weights) const {
+    const float* l = in.logits;
+    float keys[K] = {};
+    math::group_top_k<K>([&](int e) { return selection(l, e); }, in.experts, groups, top_groups,
+                         ids, keys);
+    float sum = 0.f;
+    for (int k = 0; k < K; ++k) sum += (weights[k] = math::sigmoid(l[ids[k]]));
+    const float f = normalize ? scaling / sum : scaling;
+    for (int k = 0; k < K; ++k) weights[k] *= f;
+  }
+
+  /// Normalised sigmoid scores s_i / sum_j s_j (DeepSeek-V3's sequence-wise balance loss).
+  EPMOE_HD void probabilities(const token_input& in, float* p) const {
+    float sum = 0.f;
+    for (int e = 0; e < in.experts; ++e) sum += (p[e] = math::sigmoid(in.logits[e]));
+    for (int e = 0; e < in.experts; ++e) p[e] /= sum;
+  }
+
+  /// b_i += gamma * sign(mean(load) - load_i): underloaded experts become more attractive.
+  void update_bias(std::span<float> b, std::span<const index_t> load) const {
+    double mean = 0;
+    for (index_t n : load) mean += static_cast<double>(n);
+    mean /= static_cast<double>(load.size());
+    for (std::size_t e = 0; e < b.size(); ++e) {
+      const double d = mean - static_cast<double>(load[e]);
+      b[e] += d > 0 ? gamma : (d < 0 ? -gamma : 0.f);
+    }
+  }
+};
+
+}  // namespace epmoe::router
