@@ -61,3 +61,34 @@ function(epmoe_add_compile_fail_test name source regex)
   set_tests_properties(compile_fail.${name} PROPERTIES
     LABELS compile_fail RESOURCE_LOCK epmoe_build_tree TIMEOUT 300)
 endfunction()
+
+# epmoe_add_mpi_test(<name> <exe> <ranks>)
+# Runs <exe> on <ranks> MPI processes through mpiexec, labelled "mpi". Open MPI refuses root
+# without --allow-run-as-root and more ranks than cores without --oversubscribe (these 2-core
+# machines); other MPIs do not know these flags, so they are added for Open MPI only.
+function(epmoe_add_mpi_test name exe ranks)
+  if(NOT DEFINED CACHE{EPMOE_MPIEXEC_IS_OPENMPI})
+    execute_process(COMMAND "${MPIEXEC_EXECUTABLE}" --version
+                    OUTPUT_VARIABLE _out ERROR_QUIET RESULT_VARIABLE _rc)
+    set(_is OFF)
+    if(_rc EQUAL 0 AND _out MATCHES "Open MPI|OpenRTE")
+      set(_is ON)
+    endif()
+    set(EPMOE_MPIEXEC_IS_OPENMPI ${_is} CACHE INTERNAL "mpiexec is Open MPI's")
+  endif()
+  set(flags ${MPIEXEC_NUMPROC_FLAG} ${ranks})
+  if(EPMOE_MPIEXEC_IS_OPENMPI)
+    execute_process(COMMAND id -u OUTPUT_VARIABLE _uid OUTPUT_STRIP_TRAILING_WHITESPACE
+                    ERROR_QUIET)
+    if(_uid STREQUAL "0")
+      list(APPEND flags --allow-run-as-root)
+    endif()
+    if(ranks GREATER 2)
+      list(APPEND flags --oversubscribe)
+    endif()
+  endif()
+  add_test(NAME ${name}
+    COMMAND "${MPIEXEC_EXECUTABLE}" ${flags} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${exe}>
+            ${MPIEXEC_POSTFLAGS})
+  set_tests_properties(${name} PROPERTIES LABELS mpi TIMEOUT 60 PROCESSORS ${ranks})
+endfunction()

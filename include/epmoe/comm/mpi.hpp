@@ -1,0 +1,378 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Include only when linking epmoe::mpi (it brings <mpi.h> and the MPI library). The
+// deprecated MPI C++ bindings are unused: skipping them saves compile time and warnings.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <numeric>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/view.hpp"
+
+namespace epmoe::comm {
+
+namespace detail {
+
+template <class T>
+inline constexpr bool no_mpi_datatype = false;
+
+/// The MPI datatype of one element of T.
+template <class T>
+MPI_Datatype mpi_datatype() {
+  using U = std::remove_cv_t<T>;
+  if constexpr (std::is_same_v<U, float>)
+    return MPI_FLOAT;
+  else if constexpr (std::is_same_v<U, double>)
+    return MPI_DOUBLE;
+  else if constexpr (std::is_same_v<U, std::int8_t>)
+    return MPI_INT8_T;
+  else if constexpr (std::is_same_v<U, std::uint8_t>)
+    return MPI_UINT8_T;
+  else if constexpr (std::is_same_v<U, std::int16_t>)
+    return MPI_INT16_T;
+  else if constexpr (std::is_same_v<U, std::uint16_t>)
+    return MPI_UINT16_T;
+  else if constexpr (std::is_same_v<U, std::int32_t>)
+    return MPI_INT32_T;
+  else if constexpr (std::is_same_v<U, std::uint32_t>)
+    return MPI_UINT32_T;
+  else if constexpr (std::is_same_v<U, std::int64_t>)
+    return MPI_INT64_T;
+  else if constexpr (std::is_same_v<U, std::uint64_t>)
+    return MPI_UINT64_T;
+  else if constexpr (std::is_same_v<U, std::byte>)
+    return MPI_BYTE;
+  else
+    static_assert(no_mpi_datatype<T>,
+                  "comm::mpi has no MPI datatype for this element type T (see the 'with T = ...' "
+                  "line above); use float, double, std::byte or a fixed-width integer");
+}
+
+/// Throws comm_error naming the call, the code and MPI's text for it, unless code is success.
+inline void mpi_check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) len = 0;
+  throw comm_error(std::string("epmoe: comm::mpi: ") + call + " failed with code " +
+                   std::to_string(code) + ": " + std::string(text, static_cast<std::size_t>(len)));
+}
+
+/// The unit (in elements) in which MPI is handed every value (counts and displacements) so
+/// that each fits in MPI's int: 1 when all already fit under `limit`; otherwise the largest
+/// divisor of their gcd that fits, used as a contiguous derived datatype. Throws comm_error
+/// when no such unit exists; never truncates. `limit` is INT_MAX except in tests.
+inline index_t mpi_block(std::initializer_list<std::span<const index_t>> arrays,
+                         index_t limit = INT_MAX) {
+  index_t largest = 0, g = 0;
+  for (const auto& a : arrays)
+    for (index_t v : a) {
+      largest = std::max(largest, v < 0 ? -v : v);
+      g = std::gcd(g, v);
+    }
+  if (largest <= limit) return 1;
+  // Smallest m with m | g and g / m <= limit; past max_m the values in blocks overflow. The
+  // search is bounded (a few ms): a gcd with no small cofactor is not worth more.
+  const index_t first = (g + limit - 1) / limit;
+  const index_t max_m = std::min(limit / (largest / g), first + (index_t{1} << 20));
+  for (index_t m = first; m <= max_m; ++m)
+    if (g % m == 0) return g / m;
+  const std::string gcd = std::to_string(g);
+  throw comm_error("epmoe: comm::mpi: a count or displacement of " + std::to_string(largest) +
+                   " elements exceeds MPI's int range and the values share no common block (gcd " +
+                   gcd + ") that brings them in range; split the exchange into smaller ones");
+}
+
+/// values[i] / block into out[i] (the caller got block from mpi_block).
+inline void mpi_to_int(std::span<const index_t> values, index_t block, int* out) {
+  for (std::size_t i = 0; i < values.size(); ++i) out[i] = static_cast<int>(values[i] / block);
+}
+
+/// T itself, or a committed contiguous type of `block` T's; frees what it made.
+template <class T>
+class mpi_block_type {
+ public:
+  explicit mpi_block_type(index_t block) : type_(mpi_datatype<T>()) {
+    if (block == 1) return;
+    mpi_check(MPI_Type_contiguous(static_cast<int>(block), type_, &type_), "MPI_Type_contiguous");
+    if (const int code = MPI_Type_commit(&type_); code != MPI_SUCCESS) {
+      MPI_Type_free(&type_);  // the destructor will not run
+      mpi_check(code, "MPI_Type_commit");
+    }
+    owned_ = true;
+  }
+  // A pending operation keeps a freed type alive (MPI standard), so this may run right
+  // after posting a non-blocking exchange.
+  ~mpi_block_type() {
+    if (owned_) MPI_Type_free(&type_);
+  }
+  mpi_block_type(const mpi_block_type&) = delete;
+  mpi_block_type& operator=(const mpi_block_type&) = delete;
+  MPI_Datatype get() const { return type_; }
+
+ private:
+  MPI_Datatype type_;
+  bool owned_ = false;
+};
+
+struct mpi_test_access;  // lets tests lower the int limit to exercise the derived-type path
+
+}  // namespace detail
+
+/// Expert-parallel ranks as the processes of an MPI communicator. Collective: every rank
+/// calls the same sequence of exchanges. Counts and displacements are in elements (int64);
+/// exchanges past INT_MAX elements go in larger units (see detail::mpi_block). Every MPI
+/// failure throws comm_error with the call and MPI's error text.
+///
+/// The communicator is duplicated at construction (collective), so that the layer's
+/// exchanges never match the caller's own collectives and its error handler
+/// (MPI_ERRORS_RETURN) leaves the caller's communicator untouched. The duplicate is freed by
+/// the destructor, which must run before MPI_Finalize (e.g. before mpi_session ends).
+class mpi {
+ public:
+  class request;
+
+  /// `max_in_flight`: how many ialltoallv may be pending at once (their int counts are kept
+  /// in slots allocated here, so posting allocates nothing).
+  explicit mpi(MPI_Comm comm, int max_in_flight = 4) {
+    if (max_in_flight < 0)
+      throw config_error("max_in_flight", std::to_string(max_in_flight), "must be >= 0");
+    detail::mpi_check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
+    detail::mpi_check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    detail::mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    detail::mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    // Slot 0 serves the blocking calls; slots 1.. the pending non-blocking ones.
+    ints_.resize(4 * static_cast<std::size_t>(size_) * (1 + max_in_flight));
+    busy_.resize(static_cast<std::size_t>(max_in_flight));
+  }
+
+  mpi(mpi&& o) noexcept
+      : comm_(std::exchange(o.comm_, MPI_COMM_NULL)),
+        rank_(o.rank_),
+        size_(o.size_),
+        int_limit_(o.int_limit_),
+        ints_(std::move(o.ints_)),
+        busy_(std::move(o.busy_)) {}
+  mpi& operator=(mpi&& o) noexcept {
+    if (this != &o) {
+      release();
+      comm_ = std::exchange(o.comm_, MPI_COMM_NULL);
+      rank_ = o.rank_;
+      size_ = o.size_;
+      int_limit_ = o.int_limit_;
+      ints_ = std::move(o.ints_);
+      busy_ = std::move(o.busy_);
+    }
+    return *this;
+  }
+  mpi(const mpi&) = delete;
+  mpi& operator=(const mpi&) = delete;
+  ~mpi() { release(); }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  /// The duplicated communicator the exchanges run on.
+  MPI_Comm native() const { return comm_; }
+
+  /// Fixed-size all-to-all (MPI_Alltoall): n elements to every rank, block r of send to rank r.
+  template <class T>
+  void alltoall(const T* send, T* recv, index_t n) {
+    const index_t block = detail::mpi_block({{&n, 1}}, int_limit_);
+    const detail::mpi_block_type<T> type(block);
+    const int count = static_cast<int>(n / block);
+    detail::mpi_check(MPI_Alltoall(send, count, type.get(), recv, count, type.get(), comm_),
+                      "MPI_Alltoall");
+  }
+
+  /// All-to-all-v (MPI_Alltoallv); counts and displacements per rank, in elements. The
+  /// receive counts must match what each peer sends (normally from a preceding alltoall).
+  template <class T>
+  void alltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
+                 const index_t* recv_counts, const index_t* recv_displs) {
+    int* c = ints_.data();
+    const detail::mpi_block_type<T> type(
+        to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
+    const int R = size_;
+    detail::mpi_check(
+        MPI_Alltoallv(send, c, c + R, type.get(), recv, c + 2 * R, c + 3 * R, type.get(), comm_),
+        "MPI_Alltoallv");
+  }
+
+  /// Non-blocking alltoallv (MPI_Ialltoallv) for pipelined schedules: same arguments; the
+  /// buffers must stay untouched until the returned request's wait() (or its destructor).
+  template <class T>
+  request ialltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
+                     const index_t* recv_counts, const index_t* recv_displs);
+
+ private:
+  friend struct detail::mpi_test_access;
+
+  void release() noexcept {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
+    comm_ = MPI_COMM_NULL;
+  }
+
+  // The four arrays as ints, in one common unit, into out[0, 4R); returns the unit. Peers may
+  // pick different units: MPI matches type signatures (n floats), not datatypes.
+  index_t to_ints(const index_t* sc, const index_t* sd, const index_t* rc, const index_t* rd,
+                  int* out) const {
+    const std::size_t R = static_cast<std::size_t>(size_);
+    const std::span<const index_t> parts[4] = {{sc, R}, {sd, R}, {rc, R}, {rd, R}};
+    const index_t block = detail::mpi_block({parts[0], parts[1], parts[2], parts[3]}, int_limit_);
+    for (std::size_t i = 0; i < 4; ++i) detail::mpi_to_int(parts[i], block, out + i * R);
+    return block;
+  }
+
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0;
+  int size_ = 1;
+  index_t int_limit_ = INT_MAX;
+  std::vector<int> ints_;            // 4R ints per slot: counts, displs (send, then receive)
+  std::vector<unsigned char> busy_;  // one flag per non-blocking slot
+};
+
+/// A pending ialltoallv. Move-only; wait() completes it (throws comm_error on failure),
+/// test() says whether it has; the destructor waits for one still pending.
+class mpi::request {
+ public:
+  request() = default;
+  request(request&& o) noexcept
+      : req_(std::exchange(o.req_, MPI_REQUEST_NULL)), busy_(std::exchange(o.busy_, nullptr)) {}
+  request& operator=(request&& o) noexcept {
+    if (this != &o) {
+      finish_quietly();
+      req_ = std::exchange(o.req_, MPI_REQUEST_NULL);
+      busy_ = std::exchange(o.busy_, nullptr);
+    }
+    return *this;
+  }
+  request(const request&) = delete;
+  request& operator=(const request&) = delete;
+  // Buffers in use by MPI must not be freed under it: wait, but a destructor cannot throw.
+  ~request() { finish_quietly(); }
+
+  /// True while the exchange may still be running.
+  bool pending() const { return busy_ != nullptr; }
+
+  void wait() {
+    if (!pending()) return;
+    const int code = MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    done();
+    detail::mpi_check(code, "MPI_Wait");
+  }
+
+  bool test() {
+    if (!pending()) return true;
+    int flag = 0;
+    const int code = MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
+    if (code != MPI_SUCCESS) done();
+    detail::mpi_check(code, "MPI_Test");
+    if (flag) done();
+    return flag != 0;
+  }
+
+ private:
+  friend class mpi;
+  request(MPI_Request req, unsigned char* busy) : req_(req), busy_(busy) {}
+
+  void done() noexcept {
+    *busy_ = 0;  // the slot's int counts may be reused
+    busy_ = nullptr;
+    req_ = MPI_REQUEST_NULL;
+  }
+  void finish_quietly() noexcept {
+    if (!pending()) return;
+    MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    done();
+  }
+
+  MPI_Request req_ = MPI_REQUEST_NULL;
+  unsigned char* busy_ = nullptr;
+};
+
+template <class T>
+mpi::request mpi::ialltoallv(const T* send, const index_t* send_counts, const index_t* send_displs,
+                             T* recv, const index_t* recv_counts, const index_t* recv_displs) {
+  std::size_t slot = 0;
+  while (slot < busy_.size() && busy_[slot]) ++slot;
+  if (slot == busy_.size())
+    throw comm_error("epmoe: comm::mpi: more than " + std::to_string(busy_.size()) +
+                     " ialltoallv pending; wait() for one, or construct comm::mpi with a "
+                     "larger max_in_flight");
+  // MPI reads the count arrays until the exchange completes: they live in the slot till then.
+  int* c = ints_.data() + 4 * static_cast<std::size_t>(size_) * (slot + 1);
+  const detail::mpi_block_type<T> type(
+      to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
+  const int R = size_;
+  MPI_Request req = MPI_REQUEST_NULL;
+  detail::mpi_check(MPI_Ialltoallv(send, c, c + R, type.get(), recv, c + 2 * R, c + 3 * R,
+                                   type.get(), comm_, &req),
+                    "MPI_Ialltoallv");
+  busy_[slot] = 1;
+  return request(req, &busy_[slot]);
+}
+
+/// RAII MPI start-up for programs and tests: MPI_Init_thread unless MPI is already
+/// initialised, and MPI_Finalize at the end only if this object initialised it. The
+/// library itself never initialises MPI; a program that does so itself needs no session.
+class mpi_session {
+ public:
+  /// `required`: the thread level (MPI_THREAD_FUNNELED: only the main thread calls MPI).
+  mpi_session(int& argc, char**& argv, int required = MPI_THREAD_FUNNELED) {
+    init(&argc, &argv, required);
+  }
+  explicit mpi_session(int required = MPI_THREAD_FUNNELED) { init(nullptr, nullptr, required); }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+  ~mpi_session() {
+    int finalized = 1;
+    MPI_Finalized(&finalized);
+    if (owns_ && !finalized) MPI_Finalize();
+  }
+
+  /// The thread level MPI provides.
+  int thread_level() const { return provided_; }
+
+ private:
+  void init(int* argc, char*** argv, int required) {
+    int initialized = 0;
+    detail::mpi_check(MPI_Initialized(&initialized), "MPI_Initialized");
+    if (initialized) {
+      detail::mpi_check(MPI_Query_thread(&provided_), "MPI_Query_thread");
+    } else {
+      detail::mpi_check(MPI_Init_thread(argc, argv, required, &provided_), "MPI_Init_thread");
+      owns_ = true;
+    }
+    if (provided_ < required) {
+      if (owns_) MPI_Finalize();  // the destructor will not run
+      throw comm_error("epmoe: mpi_session: MPI provides thread level " +
+                       std::to_string(provided_) + ", below the " + std::to_string(required) +
+                       " required");
+    }
+  }
+
+  int provided_ = MPI_THREAD_SINGLE;
+  bool owns_ = false;
+};
+
+}  // namespace epmoe::comm

@@ -1,0 +1,64 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <typeinfo>
+#include <vector>
+
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/view.hpp"
+
+// Start-up agreement: ranks that disagree on shapes or policies would otherwise hang or
+// exchange garbage in the first all-to-all; one exchange of a few numbers catches it first.
+namespace epmoe {
+
+/// One value every rank must hold identically, with the name reported when they differ.
+struct agreement_field {
+  const char* name;
+  std::int64_t value;
+};
+
+/// 64-bit FNV-1a of a string, as int64 (for agreement_field values).
+constexpr std::int64_t hash_text(std::string_view text) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return static_cast<std::int64_t>(h);
+}
+
+/// A hash of T's name, e.g. of a policy bundle. Stable within one build; two compilers may
+/// name a type differently, so ranks built by different compilers will disagree.
+template <class T>
+std::int64_t type_hash() {
+  return hash_text(typeid(T).name());
+}
+
+/// Collective: every rank of `comm` passes the same field names, in the same order, and
+/// learns every rank's values with one alltoall. If any field differs between ranks, every
+/// rank throws the same config_error naming the first such field, e.g.
+/// "epmoe: hidden = rank 0: 64, rank 2: 32: must be the same on every rank", so none hangs
+/// in a later exchange. Allocates (it runs once, at construction).
+template <class Comm>
+void agree_on(Comm& comm, std::span<const agreement_field> fields) {
+  const std::size_t R = static_cast<std::size_t>(comm.size()), F = fields.size();
+  std::vector<std::int64_t> send(R * F), recv(R * F);  // the same F values to every peer
+  for (std::size_t r = 0; r < R; ++r)
+    for (std::size_t f = 0; f < F; ++f) send[r * F + f] = fields[f].value;
+  comm.alltoall(send.data(), recv.data(), static_cast<index_t>(F));
+  // Every rank now holds the same [R, F] table, so every rank reaches the same verdict.
+  for (std::size_t f = 0; f < F; ++f)
+    for (std::size_t r = 1; r < R; ++r)
+      if (recv[r * F + f] != recv[f])
+        throw config_error(fields[f].name,
+                           "rank 0: " + std::to_string(recv[f]) + ", rank " + std::to_string(r) +
+                               ": " + std::to_string(recv[r * F + f]),
+                           "must be the same on every rank");
+}
+
+}  // namespace epmoe
