@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
+#include <exception>
 #include <span>
 #include <string>
 #include <utility>
@@ -12,6 +14,7 @@
 
 #include "epmoe/capacity/dropless.hpp"
 #include "epmoe/comm/local.hpp"
+#include "epmoe/core/agreement.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
@@ -98,7 +101,7 @@ class moe_layer {
   /// Validates everything (throws config_error naming the field) and sizes the workspace.
   moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router = {},
             capacity_type capacity = {}, space_type space = {})
-      : cfg_(checked(cfg, comm, w, router)),
+      : cfg_(agreed(cfg, comm, w, router)),
         comm_(std::move(comm)),
         w_(w),
         router_(router),
@@ -208,6 +211,42 @@ class moe_layer {
     if (cfg.shared_experts > 0)
       expert_type::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
                             "weights.shared");
+    return cfg;
+  }
+
+  // Collective start-up check: every rank validates its own inputs, then all ranks compare
+  // their configs and policy bundle in one exchange. Any failure or difference makes every
+  // rank throw (the failing rank its own error), so no rank is left waiting in an exchange.
+  static const layer_config& agreed(const layer_config& cfg, comm_type& comm, const weights& w,
+                                    const router_type& router) {
+    std::exception_ptr local;
+    try {
+      checked(cfg, comm, w, router);
+    } catch (const config_error&) {
+      local = std::current_exception();
+    }
+    const auto scaled = [](double v) { return static_cast<std::int64_t>(std::llround(v * 1e9)); };
+    const agreement_field fields[] = {
+        {"config_valid (another rank rejected its config or weights)", local ? 0 : 1},
+        {"hidden", cfg.hidden},
+        {"ffn", cfg.ffn},
+        {"experts", cfg.experts},
+        {"top_k", cfg.top_k},
+        {"ranks", cfg.ranks},
+        {"max_tokens", cfg.max_tokens},
+        {"shared_experts", cfg.shared_experts},
+        {"shared_ffn", cfg.shared_ffn},
+        {"seq_len", cfg.seq_len},
+        {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
+        {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
+        {"policies (hash of the policy bundle type)", type_hash<Policies>()}};
+    try {
+      agree_on(comm, std::span<const agreement_field>(fields));
+    } catch (const config_error&) {
+      if (local) std::rethrow_exception(local);
+      throw;
+    }
+    if (local) std::rethrow_exception(local);  // every rank failed: each reports its own
     return cfg;
   }
 

@@ -206,3 +206,55 @@ TEST_CASE("layer: repeated passes with changing T reuse the workspace", "[layer]
   REQUIRE(errs.size() == 10);
   for (double e : errs) CHECK(e <= 1e-4);
 }
+
+TEST_CASE("layer: ranks that disagree on the config all throw, naming the field",
+          "[layer][agreement]") {
+  const layer_config cfg{
+      .hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 4, .max_tokens = 16};
+  const auto w = reference::full_weights::random(cfg, 81);
+  for (const char* field : {"max_tokens", "capacity_factor (x1e9)"}) {
+    std::vector<std::string> seen(4);
+    comm::threads_world world(4);
+    CHECK_THROWS_AS(world.run([&](comm::threads c) {
+      layer_config mine = cfg;
+      if (c.rank() == 2) {  // one rank with a different, valid config
+        if (std::string(field) == "max_tokens")
+          mine.max_tokens = 32;
+        else
+          mine.capacity_factor = 1.5;
+      }
+      const auto part = reference::slice(w, placement::block(mine), c.rank());
+      try {
+        moe_layer<test::threads_policies<2>> layer(mine, c, {w.gate_view(), part.experts()});
+      } catch (const config_error& e) {
+        seen[c.rank()] = e.field();
+        throw;
+      }
+    }),
+                    config_error);
+    for (int r = 0; r < 4; ++r) CHECK(seen[r] == field);
+  }
+}
+
+TEST_CASE("layer: one rank with bad weights makes every rank throw, none hangs",
+          "[layer][agreement]") {
+  const layer_config cfg{
+      .hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 16};
+  const auto w = reference::full_weights::random(cfg, 82);
+  std::vector<std::string> seen(2);
+  comm::threads_world world(2);
+  CHECK_THROWS_AS(world.run([&](comm::threads c) {
+    const auto part = reference::slice(w, placement::block(cfg), c.rank());
+    auto experts = part.experts();
+    if (c.rank() == 1) experts.w2.cols = 5;  // wrong F on one rank
+    try {
+      moe_layer<test::threads_policies<2>> layer(cfg, c, {w.gate_view(), experts});
+    } catch (const config_error& e) {
+      seen[c.rank()] = e.field();
+      throw;
+    }
+  }),
+                  config_error);
+  CHECK(seen[1] == "weights.experts.w2");
+  CHECK(seen[0].rfind("config_valid", 0) == 0);
+}

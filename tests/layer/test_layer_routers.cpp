@@ -1,0 +1,201 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#include <catch2/catch.hpp>
+
+#include "harness.hpp"
+#include <epmoe/router/expert_choice.hpp>
+#include <epmoe/router/hash.hpp>
+#include <epmoe/router/jitter.hpp>
+#include <epmoe/router/noisy_topk.hpp>
+#include <epmoe/router/sigmoid_bias.hpp>
+#include <epmoe/router/sinkhorn.hpp>
+
+// Every router through the full layer, on 1 and 4 ranks, equals the reference.
+using namespace epmoe;
+
+namespace {
+
+template <class Router, class Capacity = capacity::dropless>
+struct policies : default_policies {
+  using router = Router;
+  using capacity = Capacity;
+  using comm = epmoe::comm::threads;
+};
+
+layer_config small(int ranks, int top_k, int experts = 8) {
+  return {.hidden = 13,
+          .ffn = 11,
+          .experts = experts,
+          .top_k = top_k,
+          .ranks = ranks,
+          .max_tokens = 40,
+          .capacity_factor = 1.0};
+}
+
+/// Layer on `ranks` threads vs reference on the same tokens, one pass.
+template <class P>
+double layer_vs_reference(const layer_config& cfg, const test::run_options<P>& opt = {},
+                          std::uint64_t seed = 1) {
+  const auto w = reference::full_weights::random(cfg, seed);
+  std::vector<index_t> per_rank(cfg.ranks, 40);
+  if (cfg.ranks > 1) per_rank[1] = 0;  // an idle rank
+  if (cfg.ranks > 2) per_rank[2] = 17;
+  const auto g = test::make_tokens(per_rank, cfg.hidden, seed + 1);
+  auto o = opt;
+  if (o.token_ids.empty() && router_needs_token_ids<typename P::router>) {
+    o.token_ids.resize(static_cast<std::size_t>(g.total()));
+    for (std::size_t i = 0; i < o.token_ids.size(); ++i)
+      o.token_ids[i] = static_cast<std::int64_t>((i * 7919) % 50000);  // vocabulary ids
+  }
+  const auto got = test::run_layer<P>(cfg, w, g, o);
+  return test::relative_error(got.y, test::run_reference<P>(cfg, w, g, o));
+}
+
+}  // namespace
+
+TEST_CASE("routers through the layer: softmax family", "[layer][routers]") {
+  for (int R : {1, 4}) {
+    CAPTURE(R);
+    CHECK(layer_vs_reference<policies<router::mixtral<2>>>(small(R, 2)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<router::qwen<4, false>>>(small(R, 4)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<router::switch_top1>>(small(R, 1)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<router::gshard_top2, capacity::factor<>>>(small(R, 2)) <=
+          1e-4);
+    // Group-limited softmax: 4 groups of 4, best 2 groups.
+    test::run_options<policies<router::topk_softmax<2>>> grouped{.router = {4, 2}};
+    CHECK(layer_vs_reference(small(R, 2, 16), grouped) <= 1e-4);
+  }
+}
+
+TEST_CASE("routers through the layer: DeepSeek-V3 sigmoid with bias and groups",
+          "[layer][routers]") {
+  using P = policies<router::sigmoid_bias<4>>;
+  for (int R : {1, 4}) {
+    CAPTURE(R);
+    test::run_options<P> opt{.router = {.groups = 4, .top_groups = 2, .scaling = 2.5f}};
+    opt.bias.resize(16);
+    for (int e = 0; e < 16; ++e) opt.bias[e] = 0.05f * static_cast<float>(e % 5) - 0.1f;
+    CHECK(layer_vs_reference(small(R, 4, 16), opt) <= 1e-4);
+  }
+}
+
+TEST_CASE("routers through the layer: expert choice, hash, Sinkhorn", "[layer][routers]") {
+  for (int R : {1, 4}) {
+    CAPTURE(R);
+    CHECK(layer_vs_reference<policies<router::expert_choice>>(small(R, 2)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<router::hash<2>>>(small(R, 2)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<router::sinkhorn<2>>>(small(R, 2)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<router::sinkhorn<1>>>(small(R, 1)) <= 1e-4);
+  }
+}
+
+TEST_CASE("routers through the layer: training noise, seeded", "[layer][routers]") {
+  for (int R : {1, 4}) {
+    CAPTURE(R);
+    for (bool training : {false, true}) {
+      CAPTURE(training);
+      CHECK(layer_vs_reference<policies<router::noisy_topk<2>>>(
+                small(R, 2), {.router = {.training = training, .seed = 9}}) <= 1e-4);
+      using J = router::jitter<router::switch_top1>;
+      J j{};
+      j.training = training;
+      j.eps = 0.1f;
+      CHECK(layer_vs_reference<policies<J>>(small(R, 1), {.router = j}) <= 1e-4);
+    }
+  }
+}
+
+TEST_CASE("routers through the layer: expert choice gives every expert C tokens per rank",
+          "[layer][routers]") {
+  const layer_config cfg = small(4, 2);
+  const auto w = reference::full_weights::random(cfg, 3);
+  const auto g = test::make_tokens({40, 40, 40, 40}, cfg.hidden, 4);
+  const auto run = test::run_layer<policies<router::expert_choice>>(cfg, w, g);
+  const index_t C = router::expert_choice::capacity(cfg, 40);  // ceil(1.0 * 40 * 2 / 8) = 10
+  REQUIRE(C == 10);
+  for (int r = 0; r < 4; ++r) {
+    for (index_t n : run.stats[r][0].routed_per_expert) CHECK(n == C);
+    CHECK(run.stats[r][0].assignments == 8 * C);
+    index_t rows = 0;
+    for (index_t n : run.stats[r][0].rows_per_local_expert) rows += n;
+    CHECK(rows == 4 * C * 2);  // 2 local experts, C rows from each of 4 ranks
+  }
+}
+
+TEST_CASE("shared experts: every token's output adds N always-on experts", "[layer][shared]") {
+  for (int R : {1, 4}) {
+    CAPTURE(R);
+    layer_config cfg = small(R, 2);
+    cfg.shared_experts = 2;
+    cfg.shared_ffn = 7;
+    CHECK(layer_vs_reference<policies<router::mixtral<2>>>(cfg) <= 1e-4);
+    cfg.shared_ffn = 0;  // same width as the routed experts
+    CHECK(layer_vs_reference<policies<router::sigmoid_bias<2>>>(cfg) <= 1e-4);
+  }
+  // Stats count their FLOPs; without them the output differs.
+  layer_config cfg = small(1, 2);
+  cfg.shared_experts = 1;
+  const auto w = reference::full_weights::random(cfg, 5);
+  const auto g = test::make_tokens({40}, cfg.hidden, 6);
+  const auto with = test::run_layer<policies<router::mixtral<2>>>(cfg, w, g);
+  CHECK(with.stats[0][0].shared_flops == Approx(40.0 * 6 * cfg.hidden * cfg.ffn));
+  layer_config none = cfg;
+  none.shared_experts = 0;
+  const auto without = test::run_layer<policies<router::mixtral<2>>>(none, w, g);
+  CHECK(test::relative_error(without.y, with.y) > 1e-3);
+}
+
+TEST_CASE("router losses are reported per pass", "[layer][losses]") {
+  layer_config cfg = small(2, 2);
+  cfg.seq_len = 10;
+  const auto w = reference::full_weights::random(cfg, 7);
+  const auto g = test::make_tokens({40, 40}, cfg.hidden, 8);
+  const auto soft = test::run_layer<policies<router::mixtral<2>>>(cfg, w, g);
+  const auto hashed = test::run_layer<policies<router::hash<2>>>(
+      cfg, w, g, {.token_ids = std::vector<std::int64_t>(80, 3)});
+  for (int r = 0; r < 2; ++r) {
+    const router_losses& l = soft.stats[r][0].losses;
+    CHECK(l.valid);
+    CHECK(l.aux > 0);
+    CHECK(l.seq_aux > 0);
+    CHECK(l.z > 0);
+    CHECK_FALSE(hashed.stats[r][0].losses.valid);
+  }
+}
+
+TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][bias]") {
+  // 16 experts; tokens whose gate prefers experts 0..3. Each pass, every rank routes its
+  // tokens, then update_router() applies b_i += gamma * sign(mean - load_i) from the global
+  // load. max/mean load must fall.
+  layer_config cfg{.hidden = 16, .ffn = 4, .experts = 16, .top_k = 2, .ranks = 2, .max_tokens = 64};
+  auto w = reference::full_weights::random(cfg, 10);
+  for (int e = 0; e < 4; ++e)
+    for (int h = 0; h < cfg.hidden; ++h) w.gate[e * cfg.hidden + h] += 0.25f;
+  std::vector<double> curve(200);
+  comm::threads_world world(2);
+  world.run([&](comm::threads c) {
+    using P = policies<router::sigmoid_bias<2>>;
+    const auto mine = reference::slice(w, placement::block(cfg), c.rank());
+    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts()}, {.gamma = 2e-3f});
+    std::vector<float> y(64 * 16);
+    for (int step = 0; step < 200; ++step) {
+      auto x = reference::random_tokens(64, 16, 1000 * step + c.rank());
+      for (float& v : x) v = std::abs(v);  // positive tokens: the skewed rows win
+      layer.forward({x.data(), 64, 16}, {y.data(), 64, 16});
+      const auto load = layer.update_router();
+      double mx = 0, sum = 0;
+      for (index_t n : load) {
+        mx = std::max(mx, static_cast<double>(n));
+        sum += static_cast<double>(n);
+      }
+      if (c.rank() == 0) curve[step] = mx / (sum / 16);
+    }
+    // Every rank holds the same bias after the collective updates.
+    if (c.rank() == 0) CHECK(layer.router_bias()[0] < 0);
+  });
+  const double first = (curve[0] + curve[1] + curve[2]) / 3;
+  const double last = (curve[197] + curve[198] + curve[199]) / 3;
+  INFO("max/mean load: first passes " << first << ", last passes " << last);
+  CHECK(first > 2.0);
+  CHECK(last < 0.6 * first);
+}
