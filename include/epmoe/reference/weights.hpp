@@ -43,7 +43,7 @@ struct full_weights {
   std::vector<float> noise_gate;  // [E, H] (noisy top-k)
 
   /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in); the gate
-  /// dyadic (see above).
+  /// dyadic times a power of two (see above).
   static full_weights random(const layer_config& cfg, std::uint64_t seed) {
     const std::size_t E = cfg.experts, H = cfg.hidden, F = cfg.ffn;
     const std::size_t N = cfg.shared_experts, Fs = cfg.shared_width();
@@ -57,7 +57,10 @@ struct full_weights {
                    std::vector<float>(N * H * Fs),
                    std::vector<float>(E * H)};
     std::mt19937_64 rng(seed);
-    for (float& v : w.gate) v = dyadic(rng);
+    // Gate logits of std ~2 (typical of trained routers), by a power-of-two scale that keeps
+    // them exact.
+    const float gs = std::min(1.f, std::exp2(std::round(std::log2(6.f / std::sqrt(float(H))))));
+    for (float& v : w.gate) v = dyadic(rng) * gs;
     std::uniform_real_distribution<float> in(-1.f, 1.f);
     const float sh = 1.f / std::sqrt(static_cast<float>(H));
     const float sf = 1.f / std::sqrt(static_cast<float>(F));
