@@ -23,6 +23,22 @@ struct policies : default_policies {
   using comm = epmoe::comm::mpi;  // ranks are the processes of an MPI communicator
 };
 
+// The same layer with per-rank dedup: one row per (token, destination rank).
+struct dedup_policies : policies {
+  static constexpr bool dedup = true;
+};
+
+// Two passes (the first is warm-up) of moe_layer<P>; returns the stats of the second.
+template <class P>
+pass_stats run(const layer_config& cfg, const reference::full_weights& full,
+               const reference::rank_weights& mine, const std::vector<float>& x,
+               std::vector<float>& y, index_t T) {
+  moe_layer<P> layer(cfg, comm::mpi(MPI_COMM_WORLD), {full.gate_view(), mine.experts()});
+  for (int pass = 0; pass < 2; ++pass)
+    layer.forward({x.data(), T, cfg.hidden}, {y.data(), T, cfg.hidden});
+  return layer.stats();
+}  // the layer frees its MPI communicator here, before the session finalizes MPI
+
 int main(int argc, char** argv) {
   comm::mpi_session session(argc, argv);  // MPI_Init_thread ... MPI_Finalize
   int R = 1, me = 0;
@@ -41,21 +57,18 @@ int main(int argc, char** argv) {
   const auto x = reference::random_tokens(T, H, 100 + static_cast<std::uint64_t>(me));
   std::vector<float> y(x.size());
 
-  pass_stats s;
-  {
-    moe_layer<policies> layer(cfg, comm::mpi(MPI_COMM_WORLD), {full.gate_view(), mine.experts()});
-    layer.forward({x.data(), T, H}, {y.data(), T, H});  // warm-up: first touch of the workspace
-    layer.forward({x.data(), T, H}, {y.data(), T, H});
-    s = layer.stats();
-  }  // the layer frees its MPI communicator here, before the session finalizes MPI
+  std::vector<float> y_dedup(x.size());
+  const pass_stats s = run<policies>(cfg, full, mine, x, y, T);
+  const pass_stats sd = run<dedup_policies>(cfg, full, mine, x, y_dedup, T);
 
   // This rank's row of the table; rank 0 gathers them all.
-  constexpr int kCols = 7;
-  index_t rows_out = 0, rows_in = 0, computed = 0;
+  constexpr int kCols = 9;
+  index_t rows_out = 0, rows_in = 0, computed = 0, dedup_out = 0;
   for (int r = 0; r < R; ++r)
     if (r != me) {
       rows_out += s.rows_sent[r];
       rows_in += s.rows_received[r];
+      dedup_out += sd.rows_sent[r];
     }
   for (index_t n : s.rows_per_local_expert) computed += n;
   const index_t row[kCols] = {s.tokens,
@@ -64,7 +77,9 @@ int main(int argc, char** argv) {
                               s.dispatch_bytes_sent,
                               s.dispatch_bytes_received,
                               computed,
-                              static_cast<index_t>(s.time.total * 1e6)};
+                              static_cast<index_t>(s.time.total * 1e6),
+                              dedup_out,
+                              sd.dispatch_bytes_sent};
   std::vector<index_t> table(me == 0 ? kCols * R : 0);
   MPI_Gather(row, kCols, MPI_INT64_T, table.data(), kCols, MPI_INT64_T, 0, MPI_COMM_WORLD);
 
@@ -75,7 +90,8 @@ int main(int argc, char** argv) {
                      {want.data(), T, H});
   double err[2] = {0, 0};  // max |y - want|, max |want|
   for (std::size_t i = 0; i < y.size(); ++i) {
-    err[0] = std::max(err[0], std::abs(double{y[i]} - want[i]));
+    err[0] = std::max(
+        {err[0], std::abs(double{y[i]} - want[i]), std::abs(double{y_dedup[i]} - want[i])});
     err[1] = std::max(err[1], std::abs(double{want[i]}));
   }
   double worst[2] = {0, 0};
@@ -90,17 +106,20 @@ int main(int argc, char** argv) {
                 cfg.experts, cfg.top_k, cfg.hidden, cfg.ffn);
     std::printf("MPI: %.*s\n\n",
                 static_cast<int>(std::find(version, version + len, '\n') - version), version);
-    std::printf("Dispatch, second pass (rows and bytes to / from other ranks):\n");
+    std::printf(
+        "Dispatch, second pass (rows and bytes to / from other ranks), and with "
+        "per-rank dedup:\n");
     std::printf(
         "  rank  tokens  rows sent  rows recv   bytes sent   bytes recv  rows computed"
-        "  pass ms\n");
+        "  pass ms | dedup: rows sent   bytes sent\n");
     index_t busiest = 0, total = 0;
     for (int r = 0; r < R; ++r) {
       const index_t* t = &table[kCols * r];
-      std::printf("  %4d %7lld %10lld %10lld %12lld %12lld %14lld %8.2f\n", r,
+      std::printf("  %4d %7lld %10lld %10lld %12lld %12lld %14lld %8.2f | %16lld %12lld\n", r,
                   static_cast<long long>(t[0]), static_cast<long long>(t[1]),
                   static_cast<long long>(t[2]), static_cast<long long>(t[3]),
-                  static_cast<long long>(t[4]), static_cast<long long>(t[5]), t[6] / 1e3);
+                  static_cast<long long>(t[4]), static_cast<long long>(t[5]), t[6] / 1e3,
+                  static_cast<long long>(t[7]), static_cast<long long>(t[8]));
       busiest = std::max(busiest, t[5]);
       total += t[5];
     }

@@ -85,6 +85,14 @@ class moe_layer {
                 "validate(cfg, w), validate(w, count, hidden, ffn, name), flops_per_row(hidden, "
                 "ffn), scratch_per_row(ffn) and forward(space, w, j, rows, scratch) (see "
                 "expert/swiglu.hpp)");
+  /// Per-rank dedup (Policies::dedup = true): a token sends one row to each rank that holds
+  /// any of its experts, that rank returns one weighted sum (as DeepEP and Tutel do).
+  static constexpr bool dedup = requires { requires Policies::dedup; };
+  static_assert(!(dedup && capacity_type::pads),
+                "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
+                "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
+                "capacity::dropless with dedup");
+
   static_assert(schedule_policy<schedule_type>,
                 "epmoe: the schedule policy must provide static run(stages&) calling route, "
                 "plan, permute, shared, dispatch, experts, combine, reduce (see "
@@ -291,7 +299,24 @@ class moe_layer {
     slot_ = space_.template allocate<std::int32_t>(T * K);
     row_token_ = space_.template allocate<std::int32_t>(send_rows);
     counts_ = space_.template allocate<index_t>(8 * R * L + 3 + L + 1 + E);
-    exchange_ = space_.template allocate<index_t>(4 * R * L + 4 * R);
+    exchange_ = space_.template allocate<index_t>(2 * R * (2 * L + 1) + 8 * R);
+    index_t* x = exchange_.data() + 2 * R * (2 * L + 1);
+    ex_ = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
+    if constexpr (dedup) {
+      unique_slot_ = space_.template allocate<std::int32_t>(T * K);
+      unique_token_ = space_.template allocate<std::int32_t>(T * std::min(K, R));
+      unique_counts_ = space_.template allocate<index_t>(4 * R + 2);
+      meta_ = space_.template allocate<std::int64_t>(send_rows);
+      meta_recv_ = space_.template allocate<std::int64_t>(recv_rows);
+      plan_.unique_slot = unique_slot_.data();
+      plan_.unique_token = unique_token_.data();
+      plan_.unique_counts = unique_counts_.data();
+      plan_.unique_offsets = plan_.unique_counts + R;
+      plan_.recv_unique_counts = plan_.unique_offsets + R + 1;
+      plan_.recv_unique_offsets = plan_.recv_unique_counts + R;
+      plan_.meta = meta_.data();
+      plan_.meta_recv = meta_recv_.data();
+    }
     x_send_ = space_.template allocate<float>(send_rows * H);
     x_recv_ = space_.template allocate<float>(recv_rows * H);
     x_expert_ = space_.template allocate<float>(recv_rows * H);
@@ -406,6 +431,7 @@ class moe_layer {
   void do_plan() {
     const index_t limit = capacity_.limit(cfg_, tokens_);
     build_send_plan(last_routing(), placement_, cfg_.experts, limit, capacity_type::pads, plan_);
+    if constexpr (dedup) build_dedup_plan(last_routing(), placement_, plan_);
     stats_.tokens = tokens_;
     stats_.assignments = plan_.assignments;
     stats_.dropped = plan_.dropped;
@@ -413,9 +439,14 @@ class moe_layer {
     std::copy_n(plan_.routed, cfg_.experts, stats_.routed_per_expert.begin());
   }
 
+  // Send rows: one per assignment, or with dedup one per (token, destination rank).
   void do_permute() {
-    space_.for_each(plan_.send_rows(),
-                    rows::gather{x_, plan_.row_token, send_view(plan_.send_rows())});
+    if constexpr (dedup)
+      space_.for_each(unique_send_rows(),
+                      rows::gather{x_, plan_.unique_token, send_view(unique_send_rows())});
+    else
+      space_.for_each(plan_.send_rows(),
+                      rows::gather{x_, plan_.row_token, send_view(plan_.send_rows())});
   }
 
   // Shared experts: every token, on its home rank; their sum waits in shared_out for reduce.
@@ -440,34 +471,66 @@ class moe_layer {
   };
 
   void do_dispatch() {
-    const int R = cfg_.ranks, L = plan_.local_experts;
+    const int R = cfg_.ranks, L = plan_.local_experts, P = 2 * L + 1;
     const index_t H = cfg_.hidden;
-    // 1. Counts: per destination, L padded counts then L real counts.
-    index_t* send_pairs = exchange_.data();
-    index_t* recv_pairs = send_pairs + 2 * R * L;
-    for (int r = 0; r < R; ++r)
+    // 1. Counts, per destination: L padded counts, L real counts, the unique rows (dedup).
+    index_t* send_counts = exchange_.data();
+    index_t* recv_counts = send_counts + R * P;
+    for (int r = 0; r < R; ++r) {
       for (int j = 0; j < L; ++j) {
-        send_pairs[2 * r * L + j] = plan_.send_counts[r * L + j];
-        send_pairs[2 * r * L + L + j] = plan_.send_valid[r * L + j];
+        send_counts[r * P + j] = plan_.send_counts[r * L + j];
+        send_counts[r * P + L + j] = plan_.send_valid[r * L + j];
       }
-    comm_.alltoall(send_pairs, recv_pairs, 2 * L);
-    for (int s = 0; s < R; ++s)
+      send_counts[r * P + 2 * L] = dedup ? plan_.unique_counts[r] : 0;
+    }
+    comm_.alltoall(send_counts, recv_counts, P);
+    for (int s = 0; s < R; ++s) {
       for (int j = 0; j < L; ++j) {
-        plan_.recv_counts[s * L + j] = recv_pairs[2 * s * L + j];
-        plan_.recv_valid[s * L + j] = recv_pairs[2 * s * L + L + j];
+        plan_.recv_counts[s * L + j] = recv_counts[s * P + j];
+        plan_.recv_valid[s * L + j] = recv_counts[s * P + L + j];
       }
+      if constexpr (dedup) plan_.recv_unique_counts[s] = recv_counts[s * P + 2 * L];
+    }
     build_recv_plan(plan_);
+    if constexpr (dedup) {
+      plan_.recv_unique_offsets[0] = 0;
+      for (int s = 0; s < R; ++s)
+        plan_.recv_unique_offsets[s + 1] =
+            plan_.recv_unique_offsets[s] + plan_.recv_unique_counts[s];
+    }
     if (plan_.recv_rows() > recv_capacity_)
       throw comm_error("epmoe: rank " + std::to_string(rank()) + " would receive " +
                        std::to_string(plan_.recv_rows()) + " rows, more than its workspace (" +
                        std::to_string(recv_capacity_) +
                        "); a peer passed more tokens than max_tokens?");
-    // 2. Rows, then regroup source-major -> expert-major for the grouped GEMMs.
+    // 2. Rows (and with dedup each assignment's metadata), then regroup into expert-major
+    //    order for the grouped GEMMs (with dedup: expand each unique row to its experts).
     set_rank_counts(H);
-    comm_.alltoallv(x_send_.data(), send_n_, send_d_, x_recv_.data(), recv_n_, recv_d_);
-    space_.copy_blocks(recv_view(), expert_view(), R * L, plan_.recv_offsets, plan_.regroup_offsets,
-                       plan_.recv_counts);
+    comm_.alltoallv(x_send_.data(), ex_.send_n, ex_.send_d, x_recv_.data(), ex_.recv_n, ex_.recv_d);
+    if constexpr (dedup) {
+      comm_.alltoallv(plan_.meta, ex_.meta_send_n, ex_.meta_send_d, plan_.meta_recv,
+                      ex_.meta_recv_n, ex_.meta_recv_d);
+      expand_unique_rows();
+    } else {
+      space_.copy_blocks(recv_view(), expert_view(), R * L, plan_.recv_offsets,
+                         plan_.regroup_offsets, plan_.recv_counts);
+    }
     fill_comm_stats(H);
+  }
+
+  // Dedup: expert-major row of each received assignment <- its unique row.
+  void expand_unique_rows() {
+    const int R = cfg_.ranks, L = plan_.local_experts;
+    const matrix_view<float> in = unique_recv_view(), out = expert_view();
+    for (int s = 0; s < R; ++s)
+      for (int j = 0; j < L; ++j) {
+        const int b = s * L + j;
+        for (index_t i = 0; i < plan_.recv_counts[b]; ++i) {
+          const index_t u =
+              plan_.recv_unique_offsets[s] + meta_index(plan_.meta_recv[plan_.recv_offsets[b] + i]);
+          std::copy_n(in.row(u), cfg_.hidden, out.row(plan_.regroup_offsets[b] + i));
+        }
+      }
   }
 
   void do_experts() {
@@ -484,50 +547,83 @@ class moe_layer {
 
   void do_combine() {
     const int R = cfg_.ranks, L = plan_.local_experts;
-    space_.copy_blocks(expert_view(), recv_view(), R * L, plan_.regroup_offsets, plan_.recv_offsets,
-                       plan_.recv_counts);
+    if constexpr (dedup) {
+      // The expert rank sums each token's weighted outputs: one row per (token, rank) goes home.
+      const matrix_view<float> out = unique_recv_view(), in = expert_view();
+      for (index_t u = 0; u < out.rows; ++u) std::fill_n(out.row(u), cfg_.hidden, 0.f);
+      for (int s = 0; s < R; ++s)
+        for (int j = 0; j < L; ++j) {
+          const int b = s * L + j;
+          for (index_t i = 0; i < plan_.recv_counts[b]; ++i) {
+            const std::int64_t m = plan_.meta_recv[plan_.recv_offsets[b] + i];
+            const float w = meta_weight(m);
+            const float* src = in.row(plan_.regroup_offsets[b] + i);
+            float* dst = out.row(plan_.recv_unique_offsets[s] + meta_index(m));
+            for (index_t h = 0; h < cfg_.hidden; ++h) dst[h] += w * src[h];
+          }
+        }
+    } else {
+      space_.copy_blocks(expert_view(), recv_view(), R * L, plan_.regroup_offsets,
+                         plan_.recv_offsets, plan_.recv_counts);
+    }
     // The reverse exchange: what came from rank s goes back to rank s.
-    comm_.alltoallv(x_recv_.data(), recv_n_, recv_d_, x_send_.data(), send_n_, send_d_);
+    comm_.alltoallv(x_recv_.data(), ex_.recv_n, ex_.recv_d, x_send_.data(), ex_.send_n, ex_.send_d);
   }
 
   void do_reduce() {
-    space_.for_each(tokens_, rows::weighted_reduce{send_view(plan_.send_rows()), plan_.slot,
-                                                   weights_view(tokens_), y_});
+    if constexpr (dedup)
+      space_.for_each(
+          tokens_, rows::sum_unique{send_view(unique_send_rows()), plan_.unique_slot, width_, y_});
+    else
+      space_.for_each(tokens_, rows::weighted_reduce{send_view(plan_.send_rows()), plan_.slot,
+                                                     weights_view(tokens_), y_});
     if (cfg_.shared_experts > 0 && tokens_ > 0)
       for (index_t t = 0; t < tokens_; ++t)  // y rows may be strided: add row by row
         space_.for_each(cfg_.hidden,
                         accumulate{y_.row(t), shared_out_.data() + t * cfg_.hidden, false});
   }
 
-  // Per-rank element counts and displacements of the row exchanges.
+  // Per-rank element counts and displacements of the exchanges: rows (per assignment, or
+  // unique with dedup) and, with dedup, the per-assignment metadata.
   void set_rank_counts(index_t H) {
     const int R = cfg_.ranks, L = plan_.local_experts;
-    send_n_ = exchange_.data() + 4 * R * L;
-    send_d_ = send_n_ + R;
-    recv_n_ = send_d_ + R;
-    recv_d_ = recv_n_ + R;
     for (int r = 0; r < R; ++r) {
-      send_n_[r] = plan_.send_rows_to(r) * H;
-      send_d_[r] = plan_.send_offsets[r * L] * H;
-      recv_n_[r] = plan_.recv_rows_from(r) * H;
-      recv_d_[r] = plan_.recv_offsets[r * L] * H;
+      const index_t rows_to = dedup ? plan_.unique_counts[r] : plan_.send_rows_to(r);
+      const index_t rows_at = dedup ? plan_.unique_offsets[r] : plan_.send_offsets[r * L];
+      const index_t rows_from = dedup ? plan_.recv_unique_counts[r] : plan_.recv_rows_from(r);
+      const index_t rows_in = dedup ? plan_.recv_unique_offsets[r] : plan_.recv_offsets[r * L];
+      ex_.send_n[r] = rows_to * H;
+      ex_.send_d[r] = rows_at * H;
+      ex_.recv_n[r] = rows_from * H;
+      ex_.recv_d[r] = rows_in * H;
+      ex_.meta_send_n[r] = plan_.send_rows_to(r);
+      ex_.meta_send_d[r] = plan_.send_offsets[r * L];
+      ex_.meta_recv_n[r] = plan_.recv_rows_from(r);
+      ex_.meta_recv_d[r] = plan_.recv_offsets[r * L];
     }
   }
 
   void fill_comm_stats(index_t H) {
     const int R = cfg_.ranks, L = plan_.local_experts, me = rank();
     const index_t row_bytes = H * static_cast<index_t>(sizeof(float));
-    index_t sent = 0, received = 0;
+    const index_t meta_bytes = dedup ? static_cast<index_t>(sizeof(std::int64_t)) : 0;
+    index_t sent = 0, received = 0, meta_sent = 0, meta_received = 0;
     for (int r = 0; r < R; ++r) {
-      stats_.rows_sent[r] = plan_.send_rows_to(r);
-      stats_.rows_received[r] = plan_.recv_rows_from(r);
+      stats_.assignment_rows_sent[r] = plan_.send_rows_to(r);
+      stats_.assignment_rows_received[r] = plan_.recv_rows_from(r);
+      stats_.rows_sent[r] = ex_.send_n[r] / H;
+      stats_.rows_received[r] = ex_.recv_n[r] / H;
       if (r != me) {
         sent += stats_.rows_sent[r];
         received += stats_.rows_received[r];
+        meta_sent += stats_.assignment_rows_sent[r];
+        meta_received += stats_.assignment_rows_received[r];
       }
     }
-    stats_.dispatch_bytes_sent = stats_.combine_bytes_received = sent * row_bytes;
-    stats_.dispatch_bytes_received = stats_.combine_bytes_sent = received * row_bytes;
+    stats_.dispatch_bytes_sent = sent * row_bytes + meta_sent * meta_bytes;
+    stats_.dispatch_bytes_received = received * row_bytes + meta_received * meta_bytes;
+    stats_.combine_bytes_sent = received * row_bytes;
+    stats_.combine_bytes_received = sent * row_bytes;
     for (int j = 0; j < L; ++j) {
       index_t real = 0, padded = 0;
       for (int s = 0; s < R; ++s) {
@@ -539,6 +635,10 @@ class moe_layer {
     }
   }
 
+  index_t unique_send_rows() const { return plan_.unique_offsets[cfg_.ranks]; }
+  matrix_view<float> unique_recv_view() const {
+    return {x_recv_.data(), plan_.recv_unique_offsets[cfg_.ranks], cfg_.hidden};
+  }
   matrix_view<float> send_view(index_t rows) const { return {x_send_.data(), rows, cfg_.hidden}; }
   matrix_view<float> recv_view() const { return {x_recv_.data(), plan_.recv_rows(), cfg_.hidden}; }
   matrix_view<float> expert_view() const {
@@ -564,10 +664,13 @@ class moe_layer {
   std::vector<double> loss_acc_;
   std::vector<index_t> load_send_, load_recv_, global_load_;
   index_t recv_capacity_ = 0;
-  index_t* send_n_ = nullptr;
-  index_t* send_d_ = nullptr;
-  index_t* recv_n_ = nullptr;
-  index_t* recv_d_ = nullptr;
+  struct rank_counts {  // per-rank counts/displacements (elements) of the row exchanges
+    index_t *send_n, *send_d, *recv_n, *recv_d;
+    index_t *meta_send_n, *meta_send_d, *meta_recv_n, *meta_recv_d;
+  } ex_{};
+  buffer<std::int32_t> unique_slot_, unique_token_;
+  buffer<index_t> unique_counts_;
+  buffer<std::int64_t> meta_, meta_recv_;
 
   matrix_view<const float> x_;
   matrix_view<float> y_;

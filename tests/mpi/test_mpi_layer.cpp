@@ -15,6 +15,10 @@ struct mpi_policies : default_policies {
   using comm = epmoe::comm::mpi;
 };
 
+struct mpi_dedup_policies : mpi_policies {
+  static constexpr bool dedup = true;
+};
+
 int world_rank() {
   int r = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &r);
@@ -43,12 +47,13 @@ std::vector<float> gather(const std::vector<float>& mine, const test::global_tok
 // Runs moe_layer on the MPI ranks, one pass per token set (rank r takes its slice of each),
 // and checks on rank 0 that every pass equals comm::threads on the same global tokens and
 // the reference. Returns this rank's stats of the last pass.
+template <class P = mpi_policies>
 pass_stats check_layer(const layer_config& cfg, const reference::full_weights& w,
                        const std::vector<test::global_tokens>& passes) {
   const int me = world_rank();
   const index_t H = cfg.hidden;
   const auto mine = reference::slice(w, placement::block(cfg), me);
-  moe_layer<mpi_policies> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
+  moe_layer<P> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
   for (std::size_t p = 0; p < passes.size(); ++p) {
     const test::global_tokens& g = passes[p];
     const index_t T = g.per_rank[me];
@@ -58,7 +63,7 @@ pass_stats check_layer(const layer_config& cfg, const reference::full_weights& w
     if (me != 0) continue;
     INFO("pass " << p << " on " << cfg.ranks << " MPI ranks");
     const auto threads = test::run_layer<test::threads_policies<2>>(cfg, w, g).y;
-    const auto want = test::run_reference<mpi_policies>(cfg, w, g);
+    const auto want = test::run_reference<P>(cfg, w, g);
     CHECK(test::relative_error(all, threads) <= 1e-6);
     CHECK(test::relative_error(all, want) <= 1e-5);
   }
@@ -118,5 +123,44 @@ TEST_CASE("mpi layer: a rank whose experts no token picks receives nothing", "[m
     CHECK(received == 0);
     CHECK(computed == 0);
     CHECK(s.dispatch_bytes_received == 0);
+  }
+}
+
+TEST_CASE("mpi layer: per-rank dedup gives the same outputs with fewer rows", "[mpi][layer]") {
+  const int R = world_size(), me = world_rank();
+  const layer_config cfg{
+      .hidden = 16, .ffn = 12, .experts = 4 * R, .top_k = 2, .ranks = R, .max_tokens = 30};
+  const auto w = reference::full_weights::random(cfg, 81);
+  std::vector<index_t> per_rank(R, 30);
+  per_rank[0] = 11;
+  const auto g = test::make_tokens(per_rank, cfg.hidden, 82);
+  const pass_stats s = check_layer<mpi_dedup_policies>(cfg, w, {g});
+  index_t unique = 0, assignments = 0;
+  for (int r = 0; r < R; ++r) {
+    unique += s.rows_sent[r];
+    assignments += s.assignment_rows_sent[r];
+  }
+  CHECK(assignments == per_rank[me] * cfg.top_k);
+  CHECK(unique <= assignments);
+}
+
+TEST_CASE("mpi layer: a rank with a different config makes every rank throw, no hang",
+          "[mpi][layer]") {
+  const int R = world_size(), me = world_rank();
+  layer_config cfg{
+      .hidden = 8, .ffn = 6, .experts = 2 * R, .top_k = 2, .ranks = R, .max_tokens = 16};
+  const auto w = reference::full_weights::random(cfg, 91);
+  if (me == R - 1) cfg.max_tokens = 17;  // one rank differs (on 1 rank nothing differs)
+  const auto mine = reference::slice(w, placement::block(cfg), me);
+  if (R == 1) {
+    CHECK_NOTHROW(
+        moe_layer<mpi_policies>(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()}));
+    return;
+  }
+  try {
+    moe_layer<mpi_policies> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
+    FAIL("rank " << me << " accepted a config another rank does not share");
+  } catch (const config_error& e) {
+    CHECK(e.field() == "max_tokens");
   }
 }

@@ -205,3 +205,83 @@ TEMPLATE_LIST_TEST_CASE("topk_softmax: NaN logits do not crash and ids stay vali
     for (int id : r.ids) CHECK((id >= 0 && id < E));
   }
 }
+
+// ---------------------------------------------------------------- named configurations
+
+TEST_CASE("topk_softmax: the named aliases are the documented configurations",
+          "[router][aliases]") {
+  using namespace epmoe::router;
+  STATIC_REQUIRE(std::is_same_v<mixtral<2>, topk_softmax<2, true>>);
+  STATIC_REQUIRE(std::is_same_v<mixtral<8>, topk_softmax<8, true>>);
+  STATIC_REQUIRE(std::is_same_v<qwen<4>, topk_softmax<4, false>>);  // norm_topk_prob off
+  STATIC_REQUIRE(std::is_same_v<qwen<4, true>, topk_softmax<4, true>>);
+  STATIC_REQUIRE(std::is_same_v<switch_top1, topk_softmax<1, false>>);
+  STATIC_REQUIRE(std::is_same_v<gshard_top2, topk_softmax<2, true>>);
+  STATIC_REQUIRE(epmoe::router_policy<mixtral<2>>);
+  STATIC_REQUIRE(epmoe::router_policy<qwen<4>>);
+  STATIC_REQUIRE(epmoe::router_policy<switch_top1>);
+  STATIC_REQUIRE(epmoe::router_policy<gshard_top2>);
+}
+
+TEST_CASE("topk_softmax: the aliases on a hand-computed token", "[router][aliases]") {
+  using namespace epmoe::router;
+  // softmax(1, 3, 2, 0) = e^{1,3,2,0} / 33.1929 = 0.0819, 0.6051, 0.2226, 0.0301.
+  const std::vector<float> logits{1.f, 3.f, 2.f, 0.f};
+  const double denom = std::exp(1.0) + std::exp(3.0) + std::exp(2.0) + 1.0;
+  const double p1 = std::exp(3.0) / denom, p2 = std::exp(2.0) / denom;
+  const double e1 = std::exp(1.0);  // softmax(3, 2) = e / (1 + e), 1 / (1 + e)
+  SECTION("mixtral<2> and gshard_top2: softmax over the two chosen logits") {
+    for (const auto& r : {route<mixtral<2>>(logits), route<gshard_top2>(logits)}) {
+      CHECK(r.ids == std::vector<int>{1, 2});
+      CHECK(r.weights[0] == Approx(e1 / (1 + e1)).margin(1e-6));
+      CHECK(r.weights[1] == Approx(1 / (1 + e1)).margin(1e-6));
+    }
+  }
+  SECTION("qwen<2>: the full-softmax probabilities, not renormalised") {
+    const auto r = route<qwen<2>>(logits);
+    CHECK(r.ids == std::vector<int>{1, 2});
+    CHECK(r.weights[0] == Approx(p1).margin(1e-6));
+    CHECK(r.weights[1] == Approx(p2).margin(1e-6));
+    const auto n = route<qwen<2, true>>(logits);  // norm_topk_prob on: Mixtral's weights
+    CHECK(n.weights[0] == Approx(p1 / (p1 + p2)).margin(1e-6));
+  }
+  SECTION("switch_top1: the argmax with its softmax probability") {
+    const auto r = route<switch_top1>(logits);
+    CHECK(r.ids == std::vector<int>{1});
+    CHECK(r.weights[0] == Approx(p1).margin(1e-6));
+  }
+}
+
+TEST_CASE("topk_softmax: qwen weights are the full softmax at the chosen ids (random)",
+          "[router][aliases]") {
+  using epmoe::router::qwen;
+  std::mt19937 rng(71);
+  for (int trial = 0; trial < 300; ++trial) {
+    const int E = 4 + static_cast<int>(rng() % 60);
+    const auto logits = random_logits(rng, E, 1.5f);
+    const auto r = route<qwen<4>>(logits);
+    const auto p = softmax(logits);
+    REQUIRE(r.ids == largest(logits, 4));
+    for (int k = 0; k < 4; ++k) REQUIRE(r.weights[k] == Approx(p[r.ids[k]]).margin(1e-6));
+    const auto m = route<epmoe::router::mixtral<4>>(logits);
+    REQUIRE(m.ids == r.ids);
+    const double chosen = p[r.ids[0]] + p[r.ids[1]] + p[r.ids[2]] + p[r.ids[3]];
+    for (int k = 0; k < 4; ++k) REQUIRE(m.weights[k] == Approx(p[m.ids[k]] / chosen).margin(1e-6));
+  }
+}
+
+TEMPLATE_LIST_TEST_CASE("topk_softmax: ties go to the lowest expert id", "[router][ties]",
+                        all_routers) {
+  constexpr int K = TestType::top_k;
+  std::vector<int> first(K);
+  std::iota(first.begin(), first.end(), 0);
+  const std::vector<float> flat(static_cast<std::size_t>(K + 6), -0.75f);
+  const auto r = route<TestType>(flat);
+  CHECK(r.ids == first);
+  // Partial ties: 2 tied at the top, then 3 tied below.
+  std::vector<float> steps(12, -5.f);
+  for (int e : {9, 4}) steps[static_cast<std::size_t>(e)] = 2.f;
+  for (int e : {11, 1, 7}) steps[static_cast<std::size_t>(e)] = 1.f;
+  const std::vector<int> order{4, 9, 1, 7, 11, 0, 2, 3};
+  CHECK(route<TestType>(steps).ids == std::vector<int>(order.begin(), order.begin() + K));
+}

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 
 #include "epmoe/core/error.hpp"
@@ -36,6 +37,16 @@ struct dispatch_plan {
   index_t* expert_offsets = nullptr;   // [L+1]: first row of each local expert, expert-major
   index_t* regroup_offsets = nullptr;  // [R*L]: expert-major row of source-major block s*L+j
   index_t* routed = nullptr;           // [E]: assignments per logical expert, before capacity
+
+  // Per-rank dedup only: a token sends one row to each rank holding any of its experts.
+  std::int32_t* unique_slot = nullptr;     // [T*K]: unique send row of (t,k); -1 if dropped
+  std::int32_t* unique_token = nullptr;    // [unique rows]: token of each unique send row
+  index_t* unique_counts = nullptr;        // [R]: unique rows to each rank
+  index_t* unique_offsets = nullptr;       // [R+1]
+  index_t* recv_unique_counts = nullptr;   // [R]: unique rows from each rank
+  index_t* recv_unique_offsets = nullptr;  // [R+1]
+  std::int64_t* meta = nullptr;       // [send rows]: per assignment row, pack_meta(index, weight)
+  std::int64_t* meta_recv = nullptr;  // [recv rows]
 
   index_t assignments = 0;  // (token, expert) pairs routed; empty slots excluded
   index_t dropped = 0;      // assignments past capacity
@@ -112,6 +123,54 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
       p.row_token[s] = static_cast<std::int32_t>(t);
     }
   }
+}
+
+/// An assignment's metadata for dedup: its unique row's index within the rows from its
+/// source rank (low 32 bits) and its combine weight (high 32 bits, the float's bits).
+EPMOE_HD std::int64_t pack_meta(std::int32_t index, float weight) {
+  std::uint32_t bits;
+  memcpy(&bits, &weight, sizeof bits);
+  return static_cast<std::int64_t>((std::uint64_t{bits} << 32) | static_cast<std::uint32_t>(index));
+}
+EPMOE_HD std::int32_t meta_index(std::int64_t m) {
+  return static_cast<std::int32_t>(static_cast<std::uint64_t>(m) & 0xffffffffu);
+}
+EPMOE_HD float meta_weight(std::int64_t m) {
+  const auto bits = static_cast<std::uint32_t>(static_cast<std::uint64_t>(m) >> 32);
+  float w;
+  memcpy(&w, &bits, sizeof w);
+  return w;
+}
+
+/// Per-rank dedup on top of build_send_plan: each token gets one unique send row per
+/// destination rank among its kept assignments (in token order within a rank); every
+/// assignment row carries (its unique row's index within that rank's rows, its weight).
+template <class Placement>
+void build_dedup_plan(routing_view routing, const Placement& placement, dispatch_plan& p) {
+  const int R = p.ranks, K = p.top_k;
+  const index_t T = p.tokens;
+  for (int r = 0; r < R; ++r) p.unique_counts[r] = 0;
+  for (index_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      std::int32_t& u = p.unique_slot[t * K + k];
+      u = -1;
+      if (p.slot[t * K + k] < 0) continue;
+      const int r = placement.rank_of(routing.ids(t, k));
+      for (int q = 0; q < k && u < 0; ++q)  // an earlier expert of t on the same rank
+        if (p.slot[t * K + q] >= 0 && placement.rank_of(routing.ids(t, q)) == r)
+          u = p.unique_slot[t * K + q];
+      if (u < 0) u = static_cast<std::int32_t>(p.unique_counts[r]++);
+    }
+  p.unique_offsets[0] = 0;
+  for (int r = 0; r < R; ++r) p.unique_offsets[r + 1] = p.unique_offsets[r] + p.unique_counts[r];
+  for (index_t t = 0; t < T; ++t)
+    for (int k = 0; k < K; ++k) {
+      std::int32_t& u = p.unique_slot[t * K + k];
+      if (u < 0) continue;
+      p.meta[p.slot[t * K + k]] = pack_meta(u, routing.weights(t, k));
+      u += static_cast<std::int32_t>(p.unique_offsets[placement.rank_of(routing.ids(t, k))]);
+      p.unique_token[u] = static_cast<std::int32_t>(t);
+    }
 }
 
 /// Receive offsets, source-major and expert-major, once recv_counts are known.

@@ -68,4 +68,25 @@ struct weighted_reduce {
   }
 };
 
+/// Dedup: y[t] = sum of t's unique rows (one per rank it went to; weights were applied on
+/// the expert rank). Assignments sharing a unique row count it once.
+struct sum_unique {
+  matrix_view<const float> back;    // [unique rows, H]
+  const std::int32_t* unique_slot;  // [T*K]
+  index_t K;
+  matrix_view<float> y;  // [T, H]
+  EPMOE_HD void operator()(index_t t) const {
+    float* out = y.row(t);
+    for (index_t h = 0; h < y.cols; ++h) out[h] = 0.f;
+    for (index_t k = 0; k < K; ++k) {
+      const std::int32_t u = unique_slot[t * K + k];
+      bool seen = u < 0;
+      for (index_t q = 0; q < k && !seen; ++q) seen = unique_slot[t * K + q] == u;
+      if (seen) continue;
+      const float* src = back.row(u);
+      for (index_t h = 0; h < y.cols; ++h) out[h] += src[h];
+    }
+  }
+};
+
 }  // namespace epmoe::rows

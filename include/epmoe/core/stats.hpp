@@ -34,9 +34,11 @@ struct pass_stats {
   std::vector<index_t> rows_per_local_expert;  // [L]: real rows this rank's experts computed
   std::vector<index_t> padded_rows_per_local_expert;  // [L]: same, padding included
   std::vector<index_t> rows_sent;                     // [R]: rows sent to each rank (dispatch)
-  std::vector<index_t> rows_received;   // [R]: rows received from each rank (dispatch)
-  index_t dispatch_bytes_sent = 0;      // to other ranks (self rows stay local)
-  index_t dispatch_bytes_received = 0;  // from other ranks
+  std::vector<index_t> rows_received;             // [R]: rows received from each rank (dispatch)
+  std::vector<index_t> assignment_rows_sent;      // [R]: (token, expert) rows to each rank:
+  std::vector<index_t> assignment_rows_received;  //   the rows without dedup
+  index_t dispatch_bytes_sent = 0;                // to other ranks (self rows stay local)
+  index_t dispatch_bytes_received = 0;            // from other ranks
   index_t combine_bytes_sent = 0;
   index_t combine_bytes_received = 0;
   double expert_flops = 0;  // FLOPs of this rank's expert GEMMs, padding included
@@ -50,7 +52,9 @@ struct pass_stats {
         rows_per_local_expert(local_experts),
         padded_rows_per_local_expert(local_experts),
         rows_sent(ranks),
-        rows_received(ranks) {}
+        rows_received(ranks),
+        assignment_rows_sent(ranks),
+        assignment_rows_received(ranks) {}
 };
 
 }  // namespace epmoe

@@ -42,11 +42,12 @@ EPMOE_HD void top_k(const float* v, int n, int* ids, float* keys) {
 inline constexpr int max_groups = 64;
 
 /// Top-K of key(e) over e in [0, n), limited to the best `top_groups` of `groups` equal,
-/// contiguous expert groups (DeepSeek-V3 node-limited routing): a group scores the sum of
-/// its two best keys (its one key if it has one expert); ties go to the lower group.
-/// groups == 1 is plain top-K. Requires n % groups == 0, K <= top_groups * n / groups.
-template <int K, class KeyFn>
-EPMOE_HD void group_top_k(KeyFn key, int n, int groups, int top_groups, int* ids, float* keys) {
+/// contiguous expert groups (DeepSeek-V3 node-limited routing). A group scores
+/// pair(a, b) of its two best keys a >= b (a alone if it has one expert); ties go to the lower
+/// group. groups == 1 is plain top-K. Requires n % groups == 0, K <= top_groups * n / groups.
+template <int K, class KeyFn, class PairFn>
+EPMOE_HD void group_top_k(KeyFn key, PairFn pair, int n, int groups, int top_groups, int* ids,
+                          float* keys) {
   std::uint64_t kept = ~std::uint64_t{0};
   if (groups > 1 && top_groups < groups) {
     const int size = n / groups;
@@ -67,7 +68,7 @@ EPMOE_HD void group_top_k(KeyFn key, int n, int groups, int top_groups, int* ids
             b = x;
           }
         }
-        const float score = size > 1 ? a + b : a;
+        const float score = size > 1 ? selection_key(pair(a, b)) : a;
         if (best < 0 || score > best_score) {
           best = g;
           best_score = score;
@@ -81,6 +82,19 @@ EPMOE_HD void group_top_k(KeyFn key, int n, int groups, int top_groups, int* ids
   for (int e = 0; e < n; ++e)
     if (kept >> (e / size) & 1) insert_top<K>(selection_key(key(e)), e, count, ids, keys);
 }
+
+/// Group score for additive scores (sigmoid): a + b.
+struct pair_sum {
+  EPMOE_HD float operator()(float a, float b) const { return a + b; }
+};
+
+/// Group score for logits whose probabilities add (softmax): log(e^a + e^b), which orders
+/// groups as p_a + p_b does without underflowing where e^(a - max) would.
+struct pair_log_sum_exp {
+  EPMOE_HD float operator()(float a, float b) const {
+    return b == -INFINITY ? a : a + log1pf(expf(b - a));
+  }
+};
 
 /// e^(x - max): the stable softmax numerator.
 EPMOE_HD float shifted_exp(float x, float max) { return expf(x - max); }

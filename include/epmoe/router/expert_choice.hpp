@@ -46,7 +46,10 @@ struct expert_choice {
       float sum = 0.f;
       for (index_t e = 0; e < E; ++e) sum += (s(t, e) = std::exp(l[e] - m));
       for (index_t e = 0; e < E; ++e) s(t, e) /= sum;
-      for (index_t e = 0; e < E; ++e) out.ids(t, e) = no_expert;
+      for (index_t e = 0; e < E; ++e) {
+        out.ids(t, e) = no_expert;
+        out.weights(t, e) = 0.f;
+      }
     }
     const index_t C = capacity(cfg, T);
     std::int32_t* order = iscratch.data();

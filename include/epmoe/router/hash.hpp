@@ -29,8 +29,9 @@ struct hash {
       auto e = static_cast<int>(math::hash4(seed, static_cast<std::uint64_t>(in.token),
                                             static_cast<std::uint64_t>(k), 0) %
                                 E);
-      for (bool clash = true; clash;) {
-        clash = false;
+      // At most E probes: with K <= E (the layer checks it) a free expert is always found.
+      for (int probe = 0, clash = 1; clash && probe < in.experts; ++probe) {
+        clash = 0;
         for (int j = 0; j < k; ++j) clash |= ids[j] == e;
         if (clash) e = (e + 1) % in.experts;
       }

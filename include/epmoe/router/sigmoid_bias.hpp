@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <cmath>
 #include <span>
 
 #include "epmoe/core/config.hpp"
@@ -39,8 +40,10 @@ struct sigmoid_bias {
 
   void validate(const layer_config& cfg) const {
     validate_groups(cfg, K, groups, top_groups);
-    detail::require(scaling > 0.f, "router.scaling", scaling, "must be > 0");
-    detail::require(gamma >= 0.f, "router.gamma", gamma, "must be >= 0");
+    detail::require(std::isfinite(scaling) && scaling > 0.f, "router.scaling", scaling,
+                    "must be finite and > 0");
+    detail::require(std::isfinite(gamma) && gamma >= 0.f, "router.gamma", gamma,
+                    "must be finite and >= 0");
   }
 
   EPMOE_HD float selection(const float* l, int e) const {
@@ -50,8 +53,8 @@ struct sigmoid_bias {
   EPMOE_HD void route_token(const token_input& in, int* ids, float* weights) const {
     const float* l = in.logits;
     float keys[K] = {};
-    math::group_top_k<K>([&](int e) { return selection(l, e); }, in.experts, groups, top_groups,
-                         ids, keys);
+    math::group_top_k<K>([&](int e) { return selection(l, e); }, math::pair_sum{}, in.experts,
+                         groups, top_groups, ids, keys);
     float sum = 0.f;
     for (int k = 0; k < K; ++k) sum += (weights[k] = math::sigmoid(l[ids[k]]));
     const float f = normalize ? scaling / sum : scaling;
@@ -67,6 +70,8 @@ struct sigmoid_bias {
 
   /// b_i += gamma * sign(mean(load) - load_i): underloaded experts become more attractive.
   void update_bias(std::span<float> b, std::span<const index_t> load) const {
+    detail::require(load.size() == b.size(), "load", load.size(),
+                    "must hold one count per expert (the bias size)");
     double mean = 0;
     for (index_t n : load) mean += static_cast<double>(n);
     mean /= static_cast<double>(load.size());

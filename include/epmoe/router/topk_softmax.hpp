@@ -49,10 +49,10 @@ struct topk_softmax {
     float denom = 0.f;
     for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
     float best[K] = {};
-    // Plain top-K selects on the logits (exact order, NaN never chosen over a number); groups
-    // compare sums of probabilities, i.e. of numerators, as every expert shares denom.
-    math::group_top_k<K>([&](int e) { return groups == 1 ? l[e] : math::shifted_exp(l[e], max); },
-                         E, groups, top_groups, ids, best);
+    // Select on the logits (the order of the probabilities, exact where they underflow);
+    // groups compare p_a + p_b through log(e^a + e^b).
+    math::group_top_k<K>([&](int e) { return l[e]; }, math::pair_log_sum_exp{}, E, groups,
+                         top_groups, ids, best);
     float chosen = 0.f;
     for (int k = 0; k < K; ++k) {
       weights[k] = math::shifted_exp(l[ids[k]], max) / denom;
