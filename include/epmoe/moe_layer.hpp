@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -26,6 +27,7 @@
 #include "epmoe/core/view.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/placement/block.hpp"
+#include "epmoe/placement/table.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/sequential.hpp"
 #include "epmoe/space/host.hpp"
@@ -72,8 +74,8 @@ class moe_layer {
                 "route_batch(...) with scratch_floats/scratch_ints (see router/expert_choice.hpp)");
   static_assert(placement_policy<placement_type>,
                 "epmoe: the placement policy must be constructible from layer_config and "
-                "provide experts_per_rank(), rank_of(e), local_index(e), expert_at(r, j) "
-                "(see placement/block.hpp)");
+                "provide slots_per_rank(), expert_at(rank, j) and slot_for(expert, home rank, "
+                "token id) (see placement/block.hpp)");
   static_assert(capacity_policy<capacity_type>,
                 "epmoe: the capacity policy must provide `static constexpr bool pads` and "
                 "limit(const layer_config&, index_t tokens) const (see capacity/factor.hpp)");
@@ -106,17 +108,23 @@ class moe_layer {
     matrix_view<const float> noise_gate{};   // [E, H] noisy top-k's noise projection
   };
 
-  /// Validates everything (throws config_error naming the field) and sizes the workspace.
+  /// Validates everything (throws config_error naming the field), agrees with the other
+  /// ranks (collective), and sizes the workspace. The placement defaults to
+  /// placement_type(cfg); `w.experts` holds this rank's slots in local-slot order.
   moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router = {},
-            capacity_type capacity = {}, space_type space = {})
-      : cfg_(agreed(cfg, comm, w, router)),
+            capacity_type capacity = {})
+      : moe_layer(cfg, std::move(comm), w, router, capacity, placement_type(cfg)) {}
+
+  moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router,
+            capacity_type capacity, placement_type placement, space_type space = {})
+      : cfg_(agreed(cfg, comm, w, router, placement)),
         comm_(std::move(comm)),
         w_(w),
         router_(router),
         capacity_(capacity),
         space_(space),
-        placement_(cfg_),
-        stats_(cfg_.experts, cfg_.experts_per_rank(), cfg_.ranks),
+        placement_(std::move(placement)),
+        stats_(cfg_.experts, placement_.slots_per_rank(), cfg_.ranks),
         width_(router_type::top_k > 0 ? router_type::top_k : cfg_.experts) {
     allocate_workspace();
   }
@@ -176,6 +184,108 @@ class moe_layer {
     return {bias_.data(), static_cast<std::size_t>(cfg_.experts)};
   }
 
+  /// Collective live re-placement (placement::table): switches to `next` (same experts,
+  /// ranks and slots per rank; the same table on every rank), moving the weights of every
+  /// slot whose expert changes from a rank that holds that expert now, through the
+  /// communicator. From the first call on the layer keeps its own copy of its slots'
+  /// weights. The move lands in staging first, so a pass sees either the old table and
+  /// weights or the new ones. Returns the bytes of weights this rank's slots received.
+  index_t apply_placement(
+      const placement::table& next) requires std::same_as<placement_type, placement::table> {
+    const placement::table& now = placement_;
+    const int R = cfg_.ranks, S = now.slots_per_rank(), me = rank();
+    detail::require(
+        next.experts() == now.experts() && next.ranks() == R && next.slots_per_rank() == S,
+        "placement", next.slots(), "the new table must keep experts, ranks and slots per rank");
+    std::int64_t h = 0;
+    for (int p : next.phy_to_log()) h = h * 1000003 + p + 1;
+    const agreement_field same[] = {{"placement (the new table)", h}};
+    agree_on(comm_, std::span<const agreement_field>(same));
+
+    auto views = expert_tensors(w_.experts);
+    if (owned_experts_.empty())  // first move: take a copy the layer may overwrite
+      for (auto* v : views) {
+        owned_experts_.push_back(space_.template allocate<float>(v->count * v->batch_stride));
+        copy_stack(*v, owned_experts_.back().data());
+        *v = {owned_experts_.back().data(), v->count, v->rows, v->cols, v->stride, v->batch_stride};
+      }
+    index_t slot_floats = 0;
+    for (auto* v : views) slot_floats += v->rows * v->cols;
+    // Every move (dest slot <- a current holder of its new expert), known to every rank.
+    struct move {
+      int dst, src;
+    };
+    std::vector<move> moves;
+    for (int p = 0; p < next.slots(); ++p) {
+      const int e = next.phy_to_log()[p];
+      if (now.phy_to_log()[p] != e) moves.push_back({p, now.log_to_phy()[e * now.max_copies()]});
+    }
+    std::vector<index_t> sn(R, 0), sd(R, 0), rn(R, 0), rd(R, 0);
+    for (const move& m : moves) {
+      if (m.src / S == me) sn[m.dst / S] += slot_floats;
+      if (m.dst / S == me) rn[m.src / S] += slot_floats;
+    }
+    for (int r = 1; r < R; ++r) {
+      sd[r] = sd[r - 1] + sn[r - 1];
+      rd[r] = rd[r - 1] + rn[r - 1];
+    }
+    std::vector<float> send(static_cast<std::size_t>(sd[R - 1] + sn[R - 1]));
+    std::vector<float> recv(static_cast<std::size_t>(rd[R - 1] + rn[R - 1]));
+    std::vector<index_t> at = sd;
+    for (const move& m : moves)  // moves in slot order: sender and receiver agree on order
+      if (m.src / S == me)
+        for (auto* v : views)
+          for (index_t i = 0; i < v->rows; ++i) {
+            std::copy_n((*v)[m.src % S].row(i), v->cols, send.data() + at[m.dst / S]);
+            at[m.dst / S] += v->cols;
+          }
+    comm_.alltoallv(send.data(), sn.data(), sd.data(), recv.data(), rn.data(), rd.data());
+    at = rd;
+    index_t received = 0;
+    for (const move& m : moves)
+      if (m.dst / S == me) {
+        for (std::size_t k = 0; k < views.size(); ++k) {
+          float* base = owned_experts_[k].data();
+          const auto& v = *views[k];
+          for (index_t i = 0; i < v.rows; ++i) {
+            std::copy_n(recv.data() + at[m.src / S], v.cols,
+                        base + (m.dst % S) * v.batch_stride + i * v.stride);
+            at[m.src / S] += v.cols;
+          }
+        }
+        received += slot_floats * static_cast<index_t>(sizeof(float));
+      }
+    placement_ = next;
+    return received;
+  }
+
+  /// The last pass seen by all ranks (collective, one all-to-all): rows per logical expert
+  /// summed over ranks, and real rows each rank's experts computed.
+  struct global_load {
+    std::vector<index_t> per_expert;  // [E]
+    std::vector<index_t> per_rank;    // [R]
+    imbalance experts, ranks;         // the straggler's excess is ranks.excess
+  };
+  global_load gather_load() {
+    const int R = cfg_.ranks, E = cfg_.experts, W = E + 1;
+    std::vector<index_t> send(static_cast<std::size_t>(R * W)), recv(send.size());
+    index_t computed = 0;
+    for (index_t n : stats_.rows_per_local_expert) computed += n;
+    for (int r = 0; r < R; ++r) {
+      std::copy_n(stats_.routed_per_expert.begin(), E, send.begin() + r * W);
+      send[static_cast<std::size_t>(r * W + E)] = computed;
+    }
+    comm_.alltoall(send.data(), recv.data(), W);
+    global_load g{std::vector<index_t>(E, 0), std::vector<index_t>(R, 0), {}, {}};
+    for (int r = 0; r < R; ++r) {
+      for (int e = 0; e < E; ++e) g.per_expert[e] += recv[static_cast<std::size_t>(r * W + e)];
+      g.per_rank[r] = recv[static_cast<std::size_t>(r * W + E)];
+    }
+    g.experts = imbalance::of(g.per_expert);
+    g.ranks = imbalance::of(g.per_rank);
+    return g;
+  }
+
   /// Collective: sums the last pass's per-expert load over all ranks and applies the
   /// router's bias update (DeepSeek-V3 aux-loss-free balancing). Returns the global load.
   std::span<const index_t> update_router() requires router_with_bias<router_type> {
@@ -203,8 +313,10 @@ class moe_layer {
   }
 
   static const layer_config& checked(const layer_config& cfg, const comm_type& comm,
-                                     const weights& w, const router_type& router) {
+                                     const weights& w, const router_type& router,
+                                     const placement_type& placement) {
     cfg.validate();
+    if constexpr (placement_with_validate<placement_type>) placement.validate(cfg);
     if constexpr (router_type::top_k > 0)
       detail::require(
           cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
@@ -215,7 +327,8 @@ class moe_layer {
     if constexpr (router_with_validate<router_type>) router.validate(cfg);
     if constexpr (router_type::uses_gate)
       detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
-    expert_type::validate(cfg, w.experts);
+    expert_type::validate(w.experts, placement.slots_per_rank(), cfg.hidden, cfg.ffn,
+                          "weights.experts");
     if (cfg.shared_experts > 0)
       expert_type::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
                             "weights.shared");
@@ -226,10 +339,14 @@ class moe_layer {
   // their configs and policy bundle in one exchange. Any failure or difference makes every
   // rank throw (the failing rank its own error), so no rank is left waiting in an exchange.
   static const layer_config& agreed(const layer_config& cfg, comm_type& comm, const weights& w,
-                                    const router_type& router) {
+                                    const router_type& router, const placement_type& placement) {
     std::exception_ptr local;
+    std::int64_t where = 0;  // every slot's expert, hashed: all ranks must share one table
     try {
-      checked(cfg, comm, w, router);
+      checked(cfg, comm, w, router, placement);
+      for (int r = 0; r < cfg.ranks; ++r)
+        for (int j = 0; j < placement.slots_per_rank(); ++j)
+          where = where * 1000003 + placement.expert_at(r, j) + 1;
     } catch (const config_error&) {
       local = std::current_exception();
     }
@@ -247,7 +364,8 @@ class moe_layer {
         {"seq_len", cfg.seq_len},
         {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
         {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
-        {"policies (hash of the policy bundle type)", type_hash<Policies>()}};
+        {"policies (hash of the policy bundle type)", type_hash<Policies>()},
+        {"placement (hash of every slot's expert)", where}};
     try {
       agree_on(comm, std::span<const agreement_field>(fields));
     } catch (const config_error&) {
@@ -258,9 +376,28 @@ class moe_layer {
     return cfg;
   }
 
+  // The stacked tensors of an expert weight bundle (SwiGLU: w1, w3, w2), to move them.
+  static auto expert_tensors(typename expert_type::weights& w) {
+    static_assert(
+        requires {
+          w.w1;
+          w.w3;
+          w.w2;
+        },
+        "epmoe: apply_placement moves expert weights with members w1, w3, w2 "
+        "(stacked_view); teach expert_tensors about this expert's weights");
+    return std::array<stacked_view<const float>*, 3>{&w.w1, &w.w3, &w.w2};
+  }
+
+  static void copy_stack(const stacked_view<const float>& v, float* out) {
+    for (index_t s = 0; s < v.count; ++s)
+      for (index_t i = 0; i < v.rows; ++i)
+        std::copy_n(v[s].row(i), v.cols, out + s * v.batch_stride + i * v.stride);
+  }
+
   void allocate_workspace() {
     const index_t T = cfg_.max_tokens, K = width_, E = cfg_.experts, R = cfg_.ranks;
-    const index_t L = cfg_.experts_per_rank(), H = cfg_.hidden;
+    const index_t L = placement_.slots_per_rank(), H = cfg_.hidden;
     // Rows one source sends one expert: bounded by capacity, and by T (distinct experts).
     index_t per_expert = std::min(T, capacity_.limit(cfg_, T));
     if constexpr (requires { router_type::capacity(cfg_, T); })
@@ -297,6 +434,7 @@ class moe_layer {
     ids_ = space_.template allocate<std::int32_t>(T * K);
     weights_ = space_.template allocate<float>(T * K);
     slot_ = space_.template allocate<std::int32_t>(T * K);
+    phys_ = space_.template allocate<std::int32_t>(T * K);
     row_token_ = space_.template allocate<std::int32_t>(send_rows);
     counts_ = space_.template allocate<index_t>(8 * R * L + 3 + L + 1 + E);
     exchange_ = space_.template allocate<index_t>(2 * R * (2 * L + 1) + 8 * R);
@@ -336,6 +474,7 @@ class moe_layer {
     plan_.local_experts = static_cast<int>(L);
     plan_.top_k = width_;
     plan_.slot = slot_.data();
+    plan_.phys = phys_.data();
     plan_.row_token = row_token_.data();
     plan_.send_counts = c;
     plan_.send_valid = c += B;
@@ -430,13 +569,17 @@ class moe_layer {
 
   void do_plan() {
     const index_t limit = capacity_.limit(cfg_, tokens_);
-    build_send_plan(last_routing(), placement_, cfg_.experts, limit, capacity_type::pads, plan_);
-    if constexpr (dedup) build_dedup_plan(last_routing(), placement_, plan_);
+    const token_origin origin{rank(), token_ids_.empty() ? nullptr : token_ids_.data(),
+                              std::int64_t{rank()} * cfg_.max_tokens};
+    build_send_plan(last_routing(), placement_, cfg_.experts, limit, capacity_type::pads, origin,
+                    plan_);
+    if constexpr (dedup) build_dedup_plan(last_routing(), plan_);
     stats_.tokens = tokens_;
     stats_.assignments = plan_.assignments;
     stats_.dropped = plan_.dropped;
     stats_.padding_rows = plan_.padding;
     std::copy_n(plan_.routed, cfg_.experts, stats_.routed_per_expert.begin());
+    stats_.expert_imbalance = imbalance::of(stats_.routed_per_expert);
   }
 
   // Send rows: one per assignment, or with dedup one per (token, destination rank).
@@ -622,6 +765,7 @@ class moe_layer {
     }
     stats_.dispatch_bytes_sent = sent * row_bytes + meta_sent * meta_bytes;
     stats_.dispatch_bytes_received = received * row_bytes + meta_received * meta_bytes;
+    stats_.rank_imbalance = imbalance::of(stats_.rows_sent);
     stats_.combine_bytes_sent = received * row_bytes;
     stats_.combine_bytes_received = sent * row_bytes;
     for (int j = 0; j < L; ++j) {
@@ -658,11 +802,12 @@ class moe_layer {
 
   buffer<float> logits_, noise_logits_, gate_input_, batch_floats_, weights_, x_send_, x_recv_,
       x_expert_, scratch_, shared_in_, shared_out_, bias_;
-  buffer<std::int32_t> ids_, slot_, row_token_, batch_ints_;
+  buffer<std::int32_t> ids_, slot_, phys_, row_token_, batch_ints_;
   buffer<index_t> counts_, exchange_;
   std::vector<float> loss_probs_;  // host: losses are computed on the host for now
   std::vector<double> loss_acc_;
   std::vector<index_t> load_send_, load_recv_, global_load_;
+  std::vector<buffer<float>> owned_experts_;  // expert weights after a live re-placement
   index_t recv_capacity_ = 0;
   struct rank_counts {  // per-rank counts/displacements (elements) of the row exchanges
     index_t *send_n, *send_d, *recv_n, *recv_d;

@@ -34,7 +34,7 @@ layer_config cfg_of(double cf, int top_k, int experts, int ranks = 1) {
 
 // Owns every array a dispatch_plan points to.
 struct owned_plan {
-  std::vector<std::int32_t> slot, row_token;
+  std::vector<std::int32_t> slot, phys, row_token;
   std::vector<index_t> send_counts, send_valid, send_offsets, recv_counts, recv_valid, recv_offsets,
       expert_offsets, regroup_offsets, routed;
   epmoe::dispatch_plan plan;
@@ -43,6 +43,7 @@ struct owned_plan {
              int experts) {
     const std::size_t B = static_cast<std::size_t>(ranks * local_experts);
     slot.assign(static_cast<std::size_t>(tokens * top_k), 12345);
+    phys.assign(static_cast<std::size_t>(tokens * top_k), 12345);
     row_token.assign(static_cast<std::size_t>(send_rows), 12345);
     send_counts.assign(B, -7);
     send_valid.assign(B, -7);
@@ -57,6 +58,7 @@ struct owned_plan {
     plan.local_experts = local_experts;
     plan.top_k = top_k;
     plan.slot = slot.data();
+    plan.phys = phys.data();
     plan.row_token = row_token.data();
     plan.send_counts = send_counts.data();
     plan.send_valid = send_valid.data();
@@ -142,7 +144,7 @@ TEST_CASE("plan: build_send_plan drops past capacity in token order", "[capacity
   REQUIRE(limit == 2);
   const std::vector<float> w(kIds.size(), 0.5f);
   owned_plan o(kR, kL, kK, kT, kT * kK, kE);
-  epmoe::build_send_plan(hand_routing(kIds, w), epmoe::placement::block(cfg), kE, limit, false,
+  epmoe::build_send_plan(hand_routing(kIds, w), epmoe::placement::block(cfg), kE, limit, false, {},
                          o.plan);
 
   // Blocks [e0, e1 | e2, e3]: e0 holds 1 row (t4), the others 2; offsets 0, 1, 3, 5, 7.
@@ -178,7 +180,7 @@ TEST_CASE("plan: build_send_plan with padding fills every block to the limit", "
   REQUIRE(limit == 2);
   const std::vector<float> w(kIds.size(), 0.5f);
   owned_plan o(kR, kL, kK, kT, kR * kL * limit, kE);
-  epmoe::build_send_plan(hand_routing(kIds, w), epmoe::placement::block(cfg), kE, limit, true,
+  epmoe::build_send_plan(hand_routing(kIds, w), epmoe::placement::block(cfg), kE, limit, true, {},
                          o.plan);
 
   CHECK(o.send_counts == std::vector<index_t>{2, 2, 2, 2});
@@ -197,7 +199,7 @@ TEST_CASE("plan: build_send_plan with a large limit drops nothing", "[capacity][
   const layer_config cfg = hand_cfg();
   const std::vector<float> w(kIds.size(), 0.5f);
   owned_plan o(kR, kL, kK, kT, kT * kK, kE);
-  epmoe::build_send_plan(hand_routing(kIds, w), epmoe::placement::block(cfg), kE, kT, false,
+  epmoe::build_send_plan(hand_routing(kIds, w), epmoe::placement::block(cfg), kE, kT, false, {},
                          o.plan);
   CHECK(o.plan.dropped == 0);
   CHECK(o.send_counts == std::vector<index_t>{1, 4, 4, 3});
@@ -215,7 +217,7 @@ TEST_CASE("plan: build_send_plan rejects an out-of-range expert id", "[capacity]
     ids[7] = bad;
     owned_plan o(kR, kL, kK, kT, kT * kK, kE);
     try {
-      epmoe::build_send_plan(hand_routing(ids, w), epmoe::placement::block(cfg), kE, 2, false,
+      epmoe::build_send_plan(hand_routing(ids, w), epmoe::placement::block(cfg), kE, 2, false, {},
                              o.plan);
       FAIL("expert id " << bad << " was accepted");
     } catch (const epmoe::config_error& e) {
@@ -232,7 +234,8 @@ TEST_CASE("plan: empty routing slots (no_expert) are skipped, not dropped", "[ca
   ids[0] = epmoe::no_expert;
   ids[5] = epmoe::no_expert;
   owned_plan o(kR, kL, kK, kT, kT * kK, kE);
-  epmoe::build_send_plan(hand_routing(ids, w), epmoe::placement::block(cfg), kE, kT, false, o.plan);
+  epmoe::build_send_plan(hand_routing(ids, w), epmoe::placement::block(cfg), kE, kT, false, {},
+                         o.plan);
   CHECK(o.plan.assignments == static_cast<epmoe::index_t>(kIds.size()) - 2);
   CHECK(o.plan.dropped == 0);
   CHECK(o.plan.slot[0] == -1);

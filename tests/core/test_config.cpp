@@ -7,6 +7,7 @@
 
 #include <epmoe/core/config.hpp>
 #include <epmoe/core/error.hpp>
+#include <epmoe/placement/block.hpp>
 
 namespace {
 
@@ -91,11 +92,19 @@ TEST_CASE("config: ffn = 0 is rejected", "[config]") {
   require_rejected(c, "ffn", "0");
 }
 
-TEST_CASE("config: experts not divisible by ranks is rejected", "[config]") {
+TEST_CASE("config: experts not divisible by ranks is the placement's to reject", "[config]") {
+  // A replicated table may spread 6 experts over 8 slots on 4 ranks; block placement cannot.
   layer_config c = good();
   c.experts = 6;
   c.ranks = 4;
-  require_rejected(c, "experts", "6");
+  CHECK_NOTHROW(c.validate());
+  try {
+    epmoe::placement::block(c).validate(c);
+    FAIL("placement::block accepted 6 experts on 4 ranks");
+  } catch (const epmoe::config_error& e) {
+    CHECK(e.field() == "experts");
+    CHECK(e.value() == "6");
+  }
 }
 
 TEST_CASE("config: ranks = 0 is rejected", "[config]") {

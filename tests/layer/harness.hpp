@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <optional>
 #include <vector>
 
 #include <epmoe/epmoe.hpp>
@@ -54,6 +55,7 @@ struct run_options {
   std::vector<std::int64_t> token_ids{};
   std::vector<float> bias{};
   int passes = 1;
+  std::optional<typename P::placement> placement{};  // default: P::placement(cfg)
 };
 
 /// Runs `passes` forward passes of moe_layer<P> on cfg.ranks threads over the same tokens
@@ -65,9 +67,10 @@ run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
   comm::threads_world world(cfg.ranks);
   world.run([&](comm::threads c) {
     const int r = c.rank();
-    const auto mine = reference::slice(w, typename P::placement(cfg), r);
+    const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
+    const auto mine = reference::slice(w, where, r);
     moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()},
-                       opt.router, opt.capacity);
+                       opt.router, opt.capacity, where);
     if constexpr (router_with_bias<typename P::router>)
       if (!opt.bias.empty())
         std::copy(opt.bias.begin(), opt.bias.end(), layer.router_bias().begin());
@@ -94,8 +97,9 @@ std::vector<float> run_reference(const layer_config& cfg, const reference::full_
   typename P::router router = opt.router;
   if constexpr (router_with_bias<typename P::router>)
     router.bias = opt.bias.empty() ? nullptr : opt.bias.data();
-  reference::forward(w, router, opt.capacity, {g.x.data(), n, H}, g.per_rank, {y.data(), n, H},
-                     {opt.token_ids, pass});
+  const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
+  reference::forward(w, router, opt.capacity, where, {g.x.data(), n, H}, g.per_rank,
+                     {y.data(), n, H}, {opt.token_ids, pass});
   return y;
 }
 

@@ -67,7 +67,7 @@ TEST_CASE("block: each rank holds exactly E/R experts", "[placement]") {
   for (int r = 0; r < R; ++r) CHECK(held[r] == E / R);
 }
 
-TEST_CASE("block: rank r holds the contiguous experts [r*E/R, (r+1)*E/R)", "[placement]") {
+TEST_CASE("block: rank r holds the contiguous experts r*E/R .. (r+1)*E/R - 1", "[placement]") {
   const auto [E, R] = shape();
   CAPTURE(E, R);
   const auto p = make(E, R);

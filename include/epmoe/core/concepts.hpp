@@ -70,14 +70,20 @@ concept router_with_validate = requires(const R& r, const layer_config& cfg) {
   r.validate(cfg);
 };
 
-/// Which rank holds which expert, and in which local slot.
+/// Which rank holds which expert: every rank holds slots_per_rank() physical slots, slot j of
+/// rank r serving logical expert expert_at(r, j); slot_for picks the copy (global slot
+/// r * slots_per_rank() + j) that serves expert e for a token of rank `home`.
 template <class P>
 concept placement_policy = std::constructible_from<P, const layer_config&> &&
-    requires(const P& p, int e, int r, int j) {
-  { p.experts_per_rank() } -> std::convertible_to<int>;
-  { p.rank_of(e) } -> std::convertible_to<int>;
-  { p.local_index(e) } -> std::convertible_to<int>;
+    requires(const P& p, int e, int r, int j, std::uint64_t token) {
+  { p.slots_per_rank() } -> std::convertible_to<int>;
   { p.expert_at(r, j) } -> std::convertible_to<int>;
+  { p.slot_for(e, r, token) } -> std::convertible_to<int>;
+};
+
+template <class P>
+concept placement_with_validate = requires(const P& p, const layer_config& cfg) {
+  p.validate(cfg);
 };
 
 /// Per-expert, per-source-rank row limit and whether buffers are padded to it.

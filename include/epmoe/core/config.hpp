@@ -14,7 +14,7 @@ namespace epmoe {
 struct layer_config {
   int hidden = 0;                // H: model width of a token row
   int ffn = 0;                   // F: inner width of each expert FFN
-  int experts = 0;               // E: logical routed experts
+  int experts = 0;               // E: logical routed experts (the placement spreads them)
   int top_k = 0;                 // K: experts per token (must equal the router's top_k)
   int ranks = 1;                 // R: expert-parallel ranks
   int max_tokens = 0;            // most tokens one rank passes to forward(); sizes the workspace
@@ -37,8 +37,6 @@ struct layer_config {
     require(top_k <= experts, "top_k", top_k,
             "must be <= experts (a token picks distinct experts)");
     require(ranks >= 1, "ranks", ranks, "must be >= 1");
-    require(experts % ranks == 0, "experts", experts,
-            "must be divisible by ranks (every rank holds experts/ranks experts)");
     require(max_tokens >= 1, "max_tokens", max_tokens, "must be >= 1");
     require(std::isfinite(capacity_factor) && capacity_factor > 0, "capacity_factor",
             capacity_factor, "must be finite and > 0");

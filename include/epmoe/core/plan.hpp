@@ -27,6 +27,7 @@ struct dispatch_plan {
   index_t tokens = 0;     // T of this pass
 
   std::int32_t* slot = nullptr;        // [T*K]: send row of assignment (t,k); -1 if dropped
+  std::int32_t* phys = nullptr;        // [T*K]: physical slot (copy) serving (t,k); -1 if empty
   std::int32_t* row_token = nullptr;   // [send rows]: token of each send row; -1 for padding
   index_t* send_counts = nullptr;      // [R*L]: rows sent to (dest, local expert), padding included
   index_t* send_valid = nullptr;       // [R*L]: of which real (not padding)
@@ -63,14 +64,26 @@ struct dispatch_plan {
   }
 };
 
+/// Who a rank's tokens are: its rank (the home of its tokens, for replica choice) and each
+/// token's id (given ids, else first + t).
+struct token_origin {
+  int home = 0;
+  const std::int64_t* ids = nullptr;
+  std::int64_t first = 0;
+  EPMOE_HD std::uint64_t id(index_t t) const {
+    return static_cast<std::uint64_t>(ids ? ids[t] : first + t);
+  }
+};
+
 /// Builds the send side of `plan` from a routing, in token order (the order capacity drops
-/// follow): each assignment to expert e takes the next row of its (rank_of(e), local slot)
-/// block while fewer than `limit` rows are there; later ones are dropped. With `pad`, every
-/// block is `limit` rows. Host version; a device space computes the same with a scan.
+/// follow): each assignment to expert e goes to the physical slot the placement picks
+/// (slot_for: one of e's copies), i.e. the next row of block (rank, local slot), while fewer
+/// than `limit` rows are there; later ones are dropped. With `pad`, every block is `limit`
+/// rows. Host version; a device space computes the same with a scan.
 template <class Placement>
 void build_send_plan(routing_view routing, const Placement& placement, int experts, index_t limit,
-                     bool pad, dispatch_plan& p) {
-  const int L = p.local_experts, B = p.ranks * L, K = p.top_k;
+                     bool pad, token_origin origin, dispatch_plan& p) {
+  const int B = p.ranks * p.local_experts, K = p.top_k;
   const index_t T = routing.tokens();
   p.tokens = T;
   p.dropped = 0;
@@ -78,28 +91,25 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
   for (int e = 0; e < experts; ++e) p.routed[e] = 0;
   for (int b = 0; b < B; ++b) p.send_valid[b] = 0;
 
-  // Pass 1: position of each assignment inside its block, or dropped.
+  // Pass 1: the copy and the position inside its block of each assignment, or dropped.
   p.assignments = 0;
   for (index_t t = 0; t < T; ++t) {
     for (int k = 0; k < K; ++k) {
       const int e = routing.ids(t, k);
-      if (e == no_expert) {  // an empty slot (expert choice): not an assignment, not a drop
-        p.slot[t * K + k] = -1;
-        continue;
-      }
+      std::int32_t& s = p.slot[t * K + k];
+      std::int32_t& b = p.phys[t * K + k];
+      s = b = -1;
+      if (e == no_expert) continue;  // an empty slot (expert choice): not an assignment
       if (e < 0 || e >= experts)
         throw config_error("routing.ids", std::to_string(e),
                            "expert id must be in [0, " + std::to_string(experts) + ")");
       ++p.routed[e];
       ++p.assignments;
-      const int b = placement.rank_of(e) * L + placement.local_index(e);
-      std::int32_t& s = p.slot[t * K + k];
-      if (p.send_valid[b] < limit) {
+      b = placement.slot_for(e, origin.home, origin.id(t));
+      if (p.send_valid[b] < limit)
         s = static_cast<std::int32_t>(p.send_valid[b]++);
-      } else {
-        s = -1;
+      else
         ++p.dropped;
-      }
     }
   }
   // Block sizes and offsets.
@@ -117,9 +127,7 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
     for (int k = 0; k < K; ++k) {
       std::int32_t& s = p.slot[t * K + k];
       if (s < 0) continue;  // dropped or empty
-      const int e = routing.ids(t, k);
-      s += static_cast<std::int32_t>(
-          p.send_offsets[placement.rank_of(e) * L + placement.local_index(e)]);
+      s += static_cast<std::int32_t>(p.send_offsets[p.phys[t * K + k]]);
       p.row_token[s] = static_cast<std::int32_t>(t);
     }
   }
@@ -145,9 +153,8 @@ EPMOE_HD float meta_weight(std::int64_t m) {
 /// Per-rank dedup on top of build_send_plan: each token gets one unique send row per
 /// destination rank among its kept assignments (in token order within a rank); every
 /// assignment row carries (its unique row's index within that rank's rows, its weight).
-template <class Placement>
-void build_dedup_plan(routing_view routing, const Placement& placement, dispatch_plan& p) {
-  const int R = p.ranks, K = p.top_k;
+inline void build_dedup_plan(routing_view routing, dispatch_plan& p) {
+  const int R = p.ranks, K = p.top_k, L = p.local_experts;
   const index_t T = p.tokens;
   for (int r = 0; r < R; ++r) p.unique_counts[r] = 0;
   for (index_t t = 0; t < T; ++t)
@@ -155,10 +162,9 @@ void build_dedup_plan(routing_view routing, const Placement& placement, dispatch
       std::int32_t& u = p.unique_slot[t * K + k];
       u = -1;
       if (p.slot[t * K + k] < 0) continue;
-      const int r = placement.rank_of(routing.ids(t, k));
+      const int r = p.phys[t * K + k] / L;
       for (int q = 0; q < k && u < 0; ++q)  // an earlier expert of t on the same rank
-        if (p.slot[t * K + q] >= 0 && placement.rank_of(routing.ids(t, q)) == r)
-          u = p.unique_slot[t * K + q];
+        if (p.slot[t * K + q] >= 0 && p.phys[t * K + q] / L == r) u = p.unique_slot[t * K + q];
       if (u < 0) u = static_cast<std::int32_t>(p.unique_counts[r]++);
     }
   p.unique_offsets[0] = 0;
@@ -168,7 +174,7 @@ void build_dedup_plan(routing_view routing, const Placement& placement, dispatch
       std::int32_t& u = p.unique_slot[t * K + k];
       if (u < 0) continue;
       p.meta[p.slot[t * K + k]] = pack_meta(u, routing.weights(t, k));
-      u += static_cast<std::int32_t>(p.unique_offsets[placement.rank_of(routing.ids(t, k))]);
+      u += static_cast<std::int32_t>(p.unique_offsets[p.phys[t * K + k] / L]);
       p.unique_token[u] = static_cast<std::int32_t>(t);
     }
 }

@@ -2,6 +2,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -23,6 +24,26 @@ struct stage_times {
   double total = 0;
 };
 
+/// How uneven a load vector is: max/mean (1 = balanced) and (max - mean)/mean, the share by
+/// which the busiest member (the straggler) exceeds the mean.
+struct imbalance {
+  double max_over_mean = 0;
+  double excess = 0;
+
+  template <class Range>
+  static imbalance of(const Range& load) {
+    double sum = 0, max = 0, n = 0;
+    for (const auto& v : load) {
+      sum += static_cast<double>(v);
+      max = std::max(max, static_cast<double>(v));
+      n += 1;
+    }
+    if (sum <= 0) return {};
+    const double mean = sum / n;
+    return {max / mean, (max - mean) / mean};
+  }
+};
+
 /// What one forward pass did on this rank. Sized once at layer construction; a pass only
 /// overwrites the numbers.
 struct pass_stats {
@@ -41,9 +62,11 @@ struct pass_stats {
   index_t dispatch_bytes_received = 0;            // from other ranks
   index_t combine_bytes_sent = 0;
   index_t combine_bytes_received = 0;
-  double expert_flops = 0;  // FLOPs of this rank's expert GEMMs, padding included
-  double shared_flops = 0;  // FLOPs of the shared experts on this rank
-  router_losses losses;     // of this rank's tokens (valid when the router has a gate)
+  double expert_flops = 0;     // FLOPs of this rank's expert GEMMs, padding included
+  double shared_flops = 0;     // FLOPs of the shared experts on this rank
+  imbalance expert_imbalance;  // of routed_per_expert (this rank's tokens)
+  imbalance rank_imbalance;    // of rows_sent: how unevenly this rank's rows spread over ranks
+  router_losses losses;        // of this rank's tokens (valid when the router has a gate)
   stage_times time;
 
   pass_stats() = default;

@@ -11,6 +11,7 @@
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/routing.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/placement/block.hpp"
 #include "epmoe/reference/weights.hpp"
 
 namespace epmoe::reference {
@@ -47,15 +48,18 @@ inline void expert_ffn(const float* w1, const float* w3, const float* w2, const 
 /// layer does. The router's route_token / route_batch is the routing definition and is
 /// reused; logits, noise, jitter, capacity, experts, shared experts and the weighted sum
 /// are written out here.
-template <class Router, class Capacity>
+/// Capacity counts rows per physical slot, so with replicas the reference follows the
+/// placement's choice of copy (slot_for); without replicas a slot is an expert.
+template <class Router, class Capacity, class Placement>
 void forward(const full_weights& w, const Router& router, const Capacity& capacity,
-             matrix_view<const float> x, std::span<const index_t> tokens_per_rank,
-             matrix_view<float> y, const pass_options& opt = {}) {
+             const Placement& placement, matrix_view<const float> x,
+             std::span<const index_t> tokens_per_rank, matrix_view<float> y,
+             const pass_options& opt = {}) {
   const layer_config& cfg = w.cfg;
   const index_t E = cfg.experts, H = cfg.hidden, F = cfg.ffn;
   const index_t K = Router::top_k > 0 ? Router::top_k : E;
   const index_t N = cfg.shared_experts, Fs = cfg.shared_width();
-  std::vector<index_t> used(E);
+  std::vector<index_t> used(static_cast<std::size_t>(placement.slots_per_rank()) * cfg.ranks);
   std::vector<double> h(std::max(F, Fs)), out(H);
   std::vector<float> gate_in(H);
   index_t t0 = 0;
@@ -102,11 +106,16 @@ void forward(const full_weights& w, const Router& router, const Capacity& capaci
     std::fill(used.begin(), used.end(), 0);
     for (index_t t = 0; t < n; ++t) {
       const float* xt = x.row(t0 + t);
+      const std::int64_t id = opt.token_ids.empty()
+                                  ? static_cast<std::int64_t>(r) * cfg.max_tokens + t
+                                  : opt.token_ids[t0 + t];
       std::fill(out.begin(), out.end(), 0.0);
       for (index_t k = 0; k < K; ++k) {
         const index_t e = ids[t * K + k];
         if (e == no_expert) continue;
-        if (used[e]++ >= limit) continue;  // past capacity: dropped
+        const int slot = placement.slot_for(static_cast<int>(e), static_cast<int>(r),
+                                            static_cast<std::uint64_t>(id));
+        if (used[slot]++ >= limit) continue;  // past capacity: dropped
         detail::expert_ffn(&w.w1[e * F * H], &w.w3[e * F * H], &w.w2[e * H * F], xt, H, F, h, out,
                            weight[t * K + k]);
       }
@@ -119,4 +128,14 @@ void forward(const full_weights& w, const Router& router, const Capacity& capaci
   }
 }
 
+}  // namespace epmoe::reference
+
+namespace epmoe::reference {
+/// The same with placement::block (one copy per expert).
+template <class Router, class Capacity>
+void forward(const full_weights& w, const Router& router, const Capacity& capacity,
+             matrix_view<const float> x, std::span<const index_t> tokens_per_rank,
+             matrix_view<float> y, const pass_options& opt = {}) {
+  forward(w, router, capacity, placement::block(w.cfg), x, tokens_per_rank, y, opt);
+}
 }  // namespace epmoe::reference

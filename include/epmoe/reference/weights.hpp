@@ -111,7 +111,7 @@ struct rank_weights {
 
 template <class Placement>
 rank_weights slice(const full_weights& w, const Placement& placement, int rank) {
-  const index_t L = placement.experts_per_rank(), H = w.cfg.hidden, F = w.cfg.ffn;
+  const index_t L = placement.slots_per_rank(), H = w.cfg.hidden, F = w.cfg.ffn;
   rank_weights r{std::vector<float>(L * F * H),
                  std::vector<float>(L * F * H),
                  std::vector<float>(L * H * F),

@@ -1,0 +1,185 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#include <catch2/catch.hpp>
+
+#include "harness.hpp"
+#include <epmoe/placement/balancer.hpp>
+#include <epmoe/placement/round_robin.hpp>
+#include <epmoe/placement/table.hpp>
+
+// Placement decides where experts live, never what a token computes.
+using namespace epmoe;
+
+namespace {
+
+template <class Placement, class Capacity = capacity::dropless, bool Dedup = false>
+struct policies : test::threads_policies<2, Capacity> {
+  using placement = Placement;
+  static constexpr bool dedup = Dedup;
+};
+
+// 8 experts on 4 ranks with 12 slots (3 per rank): experts 0 and 1 are hot and get copies.
+placement::table replicated(int ranks_per_node = 0) {
+  //                      rank 0    rank 1    rank 2    rank 3
+  return placement::table(8, 4, {0, 2, 3, 1, 4, 5, 0, 6, 1, 7, 0, 1}, ranks_per_node);
+}
+
+layer_config cfg4(double cf = 1.0) {
+  return {.hidden = 12,
+          .ffn = 10,
+          .experts = 8,
+          .top_k = 2,
+          .ranks = 4,
+          .max_tokens = 48,
+          .capacity_factor = cf};
+}
+
+// Tokens skewed toward experts 0 and 1 (the replicated ones).
+test::global_tokens skewed(const layer_config& cfg, reference::full_weights& w) {
+  for (int e = 0; e < 2; ++e)
+    for (int h = 0; h < cfg.hidden; ++h) w.gate[e * cfg.hidden + h] += 0.5f;
+  auto g = test::make_tokens({48, 30, 0, 48}, cfg.hidden, 5);
+  for (float& v : g.x) v = std::abs(v);
+  return g;
+}
+
+}  // namespace
+
+TEST_CASE("placement: block, round-robin and replicated tables all equal the reference",
+          "[layer][placement]") {
+  const layer_config cfg = cfg4();
+  auto w = reference::full_weights::random(cfg, 1);
+  const auto g = skewed(cfg, w);
+  using B = policies<placement::block>;
+  using RR = policies<placement::round_robin>;
+  using Tab = policies<placement::table>;
+  const auto block = test::run_layer<B>(cfg, w, g);
+  CHECK(test::relative_error(block.y, test::run_reference<B>(cfg, w, g)) <= 1e-4);
+  CHECK(test::relative_error(test::run_layer<RR>(cfg, w, g).y, block.y) <= 1e-5);
+  for (int rpn : {0, 2}) {  // one node, or two nodes of two ranks: a different copy choice
+    CAPTURE(rpn);
+    const auto rep = test::run_layer<Tab>(cfg, w, g, {.placement = replicated(rpn)});
+    CHECK(test::relative_error(rep.y, block.y) <= 1e-5);
+    // The hot experts' rows are spread over their copies: no rank computes them all.
+    index_t rows_e0 = 0;
+    for (int r = 0; r < 4; ++r) {
+      const auto& s = rep.stats[r][0];
+      for (int j = 0; j < 3; ++j)
+        if (replicated(rpn).expert_at(r, j) == 0) {
+          CHECK(s.rows_per_local_expert[j] < s.routed_per_expert[0] + 1000);  // sanity
+          rows_e0 += s.rows_per_local_expert[j];
+        }
+    }
+    index_t routed_e0 = 0;
+    for (int r = 0; r < 4; ++r) routed_e0 += rep.stats[r][0].routed_per_expert[0];
+    CHECK(rows_e0 == routed_e0);
+  }
+}
+
+TEST_CASE("placement: with capacity and dedup, replicated tables match the reference",
+          "[layer][placement]") {
+  const layer_config cfg = cfg4(0.75);
+  auto w = reference::full_weights::random(cfg, 2);
+  const auto g = skewed(cfg, w);
+  using C = capacity::factor<false>;
+  using Tab = policies<placement::table, C>;
+  using TabDedup = policies<placement::table, C, true>;
+  const test::run_options<Tab> opt{.placement = replicated()};
+  const auto rep = test::run_layer<Tab>(cfg, w, g, opt);
+  CHECK(test::relative_error(rep.y, test::run_reference<Tab>(cfg, w, g, opt)) <= 1e-4);
+  const auto dedup = test::run_layer<TabDedup>(cfg, w, g, {.placement = replicated()});
+  CHECK(test::relative_error(dedup.y, rep.y) <= 1e-6);
+  // Copies share a hot expert's load, so fewer rows are dropped than with one copy each.
+  using Blk = policies<placement::block, C>;
+  index_t dropped_block = 0, dropped_rep = 0;
+  const auto blk = test::run_layer<Blk>(cfg, w, g);
+  for (int r = 0; r < 4; ++r) {
+    dropped_block += blk.stats[r][0].dropped;
+    dropped_rep += rep.stats[r][0].dropped;
+  }
+  CHECK(dropped_rep < dropped_block);
+}
+
+TEST_CASE("placement: a token uses the copy on its own rank when there is one",
+          "[layer][placement]") {
+  const layer_config cfg = cfg4();
+  auto w = reference::full_weights::random(cfg, 3);
+  const auto g = skewed(cfg, w);
+  using Tab = policies<placement::table>;
+  const auto rep = test::run_layer<Tab>(cfg, w, g, {.placement = replicated()});
+  // Expert 0 has copies on ranks 0, 2, 3: their tokens keep expert-0 rows at home.
+  for (int r : {0, 3}) {
+    const auto& s = rep.stats[r][0];
+    const int j = r == 0 ? 0 : 1;  // local slot of expert 0 on that rank
+    REQUIRE(replicated().expert_at(r, j) == 0);
+    CHECK(s.rows_per_local_expert[j] >= s.routed_per_expert[0]);
+  }
+}
+
+TEST_CASE("placement: live re-placement moves only changed slots and keeps outputs",
+          "[layer][placement]") {
+  const layer_config cfg = cfg4();
+  auto w = reference::full_weights::random(cfg, 4);
+  const auto g = skewed(cfg, w);
+  using Tab = policies<placement::table>;
+  const placement::table start(cfg);                           // identity: 2 slots per rank
+  const std::vector<int> next_map = {1, 0, 2, 3, 5, 4, 6, 7};  // swap 0<->1 and 4<->5
+  const placement::table next(8, 4, next_map);
+  std::vector<float> before(g.x.size()), after(g.x.size());
+  std::vector<index_t> moved(4);
+  comm::threads_world world(4);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    const auto mine = reference::slice(w, start, r);
+    moe_layer<Tab> layer(cfg, c, {w.gate_view(), mine.experts()}, {}, {}, start);
+    const index_t T = g.per_rank[r], H = cfg.hidden;
+    const float* x = g.x.data() + g.offset(r) * H;
+    layer.forward({x, T, H}, {before.data() + g.offset(r) * H, T, H});
+    moved[r] = layer.apply_placement(next);
+    CHECK(layer.placement() == next);
+    layer.forward({x, T, H}, {after.data() + g.offset(r) * H, T, H});
+  });
+  const auto want = test::run_reference<Tab>(cfg, w, g);
+  CHECK(test::relative_error(before, want) <= 1e-4);
+  CHECK(test::relative_error(after, want) <= 1e-4);
+  // 4 slots changed; each holds w1, w3 [F, H] and w2 [H, F].
+  const index_t slot_bytes = 3 * index_t{cfg.ffn} * cfg.hidden * 4;
+  CHECK(moved == std::vector<index_t>{2 * slot_bytes, 0, 2 * slot_bytes, 0});
+}
+
+TEST_CASE("placement: the balancer's table, applied live, evens out rank load",
+          "[layer][placement]") {
+  layer_config cfg = cfg4();
+  cfg.max_tokens = 64;
+  auto w = reference::full_weights::random(cfg, 6);
+  auto g = skewed(cfg, w);
+  g = test::make_tokens({64, 64, 64, 64}, cfg.hidden, 7);
+  for (float& v : g.x) v = std::abs(v);
+  using Tab = policies<placement::table>;
+  std::vector<double> before(2), after(2);
+  std::vector<float> y(g.x.size());
+  comm::threads_world world(4);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    // Start with 3 slots per rank, the last 4 slots duplicating experts 4..7 (cold).
+    const placement::table start(8, 4, {0, 1, 4, 2, 3, 5, 4, 5, 6, 6, 7, 7});
+    const auto mine = reference::slice(w, start, r);
+    moe_layer<Tab> layer(cfg, c, {w.gate_view(), mine.experts()}, {}, {}, start);
+    const index_t T = 64, H = cfg.hidden;
+    const float* x = g.x.data() + r * T * H;
+    layer.forward({x, T, H}, {y.data() + r * T * H, T, H});
+    const auto load = layer.gather_load();
+    std::vector<double> l(load.per_expert.begin(), load.per_expert.end());
+    const auto plan = placement::balance(l, {.ranks = 4, .extra_slots = 4});
+    layer.apply_placement(plan.refined);
+    layer.forward({x, T, H}, {y.data() + r * T * H, T, H});
+    const auto load2 = layer.gather_load();
+    if (r == 0) {
+      before = {load.ranks.max_over_mean, load.ranks.excess};
+      after = {load2.ranks.max_over_mean, load2.ranks.excess};
+    }
+  });
+  INFO("rank max/mean before " << before[0] << ", after " << after[0]);
+  CHECK(after[0] < before[0]);
+  CHECK(test::relative_error(y, test::run_reference<Tab>(cfg, w, g)) <= 1e-4);
+}
