@@ -1,10 +1,13 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
+#include <type_traits>
 #include <vector>
 
 #include "../layer/harness.hpp"
 #include <epmoe/comm/mpi.hpp>
+#include <epmoe/placement/round_robin.hpp>
+#include <epmoe/placement/table.hpp>
 
 using namespace epmoe;
 
@@ -17,6 +20,14 @@ struct mpi_policies : default_policies {
 
 struct mpi_dedup_policies : mpi_policies {
   static constexpr bool dedup = true;
+};
+
+struct mpi_round_robin_policies : mpi_policies {
+  using placement = epmoe::placement::round_robin;
+};
+
+struct mpi_table_policies : mpi_policies {
+  using placement = epmoe::placement::table;
 };
 
 int world_rank() {
@@ -44,6 +55,23 @@ std::vector<float> gather(const std::vector<float>& mine, const test::global_tok
   return all;
 }
 
+// The placement a test runs with: the policy's default, except tables, which replicate the
+// first R experts once more (one extra slot per rank).
+template <class Placement>
+Placement make_placement(const layer_config& cfg) {
+  if constexpr (std::is_same_v<Placement, placement::table>) {
+    std::vector<int> phy;
+    const int L = cfg.experts / cfg.ranks;
+    for (int r = 0; r < cfg.ranks; ++r) {
+      for (int j = 0; j < L; ++j) phy.push_back(r * L + j);
+      phy.push_back((r + 1) % cfg.ranks);  // a copy of a hot expert from the next rank
+    }
+    return placement::table(cfg.experts, cfg.ranks, phy);
+  } else {
+    return Placement(cfg);
+  }
+}
+
 // Runs moe_layer on the MPI ranks, one pass per token set (rank r takes its slice of each),
 // and checks on rank 0 that every pass equals comm::threads on the same global tokens and
 // the reference. Returns this rank's stats of the last pass.
@@ -52,8 +80,10 @@ pass_stats check_layer(const layer_config& cfg, const reference::full_weights& w
                        const std::vector<test::global_tokens>& passes) {
   const int me = world_rank();
   const index_t H = cfg.hidden;
-  const auto mine = reference::slice(w, placement::block(cfg), me);
-  moe_layer<P> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
+  const typename P::placement where = make_placement<typename P::placement>(cfg);
+  const auto mine = reference::slice(w, where, me);
+  moe_layer<P> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()}, {}, {},
+                     where);
   for (std::size_t p = 0; p < passes.size(); ++p) {
     const test::global_tokens& g = passes[p];
     const index_t T = g.per_rank[me];
@@ -163,4 +193,17 @@ TEST_CASE("mpi layer: a rank with a different config makes every rank throw, no 
   } catch (const config_error& e) {
     CHECK(e.field() == "max_tokens");
   }
+}
+
+TEST_CASE("mpi layer: round-robin and replicated placements give the same outputs",
+          "[mpi][layer][placement]") {
+  const int R = world_size();
+  const layer_config cfg{
+      .hidden = 16, .ffn = 12, .experts = 2 * R, .top_k = 2, .ranks = R, .max_tokens = 30};
+  const auto w = reference::full_weights::random(cfg, 95);
+  std::vector<index_t> per_rank(R, 30);
+  per_rank[0] = 9;
+  const auto g = test::make_tokens(per_rank, cfg.hidden, 96);
+  check_layer<mpi_round_robin_policies>(cfg, w, {g});
+  check_layer<mpi_table_policies>(cfg, w, {g});
 }
