@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <exception>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -33,6 +34,20 @@
 #include "epmoe/space/host.hpp"
 
 namespace epmoe {
+
+namespace detail {
+/// The request type of a comm's ialltoallv (int for a comm without one).
+template <class Comm, bool Async>
+struct request_of {
+  using type = int;
+};
+template <class Comm>
+struct request_of<Comm, true> {
+  using type = decltype(std::declval<Comm&>().ialltoallv(
+      std::declval<const float*>(), std::declval<const index_t*>(), std::declval<const index_t*>(),
+      std::declval<float*>(), std::declval<const index_t*>(), std::declval<const index_t*>()));
+};
+}  // namespace detail
 
 /// The policy bundle a layer starts from; derive and override the slots you change:
 ///   struct my_policies : epmoe::default_policies { using comm = epmoe::comm::threads; };
@@ -87,6 +102,14 @@ class moe_layer {
                 "validate(cfg, w), validate(w, count, hidden, ffn, name), flops_per_row(hidden, "
                 "ffn), scratch_per_row(ffn) and forward(space, w, j, rows, scratch) (see "
                 "expert/swiglu.hpp)");
+  /// Whether the comm can start an exchange and wait for it later (ialltoallv); without it
+  /// every exchange blocks and a pipelined schedule has nothing to overlap.
+  static constexpr bool async_comm =
+      requires(comm_type & c, const float* s, float* r, const index_t* n) {
+    c.ialltoallv(s, n, n, r, n, n).wait();
+  };
+  using request_type = typename detail::request_of<comm_type, async_comm>::type;
+
   /// Per-rank dedup (Policies::dedup = true): a token sends one row to each rank that holds
   /// any of its experts, that rank returns one weighted sum (as DeepEP and Tutel do).
   static constexpr bool dedup = requires { requires Policies::dedup; };
@@ -97,8 +120,8 @@ class moe_layer {
 
   static_assert(schedule_policy<schedule_type>,
                 "epmoe: the schedule policy must provide static run(stages&) calling route, "
-                "plan, permute, shared, dispatch, experts, combine, reduce (see "
-                "schedule/sequential.hpp)");
+                "plan, permute, shared, counts, then per chunk dispatch_start/wait, experts, "
+                "combine_start/wait, then reduce (see schedule/sequential.hpp)");
 
   /// The weights one rank holds (non-owning; they must outlive the layer).
   struct weights {
@@ -126,8 +149,21 @@ class moe_layer {
         placement_(std::move(placement)),
         stats_(cfg_.experts, placement_.slots_per_rank(), cfg_.ranks),
         width_(router_type::top_k > 0 ? router_type::top_k : cfg_.experts) {
+    chunks_max_ = chunks_ = cfg_.chunks > 0 ? cfg_.chunks : default_chunks();
+    event_start_.resize(static_cast<std::size_t>(3 * chunks_max_));
     allocate_workspace();
   }
+
+  /// Chunks of the next passes (1 .. the config's chunks, or the schedule's default): the
+  /// run-time override of a pipelined schedule's overlap degree. Every rank must set the same.
+  void set_chunks(int chunks) {
+    detail::require(
+        chunks >= 1 && chunks <= chunks_max_, "chunks", chunks,
+        ("must be in [1, " + std::to_string(chunks_max_) + "] (config chunks sizes the workspace)")
+            .c_str());
+    chunks_ = chunks;
+  }
+  int chunks() const { return chunks_; }
 
   moe_layer(const moe_layer&) = delete;
   moe_layer& operator=(const moe_layer&) = delete;
@@ -154,6 +190,12 @@ class moe_layer {
     x_ = x;
     y_ = y;
     token_ids_ = token_ids;
+    plan_.chunks = chunks_;
+    stats_.time = {};
+    stats_.expert_flops = stats_.comm_seconds = stats_.exposed_comm_seconds = stats_.overlap = 0;
+    stats_.timeline.clear();  // keeps its capacity: no allocation
+    stats_.chunks = chunks_;
+    pass_start_ = clock::now();
     if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
     const auto start = clock::now();
     stage_runner stages{*this};
@@ -308,6 +350,13 @@ class moe_layer {
   template <class T>
   using buffer = typename space_type::template buffer<T>;
 
+  static int default_chunks() {
+    if constexpr (requires { schedule_type::default_chunks; })
+      return schedule_type::default_chunks;
+    else
+      return 1;
+  }
+
   static double seconds_since(clock::time_point t) {
     return std::chrono::duration<double>(clock::now() - t).count();
   }
@@ -362,6 +411,7 @@ class moe_layer {
         {"shared_experts", cfg.shared_experts},
         {"shared_ffn", cfg.shared_ffn},
         {"seq_len", cfg.seq_len},
+        {"chunks", cfg.chunks},
         {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
         {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
         {"policies (hash of the policy bundle type)", type_hash<Policies>()},
@@ -436,22 +486,32 @@ class moe_layer {
     slot_ = space_.template allocate<std::int32_t>(T * K);
     phys_ = space_.template allocate<std::int32_t>(T * K);
     row_token_ = space_.template allocate<std::int32_t>(send_rows);
-    counts_ = space_.template allocate<index_t>(8 * R * L + 3 + L + 1 + E);
-    exchange_ = space_.template allocate<index_t>(2 * R * (2 * L + 1) + 8 * R);
-    index_t* x = exchange_.data() + 2 * R * (2 * L + 1);
-    ex_ = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
+    const index_t C = chunks_max_, B = C * R * L;
+    counts_ = space_.template allocate<index_t>(7 * B + 2 + R * L + C * L + 1 + E);
+    exchange_ = space_.template allocate<index_t>(2 * R * C * (2 * L + 1) + 8 * R * C);
+    ex_.resize(static_cast<std::size_t>(C));
+    for (index_t c = 0; c < C; ++c) {
+      index_t* x = exchange_.data() + 2 * R * C * (2 * L + 1) + 8 * R * c;
+      ex_[c] = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
+    }
+    if constexpr (async_comm) {
+      dispatch_req_.resize(static_cast<std::size_t>(C));
+      meta_req_.resize(static_cast<std::size_t>(C));
+      combine_req_.resize(static_cast<std::size_t>(C));
+    }
+    stats_.timeline.reserve(static_cast<std::size_t>(3 * C));
     if constexpr (dedup) {
       unique_slot_ = space_.template allocate<std::int32_t>(T * K);
       unique_token_ = space_.template allocate<std::int32_t>(T * std::min(K, R));
-      unique_counts_ = space_.template allocate<index_t>(4 * R + 2);
+      unique_counts_ = space_.template allocate<index_t>(4 * C * R + 2);
       meta_ = space_.template allocate<std::int64_t>(send_rows);
       meta_recv_ = space_.template allocate<std::int64_t>(recv_rows);
       plan_.unique_slot = unique_slot_.data();
       plan_.unique_token = unique_token_.data();
       plan_.unique_counts = unique_counts_.data();
-      plan_.unique_offsets = plan_.unique_counts + R;
-      plan_.recv_unique_counts = plan_.unique_offsets + R + 1;
-      plan_.recv_unique_offsets = plan_.recv_unique_counts + R;
+      plan_.unique_offsets = plan_.unique_counts + C * R;
+      plan_.recv_unique_counts = plan_.unique_offsets + C * R + 1;
+      plan_.recv_unique_offsets = plan_.recv_unique_counts + C * R;
       plan_.meta = meta_.data();
       plan_.meta_recv = meta_recv_.data();
     }
@@ -469,14 +529,15 @@ class moe_layer {
     recv_capacity_ = recv_rows;
 
     index_t* c = counts_.data();
-    const index_t B = R * L;
     plan_.ranks = cfg_.ranks;
     plan_.local_experts = static_cast<int>(L);
     plan_.top_k = width_;
+    plan_.chunks = chunks_;
     plan_.slot = slot_.data();
     plan_.phys = phys_.data();
     plan_.row_token = row_token_.data();
-    plan_.send_counts = c;
+    plan_.kept = c;
+    plan_.send_counts = c += R * L;
     plan_.send_valid = c += B;
     plan_.send_offsets = c += B;
     plan_.recv_counts = c += B + 1;
@@ -484,15 +545,19 @@ class moe_layer {
     plan_.recv_offsets = c += B;
     plan_.regroup_offsets = c += B + 1;
     plan_.expert_offsets = c += B;
-    plan_.routed = c += L + 1;
+    plan_.routed = c += C * L + 1;
   }
 
   matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.data(), T, width_}; }
   matrix_view<float> weights_view(index_t T) const { return {weights_.data(), T, width_}; }
 
-  // The stages a schedule drives. Each one times itself into stats().time.
+  // The stages a schedule drives, in the order route, plan, permute, shared, counts, then per
+  // chunk c: dispatch_start(c), dispatch_wait(c), experts(c), combine_start(c),
+  // combine_wait(c); then reduce. A schedule may interleave chunks and run shared while a
+  // dispatch is in flight. Each stage adds its time into stats().time.
   struct stage_runner {
     moe_layer& l;
+    int chunks() const { return l.plan_.chunks; }
     void route() {
       l.timed(l.stats_.time.route, [&] { l.do_route(); });
     }
@@ -505,14 +570,23 @@ class moe_layer {
     void shared() {
       l.timed(l.stats_.time.shared, [&] { l.do_shared(); });
     }
-    void dispatch() {
-      l.timed(l.stats_.time.dispatch, [&] { l.do_dispatch(); });
+    void counts() {
+      l.timed(l.stats_.time.dispatch, [&] { l.do_counts(); });
     }
-    void experts() {
-      l.timed(l.stats_.time.experts, [&] { l.do_experts(); });
+    void dispatch_start(int c) {
+      l.timed(l.stats_.time.dispatch, [&] { l.start_dispatch(c); });
     }
-    void combine() {
-      l.timed(l.stats_.time.combine, [&] { l.do_combine(); });
+    void dispatch_wait(int c) {
+      l.timed(l.stats_.time.dispatch, [&] { l.wait_dispatch(c); });
+    }
+    void experts(int c) {
+      l.timed(l.stats_.time.experts, [&] { l.do_experts(c); });
+    }
+    void combine_start(int c) {
+      l.timed(l.stats_.time.combine, [&] { l.start_combine(c); });
+    }
+    void combine_wait(int c) {
+      l.timed(l.stats_.time.combine, [&] { l.wait_combine(c); });
     }
     void reduce() {
       l.timed(l.stats_.time.reduce, [&] { l.do_reduce(); });
@@ -524,8 +598,10 @@ class moe_layer {
     const auto start = clock::now();
     f();
     space_.synchronize();
-    into = seconds_since(start);
+    into += seconds_since(start);
   }
+
+  double now() const { return seconds_since(pass_start_); }
 
   void do_route() {
     const index_t T = x_.rows, E = cfg_.experts, H = cfg_.hidden;
@@ -613,104 +689,172 @@ class moe_layer {
     EPMOE_HD void operator()(index_t i) const { into[i] = first ? add[i] : into[i] + add[i]; }
   };
 
-  void do_dispatch() {
-    const int R = cfg_.ranks, L = plan_.local_experts, P = 2 * L + 1;
-    const index_t H = cfg_.hidden;
-    // 1. Counts, per destination: L padded counts, L real counts, the unique rows (dedup).
+  // Counts for every chunk, per destination: L padded counts, L real counts, the unique rows
+  // (dedup), then the receive layout of the whole pass.
+  void do_counts() {
+    const int R = cfg_.ranks, L = plan_.local_experts, C = plan_.chunks, P = C * (2 * L + 1);
+    const auto t0 = clock::now();
     index_t* send_counts = exchange_.data();
     index_t* recv_counts = send_counts + R * P;
-    for (int r = 0; r < R; ++r) {
-      for (int j = 0; j < L; ++j) {
-        send_counts[r * P + j] = plan_.send_counts[r * L + j];
-        send_counts[r * P + L + j] = plan_.send_valid[r * L + j];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        index_t* out = send_counts + r * P + c * (2 * L + 1);
+        for (int j = 0; j < L; ++j) {
+          out[j] = plan_.send_counts[plan_.block(c, r, j)];
+          out[L + j] = plan_.send_valid[plan_.block(c, r, j)];
+        }
+        out[2 * L] = dedup ? plan_.unique_counts[c * R + r] : 0;
       }
-      send_counts[r * P + 2 * L] = dedup ? plan_.unique_counts[r] : 0;
-    }
     comm_.alltoall(send_counts, recv_counts, P);
-    for (int s = 0; s < R; ++s) {
-      for (int j = 0; j < L; ++j) {
-        plan_.recv_counts[s * L + j] = recv_counts[s * P + j];
-        plan_.recv_valid[s * L + j] = recv_counts[s * P + L + j];
+    for (int s = 0; s < R; ++s)
+      for (int c = 0; c < C; ++c) {
+        const index_t* in = recv_counts + s * P + c * (2 * L + 1);
+        for (int j = 0; j < L; ++j) {
+          plan_.recv_counts[plan_.block(c, s, j)] = in[j];
+          plan_.recv_valid[plan_.block(c, s, j)] = in[L + j];
+        }
+        if constexpr (dedup) plan_.recv_unique_counts[c * R + s] = in[2 * L];
       }
-      if constexpr (dedup) plan_.recv_unique_counts[s] = recv_counts[s * P + 2 * L];
-    }
     build_recv_plan(plan_);
     if constexpr (dedup) {
       plan_.recv_unique_offsets[0] = 0;
-      for (int s = 0; s < R; ++s)
-        plan_.recv_unique_offsets[s + 1] =
-            plan_.recv_unique_offsets[s] + plan_.recv_unique_counts[s];
+      for (int b = 0; b < C * R; ++b)
+        plan_.recv_unique_offsets[b + 1] =
+            plan_.recv_unique_offsets[b] + plan_.recv_unique_counts[b];
     }
     if (plan_.recv_rows() > recv_capacity_)
       throw comm_error("epmoe: rank " + std::to_string(rank()) + " would receive " +
                        std::to_string(plan_.recv_rows()) + " rows, more than its workspace (" +
                        std::to_string(recv_capacity_) +
                        "); a peer passed more tokens than max_tokens?");
-    // 2. Rows (and with dedup each assignment's metadata), then regroup into expert-major
-    //    order for the grouped GEMMs (with dedup: expand each unique row to its experts).
-    set_rank_counts(H);
-    comm_.alltoallv(x_send_.data(), ex_.send_n, ex_.send_d, x_recv_.data(), ex_.recv_n, ex_.recv_d);
-    if constexpr (dedup) {
-      comm_.alltoallv(plan_.meta, ex_.meta_send_n, ex_.meta_send_d, plan_.meta_recv,
-                      ex_.meta_recv_n, ex_.meta_recv_d);
-      expand_unique_rows();
-    } else {
-      space_.copy_blocks(recv_view(), expert_view(), R * L, plan_.recv_offsets,
-                         plan_.regroup_offsets, plan_.recv_counts);
-    }
-    fill_comm_stats(H);
+    for (int c = 0; c < C; ++c) set_rank_counts(c);
+    fill_comm_stats();
+    const double t = seconds_since(t0);
+    stats_.comm_seconds += t;  // a blocking exchange: all of it exposed
+    stats_.exposed_comm_seconds += t;
   }
 
-  // Dedup: expert-major row of each received assignment <- its unique row.
-  void expand_unique_rows() {
+  // One exchange: non-blocking when the comm can, else blocking; requests live per chunk.
+  template <class T, class Req>
+  void start_exchange(std::optional<Req>* req, const T* send, const index_t* sn, const index_t* sd,
+                      T* recv, const index_t* rn, const index_t* rd) {
+    if constexpr (async_comm)
+      req->emplace(comm_.ialltoallv(send, sn, sd, recv, rn, rd));
+    else
+      comm_.alltoallv(send, sn, sd, recv, rn, rd);
+  }
+
+  template <class Req>
+  void finish_exchange(std::optional<Req>* req) {
+    if constexpr (async_comm) {
+      const auto t0 = clock::now();
+      (*req)->wait();
+      const double blocked = seconds_since(t0);
+      double wire = blocked;
+      if constexpr (requires { (*req)->modeled_seconds(); })
+        wire = std::max(blocked, (*req)->modeled_seconds());
+      req->reset();
+      stats_.comm_seconds += wire;
+      stats_.exposed_comm_seconds += blocked;
+    }
+  }
+
+  // Lets the comm progress pending exchanges (MPI moves data inside its calls).
+  void progress() {
+    if constexpr (async_comm)
+      for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
+        for (auto& r : *reqs)
+          if (r) r->test();
+  }
+
+  void start_dispatch(int c) {
+    event_start_[c * 3 + 0] = now();
+    rank_counts& x = ex_[c];
+    start_exchange(&dispatch_req_[c], x_send_.data(), x.send_n, x.send_d, x_recv_.data(), x.recv_n,
+                   x.recv_d);
+    if constexpr (dedup)
+      start_exchange(&meta_req_[c], plan_.meta, x.meta_send_n, x.meta_send_d, plan_.meta_recv,
+                     x.meta_recv_n, x.meta_recv_d);
+  }
+
+  void wait_dispatch(int c) {
+    finish_exchange(&dispatch_req_[c]);
+    if constexpr (dedup) {
+      finish_exchange(&meta_req_[c]);
+      expand_unique_rows(c);
+    } else {
+      const int B = cfg_.ranks * plan_.local_experts, b = c * B;
+      space_.copy_blocks(recv_view(), expert_view(), B, plan_.recv_offsets + b,
+                         plan_.regroup_offsets + b, plan_.recv_counts + b);
+    }
+    stats_.timeline.push_back({c, stage_kind::dispatch, event_start_[c * 3 + 0], now()});
+  }
+
+  // Dedup: expert-major row of each received assignment of chunk c <- its unique row.
+  void expand_unique_rows(int c) {
     const int R = cfg_.ranks, L = plan_.local_experts;
     const matrix_view<float> in = unique_recv_view(), out = expert_view();
     for (int s = 0; s < R; ++s)
       for (int j = 0; j < L; ++j) {
-        const int b = s * L + j;
+        const int b = plan_.block(c, s, j);
         for (index_t i = 0; i < plan_.recv_counts[b]; ++i) {
-          const index_t u =
-              plan_.recv_unique_offsets[s] + meta_index(plan_.meta_recv[plan_.recv_offsets[b] + i]);
+          const index_t u = plan_.recv_unique_offsets[c * R + s] +
+                            meta_index(plan_.meta_recv[plan_.recv_offsets[b] + i]);
           std::copy_n(in.row(u), cfg_.hidden, out.row(plan_.regroup_offsets[b] + i));
         }
       }
   }
 
-  void do_experts() {
+  void do_experts(int c) {
     const int L = plan_.local_experts;
+    const double t0 = now();
     double rows = 0;
     for (int j = 0; j < L; ++j) {
-      const index_t begin = plan_.expert_offsets[j], n = plan_.expert_offsets[j + 1] - begin;
+      const index_t begin = plan_.expert_offsets[c * L + j];
+      const index_t n = plan_.expert_offsets[c * L + j + 1] - begin;
       expert_type::forward(space_, w_.experts, j, expert_view().rows_slice(begin, n),
                            scratch_.data());
       rows += static_cast<double>(n);
+      progress();
     }
-    stats_.expert_flops = rows * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
+    stats_.expert_flops += rows * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
+    stats_.timeline.push_back({c, stage_kind::experts, t0, now()});
   }
 
-  void do_combine() {
+  void start_combine(int c) {
+    event_start_[c * 3 + 2] = now();
     const int R = cfg_.ranks, L = plan_.local_experts;
     if constexpr (dedup) {
       // The expert rank sums each token's weighted outputs: one row per (token, rank) goes home.
       const matrix_view<float> out = unique_recv_view(), in = expert_view();
-      for (index_t u = 0; u < out.rows; ++u) std::fill_n(out.row(u), cfg_.hidden, 0.f);
+      for (index_t u = plan_.recv_unique_offsets[c * R]; u < plan_.recv_unique_offsets[(c + 1) * R];
+           ++u)
+        std::fill_n(out.row(u), cfg_.hidden, 0.f);
       for (int s = 0; s < R; ++s)
         for (int j = 0; j < L; ++j) {
-          const int b = s * L + j;
+          const int b = plan_.block(c, s, j);
           for (index_t i = 0; i < plan_.recv_counts[b]; ++i) {
             const std::int64_t m = plan_.meta_recv[plan_.recv_offsets[b] + i];
             const float w = meta_weight(m);
             const float* src = in.row(plan_.regroup_offsets[b] + i);
-            float* dst = out.row(plan_.recv_unique_offsets[s] + meta_index(m));
+            float* dst = out.row(plan_.recv_unique_offsets[c * R + s] + meta_index(m));
             for (index_t h = 0; h < cfg_.hidden; ++h) dst[h] += w * src[h];
           }
         }
     } else {
-      space_.copy_blocks(expert_view(), recv_view(), R * L, plan_.regroup_offsets,
-                         plan_.recv_offsets, plan_.recv_counts);
+      const int B = R * L, b = c * B;
+      space_.copy_blocks(expert_view(), recv_view(), B, plan_.regroup_offsets + b,
+                         plan_.recv_offsets + b, plan_.recv_counts + b);
     }
     // The reverse exchange: what came from rank s goes back to rank s.
-    comm_.alltoallv(x_recv_.data(), ex_.recv_n, ex_.recv_d, x_send_.data(), ex_.send_n, ex_.send_d);
+    rank_counts& x = ex_[c];
+    start_exchange(&combine_req_[c], x_recv_.data(), x.recv_n, x.recv_d, x_send_.data(), x.send_n,
+                   x.send_d);
+  }
+
+  void wait_combine(int c) {
+    finish_exchange(&combine_req_[c]);
+    stats_.timeline.push_back({c, stage_kind::combine, event_start_[c * 3 + 2], now()});
   }
 
   void do_reduce() {
@@ -724,38 +868,48 @@ class moe_layer {
       for (index_t t = 0; t < tokens_; ++t)  // y rows may be strided: add row by row
         space_.for_each(cfg_.hidden,
                         accumulate{y_.row(t), shared_out_.data() + t * cfg_.hidden, false});
+    const double comm = stats_.comm_seconds;
+    stats_.overlap = comm > 0 ? 1.0 - stats_.exposed_comm_seconds / comm : 0.0;
   }
 
-  // Per-rank element counts and displacements of the exchanges: rows (per assignment, or
-  // unique with dedup) and, with dedup, the per-assignment metadata.
-  void set_rank_counts(index_t H) {
-    const int R = cfg_.ranks, L = plan_.local_experts;
+  // Per-rank element counts and displacements of chunk c's exchanges: rows (per assignment,
+  // or unique with dedup) and, with dedup, the per-assignment metadata.
+  void set_rank_counts(int c) {
+    const int R = cfg_.ranks;
+    const index_t H = cfg_.hidden;
+    rank_counts& x = ex_[c];
     for (int r = 0; r < R; ++r) {
-      const index_t rows_to = dedup ? plan_.unique_counts[r] : plan_.send_rows_to(r);
-      const index_t rows_at = dedup ? plan_.unique_offsets[r] : plan_.send_offsets[r * L];
-      const index_t rows_from = dedup ? plan_.recv_unique_counts[r] : plan_.recv_rows_from(r);
-      const index_t rows_in = dedup ? plan_.recv_unique_offsets[r] : plan_.recv_offsets[r * L];
-      ex_.send_n[r] = rows_to * H;
-      ex_.send_d[r] = rows_at * H;
-      ex_.recv_n[r] = rows_from * H;
-      ex_.recv_d[r] = rows_in * H;
-      ex_.meta_send_n[r] = plan_.send_rows_to(r);
-      ex_.meta_send_d[r] = plan_.send_offsets[r * L];
-      ex_.meta_recv_n[r] = plan_.recv_rows_from(r);
-      ex_.meta_recv_d[r] = plan_.recv_offsets[r * L];
+      const int b = plan_.block(c, r, 0);
+      const index_t rows_to = dedup ? plan_.unique_counts[c * R + r] : plan_.send_rows_to(c, r);
+      const index_t rows_at = dedup ? plan_.unique_offsets[c * R + r] : plan_.send_offsets[b];
+      const index_t rows_from =
+          dedup ? plan_.recv_unique_counts[c * R + r] : plan_.recv_rows_from(c, r);
+      const index_t rows_in = dedup ? plan_.recv_unique_offsets[c * R + r] : plan_.recv_offsets[b];
+      x.send_n[r] = rows_to * H;
+      x.send_d[r] = rows_at * H;
+      x.recv_n[r] = rows_from * H;
+      x.recv_d[r] = rows_in * H;
+      x.meta_send_n[r] = plan_.send_rows_to(c, r);
+      x.meta_send_d[r] = plan_.send_offsets[b];
+      x.meta_recv_n[r] = plan_.recv_rows_from(c, r);
+      x.meta_recv_d[r] = plan_.recv_offsets[b];
     }
   }
 
-  void fill_comm_stats(index_t H) {
-    const int R = cfg_.ranks, L = plan_.local_experts, me = rank();
+  void fill_comm_stats() {
+    const int R = cfg_.ranks, L = plan_.local_experts, C = plan_.chunks, me = rank();
+    const index_t H = cfg_.hidden;
     const index_t row_bytes = H * static_cast<index_t>(sizeof(float));
     const index_t meta_bytes = dedup ? static_cast<index_t>(sizeof(std::int64_t)) : 0;
     index_t sent = 0, received = 0, meta_sent = 0, meta_received = 0;
     for (int r = 0; r < R; ++r) {
       stats_.assignment_rows_sent[r] = plan_.send_rows_to(r);
       stats_.assignment_rows_received[r] = plan_.recv_rows_from(r);
-      stats_.rows_sent[r] = ex_.send_n[r] / H;
-      stats_.rows_received[r] = ex_.recv_n[r] / H;
+      stats_.rows_sent[r] = stats_.rows_received[r] = 0;
+      for (int c = 0; c < C; ++c) {
+        stats_.rows_sent[r] += ex_[c].send_n[r] / H;
+        stats_.rows_received[r] += ex_[c].recv_n[r] / H;
+      }
       if (r != me) {
         sent += stats_.rows_sent[r];
         received += stats_.rows_received[r];
@@ -770,18 +924,19 @@ class moe_layer {
     stats_.combine_bytes_received = sent * row_bytes;
     for (int j = 0; j < L; ++j) {
       index_t real = 0, padded = 0;
-      for (int s = 0; s < R; ++s) {
-        real += plan_.recv_valid[s * L + j];
-        padded += plan_.recv_counts[s * L + j];
-      }
+      for (int c = 0; c < C; ++c)
+        for (int s = 0; s < R; ++s) {
+          real += plan_.recv_valid[plan_.block(c, s, j)];
+          padded += plan_.recv_counts[plan_.block(c, s, j)];
+        }
       stats_.rows_per_local_expert[j] = real;
       stats_.padded_rows_per_local_expert[j] = padded;
     }
   }
 
-  index_t unique_send_rows() const { return plan_.unique_offsets[cfg_.ranks]; }
+  index_t unique_send_rows() const { return plan_.unique_offsets[plan_.chunks * cfg_.ranks]; }
   matrix_view<float> unique_recv_view() const {
-    return {x_recv_.data(), plan_.recv_unique_offsets[cfg_.ranks], cfg_.hidden};
+    return {x_recv_.data(), plan_.recv_unique_offsets[plan_.chunks * cfg_.ranks], cfg_.hidden};
   }
   matrix_view<float> send_view(index_t rows) const { return {x_send_.data(), rows, cfg_.hidden}; }
   matrix_view<float> recv_view() const { return {x_recv_.data(), plan_.recv_rows(), cfg_.hidden}; }
@@ -809,10 +964,15 @@ class moe_layer {
   std::vector<index_t> load_send_, load_recv_, global_load_;
   std::vector<buffer<float>> owned_experts_;  // expert weights after a live re-placement
   index_t recv_capacity_ = 0;
-  struct rank_counts {  // per-rank counts/displacements (elements) of the row exchanges
+  struct rank_counts {  // per-rank counts/displacements (elements) of one chunk's exchanges
     index_t *send_n, *send_d, *recv_n, *recv_d;
     index_t *meta_send_n, *meta_send_d, *meta_recv_n, *meta_recv_d;
-  } ex_{};
+  };
+  std::vector<rank_counts> ex_;                                                     // [chunks]
+  std::vector<std::optional<request_type>> dispatch_req_, meta_req_, combine_req_;  // [chunks]
+  std::vector<double> event_start_;  // [3 * chunks]: when each chunk's stages began
+  int chunks_max_ = 1, chunks_ = 1;
+  clock::time_point pass_start_{};
   buffer<std::int32_t> unique_slot_, unique_token_;
   buffer<index_t> unique_counts_;
   buffer<std::int64_t> meta_, meta_recv_;

@@ -35,6 +35,7 @@ layer_config cfg_of(double cf, int top_k, int experts, int ranks = 1) {
 // Owns every array a dispatch_plan points to.
 struct owned_plan {
   std::vector<std::int32_t> slot, phys, row_token;
+  std::vector<index_t> kept;
   std::vector<index_t> send_counts, send_valid, send_offsets, recv_counts, recv_valid, recv_offsets,
       expert_offsets, regroup_offsets, routed;
   epmoe::dispatch_plan plan;
@@ -44,6 +45,7 @@ struct owned_plan {
     const std::size_t B = static_cast<std::size_t>(ranks * local_experts);
     slot.assign(static_cast<std::size_t>(tokens * top_k), 12345);
     phys.assign(static_cast<std::size_t>(tokens * top_k), 12345);
+    kept.assign(B, -7);
     row_token.assign(static_cast<std::size_t>(send_rows), 12345);
     send_counts.assign(B, -7);
     send_valid.assign(B, -7);
@@ -59,6 +61,7 @@ struct owned_plan {
     plan.top_k = top_k;
     plan.slot = slot.data();
     plan.phys = phys.data();
+    plan.kept = kept.data();
     plan.row_token = row_token.data();
     plan.send_counts = send_counts.data();
     plan.send_valid = send_valid.data();

@@ -8,6 +8,7 @@
 #include <epmoe/comm/mpi.hpp>
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/placement/table.hpp>
+#include <epmoe/schedule/pipelined.hpp>
 
 using namespace epmoe;
 
@@ -19,6 +20,14 @@ struct mpi_policies : default_policies {
 };
 
 struct mpi_dedup_policies : mpi_policies {
+  static constexpr bool dedup = true;
+};
+
+struct mpi_pipelined_policies : mpi_policies {
+  using schedule = epmoe::schedule::pipelined<3>;
+};
+
+struct mpi_pipelined_dedup_policies : mpi_pipelined_policies {
   static constexpr bool dedup = true;
 };
 
@@ -206,4 +215,26 @@ TEST_CASE("mpi layer: round-robin and replicated placements give the same output
   const auto g = test::make_tokens(per_rank, cfg.hidden, 96);
   check_layer<mpi_round_robin_policies>(cfg, w, {g});
   check_layer<mpi_table_policies>(cfg, w, {g});
+}
+
+TEST_CASE("mpi layer: the pipelined schedule (MPI_Ialltoallv) gives the same outputs",
+          "[mpi][layer][pipelined]") {
+  const int R = world_size();
+  for (int C : {1, 3, 7}) {
+    const layer_config cfg{.hidden = 16,
+                           .ffn = 12,
+                           .experts = 2 * R,
+                           .top_k = 2,
+                           .ranks = R,
+                           .max_tokens = 30,
+                           .chunks = C};
+    const auto w = reference::full_weights::random(cfg, 97 + C);
+    std::vector<index_t> per_rank(R, 30);
+    per_rank[R - 1] = 2;  // fewer tokens than chunks: empty chunks
+    const auto g = test::make_tokens(per_rank, cfg.hidden, 98);
+    const pass_stats s = check_layer<mpi_pipelined_policies>(cfg, w, {g});
+    CHECK(s.chunks == C);
+    CHECK(s.timeline.size() == static_cast<std::size_t>(3 * C));
+    check_layer<mpi_pipelined_dedup_policies>(cfg, w, {g});
+  }
 }

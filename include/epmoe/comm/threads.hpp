@@ -11,6 +11,7 @@
 #include <string>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "epmoe/core/error.hpp"
@@ -95,6 +96,8 @@ class threads_world {
 /// exchange costs one copy.
 class threads {
  public:
+  class request;
+
   threads(threads_world& world, int rank)
       : world_(&world), rank_(rank), scratch_(2 * static_cast<std::size_t>(world.size())) {}
 
@@ -152,11 +155,60 @@ class threads {
           "exchange");
   }
 
+  /// Non-blocking all-to-all-v, deferred: the exchange runs in wait(), where the ranks meet.
+  /// Ranks must wait() in the order they started (a schedule's fixed order). Shared memory
+  /// has no wire to hide: the copy would take the same cores as compute; a throttled<>
+  /// link's wire time is what a schedule overlaps. Buffers stay in use until wait().
+  template <class T>
+  request ialltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
+                     const index_t* recv_counts, const index_t* recv_displs);
+
  private:
   threads_world* world_;
   int rank_;
   std::vector<index_t> scratch_;  // 2R entries, sized once: exchanges allocate nothing
 };
+
+/// A started exchange of comm::threads (see ialltoallv); wait() runs it. Holds no memory.
+class threads::request {
+ public:
+  request() = default;
+  void wait() {
+    if (run_) std::exchange(run_, nullptr)(*this);
+  }
+  bool test() { return run_ == nullptr; }
+
+ private:
+  friend class threads;
+  threads* comm_ = nullptr;
+  const void* send_ = nullptr;
+  void* recv_ = nullptr;
+  const index_t *send_counts_ = nullptr, *send_displs_ = nullptr;
+  const index_t *recv_counts_ = nullptr, *recv_displs_ = nullptr;
+  void (*run_)(request&) = nullptr;
+
+  template <class T>
+  static void run(request& r) {
+    r.comm_->alltoallv(static_cast<const T*>(r.send_), r.send_counts_, r.send_displs_,
+                       static_cast<T*>(r.recv_), r.recv_counts_, r.recv_displs_);
+  }
+};
+
+template <class T>
+threads::request threads::ialltoallv(const T* send, const index_t* send_counts,
+                                     const index_t* send_displs, T* recv,
+                                     const index_t* recv_counts, const index_t* recv_displs) {
+  request r;
+  r.comm_ = this;
+  r.send_ = send;
+  r.recv_ = recv;
+  r.send_counts_ = send_counts;
+  r.send_displs_ = send_displs;
+  r.recv_counts_ = recv_counts;
+  r.recv_displs_ = recv_displs;
+  r.run_ = &request::run<T>;
+  return r;
+}
 
 template <class Fn>
 void threads_world::run(Fn&& fn) {

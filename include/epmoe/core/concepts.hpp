@@ -120,13 +120,17 @@ concept expert_policy = requires {
 namespace detail {
 /// The stages a schedule drives; moe_layer hands the schedule an object of this shape.
 struct stages_archetype {
+  int chunks() const { return 1; }
   void route() {}
   void plan() {}
   void permute() {}
-  void dispatch() {}
-  void experts() {}
-  void combine() {}
   void shared() {}
+  void counts() {}
+  void dispatch_start(int) {}
+  void dispatch_wait(int) {}
+  void experts(int) {}
+  void combine_start(int) {}
+  void combine_wait(int) {}
   void reduce() {}
 };
 }  // namespace detail

@@ -23,6 +23,7 @@ struct layer_config {
   int shared_ffn = 0;            // inner width of each shared expert (0: same as ffn)
   double aux_loss_coef = 0.01;   // alpha of the load-balancing loss reported in stats
   int seq_len = 0;               // tokens per sequence for the sequence-level loss (0: whole pass)
+  int chunks = 0;                // pass split into chunks of tokens (0: the schedule's default)
 
   int experts_per_rank() const { return experts / ranks; }
   int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }
@@ -45,6 +46,8 @@ struct layer_config {
     require(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0, "aux_loss_coef", aux_loss_coef,
             "must be finite and >= 0");
     require(seq_len >= 0, "seq_len", seq_len, "must be >= 0 (0: the whole pass)");
+    require(chunks >= 0 && chunks <= 1024, "chunks", chunks,
+            "must be in [0, 1024] (0: the schedule's default)");
     // Row offsets are 32-bit on the device side: keep every buffer's row count in range.
     require(static_cast<std::int64_t>(max_tokens) * top_k * ranks < (std::int64_t{1} << 31),
             "max_tokens", max_tokens, "max_tokens * top_k * ranks must be < 2^31");

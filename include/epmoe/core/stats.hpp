@@ -24,6 +24,18 @@ struct stage_times {
   double total = 0;
 };
 
+/// A stage of one chunk on a rank's timeline.
+enum class stage_kind : std::uint8_t { dispatch, experts, combine };
+
+/// One stage of one chunk: seconds since the pass began. A dispatch or combine runs from
+/// its start to the end of its wait; experts is compute.
+struct timeline_event {
+  int chunk = 0;
+  stage_kind stage = stage_kind::experts;
+  double start = 0;
+  double end = 0;
+};
+
 /// How uneven a load vector is: max/mean (1 = balanced) and (max - mean)/mean, the share by
 /// which the busiest member (the straggler) exceeds the mean.
 struct imbalance {
@@ -67,6 +79,12 @@ struct pass_stats {
   imbalance expert_imbalance;  // of routed_per_expert (this rank's tokens)
   imbalance rank_imbalance;    // of rows_sent: how unevenly this rank's rows spread over ranks
   router_losses losses;        // of this rank's tokens (valid when the router has a gate)
+  int chunks = 1;              // chunks the pass was cut into
+  std::vector<timeline_event> timeline;  // per chunk: dispatch, experts, combine (in order)
+  double comm_seconds = 0;               // all-to-all time: counts + every chunk's exchanges
+                                         // (the link model's time where throttled)
+  double exposed_comm_seconds = 0;       // of it, time this rank waited (not hidden by compute)
+  double overlap = 0;                    // 1 - exposed / comm: the share hidden
   stage_times time;
 
   pass_stats() = default;

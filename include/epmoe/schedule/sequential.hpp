@@ -5,16 +5,24 @@
 namespace epmoe::schedule {
 
 /// One stage after another, no overlap: the baseline every other schedule is compared to.
+/// With config chunks > 1 the chunks run one after another, each exchange waited at once.
 struct sequential {
+  static constexpr int default_chunks = 1;
+
   template <class Stages>
   static void run(Stages& s) {
     s.route();
     s.plan();
     s.permute();
-    s.shared();  // home-rank work; a pipelined schedule overlaps it with dispatch
-    s.dispatch();
-    s.experts();
-    s.combine();
+    s.shared();
+    s.counts();
+    for (int c = 0; c < s.chunks(); ++c) {
+      s.dispatch_start(c);
+      s.dispatch_wait(c);
+      s.experts(c);
+      s.combine_start(c);
+      s.combine_wait(c);
+    }
     s.reduce();
   }
 };
