@@ -1,0 +1,250 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+// Plans a deployment before renting it: runs the real planner for every simulated rank and
+// prices the pass on a cluster model. For example, 256 experts, top-8, 64 GPUs in 8 nodes,
+// Zipf 1.2, and how much replication and overlap recover:
+//   epmoe_simulate --ranks 64 --nodes 8 --experts 256 --top-k 8 --skew 1.2 --compare
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include <epmoe/capacity/dropless.hpp>
+#include <epmoe/capacity/factor.hpp>
+#include <epmoe/placement/balancer.hpp>
+#include <epmoe/placement/block.hpp>
+#include <epmoe/placement/round_robin.hpp>
+#include <epmoe/placement/table.hpp>
+#include <epmoe/sim/simulate.hpp>
+#include <epmoe/sim/source.hpp>
+#include <epmoe/sim/trace.hpp>
+
+using namespace epmoe;
+
+namespace {
+
+struct args {
+  int ranks = 64, nodes = 8, experts = 256, top_k = 8, hidden = 7168, ffn = 2048;
+  int tokens = 4096, chunks = 4, extra_slots = -1, show = 5;
+  std::string placement = "block", capacity = "dropless", schedule = "sequential";
+  std::string topology = "h100_nvlink_ib", trace, stats;
+  double skew = 1.2;
+  bool dedup = false, compare = false;
+  std::uint64_t seed = 1;
+};
+
+[[noreturn]] void usage() {
+  std::puts(
+      "usage: epmoe_simulate [--ranks R] [--nodes N] [--experts E] [--top-k K] [--hidden H]\n"
+      "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced]\n"
+      "  [--extra-slots S (balanced; default R)] [--capacity dropless|FACTOR] [--dedup]\n"
+      "  [--schedule sequential|pipelined] [--chunks C] [--skew ZIPF (0: uniform)]\n"
+      "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
+      "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
+      "  [--compare (block vs balanced x sequential vs pipelined)]");
+  std::exit(2);
+}
+
+args parse(int argc, char** argv) {
+  args a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string k = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) usage();
+      return argv[++i];
+    };
+    if (k == "--ranks")
+      a.ranks = std::stoi(next());
+    else if (k == "--nodes")
+      a.nodes = std::stoi(next());
+    else if (k == "--experts")
+      a.experts = std::stoi(next());
+    else if (k == "--top-k")
+      a.top_k = std::stoi(next());
+    else if (k == "--hidden")
+      a.hidden = std::stoi(next());
+    else if (k == "--ffn")
+      a.ffn = std::stoi(next());
+    else if (k == "--tokens")
+      a.tokens = std::stoi(next());
+    else if (k == "--chunks")
+      a.chunks = std::stoi(next());
+    else if (k == "--extra-slots")
+      a.extra_slots = std::stoi(next());
+    else if (k == "--show")
+      a.show = std::stoi(next());
+    else if (k == "--placement")
+      a.placement = next();
+    else if (k == "--capacity")
+      a.capacity = next();
+    else if (k == "--schedule")
+      a.schedule = next();
+    else if (k == "--topology")
+      a.topology = next();
+    else if (k == "--trace")
+      a.trace = next();
+    else if (k == "--stats")
+      a.stats = next();
+    else if (k == "--skew")
+      a.skew = std::stod(next());
+    else if (k == "--seed")
+      a.seed = std::stoull(next());
+    else if (k == "--dedup")
+      a.dedup = true;
+    else if (k == "--compare")
+      a.compare = true;
+    else
+      usage();
+  }
+  if (a.extra_slots < 0) a.extra_slots = a.ranks;  // one spare slot per rank
+  return a;
+}
+
+sim::topology make_topology(const args& a) {
+  sim::topology t = a.topology.find('/') != std::string::npos || a.topology.ends_with(".txt")
+                        ? sim::load_file(a.topology)
+                        : sim::preset(a.topology);
+  t.nodes = a.nodes;
+  t.ranks_per_node = a.ranks / a.nodes;  // the flags decide the shape, the preset the rates
+  if (t.nodes * t.ranks_per_node != a.ranks) {
+    std::fprintf(stderr, "--nodes %d must divide --ranks %d\n", a.nodes, a.ranks);
+    std::exit(2);
+  }
+  return t;
+}
+
+// The source's per-expert load, over all ranks, for the balancer.
+template <class Source>
+placement::table balanced(const args& a, const Source& src) {
+  const auto load = src.expected_load();
+  return placement::balance(load,
+                            {.ranks = a.ranks, .nodes = a.nodes, .extra_slots = a.extra_slots})
+      .refined;
+}
+
+template <class Placement, class Source>
+sim::result run_with(const args& a, const layer_config& cfg, const sim::topology& topo,
+                     const Source& src, const Placement& where, int chunks) {
+  const sim::options opt{.chunks = chunks};
+  if (a.capacity == "dropless") {
+    if (a.dedup)
+      return sim::simulate<sim::policies<Placement, capacity::dropless, true>>(cfg, topo, src, opt,
+                                                                               where);
+    return sim::simulate<sim::policies<Placement, capacity::dropless>>(cfg, topo, src, opt, where);
+  }
+  if (a.dedup)
+    return sim::simulate<sim::policies<Placement, capacity::factor<false>, true>>(cfg, topo, src,
+                                                                                  opt, where);
+  return sim::simulate<sim::policies<Placement, capacity::factor<false>>>(cfg, topo, src, opt,
+                                                                          where);
+}
+
+template <class Source>
+sim::result run(const args& a, const std::string& where, int chunks, const layer_config& cfg,
+                const sim::topology& topo, const Source& src) {
+  if (where == "block") return run_with(a, cfg, topo, src, placement::block(cfg), chunks);
+  if (where == "round_robin")
+    return run_with(a, cfg, topo, src, placement::round_robin(cfg), chunks);
+  if (where == "balanced") return run_with(a, cfg, topo, src, balanced(a, src), chunks);
+  usage();
+}
+
+void print(const sim::result& r, int show) {
+  std::vector<int> order(static_cast<std::size_t>(r.ranks));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return r.per_rank[x].total() > r.per_rank[y].total(); });
+  if (static_cast<int>(order.size()) > show) order.resize(static_cast<std::size_t>(show));
+  std::printf("  %5s %9s %9s %9s %9s %8s %9s %9s\n", "rank", "disp_us", "expert_us", "comb_us",
+              "total_us", "rows", "intra_MB", "inter_MB");
+  for (int q : order) {
+    const auto& m = r.per_rank[q];
+    std::printf("  %5d %9.1f %9.1f %9.1f %9.1f %8lld %9.2f %9.2f\n", q, m.dispatch * 1e6,
+                m.experts * 1e6, m.combine * 1e6, m.total() * 1e6,
+                static_cast<long long>(m.padded_rows_computed),
+                (m.dispatch_bytes.out[0] + m.dispatch_bytes.in[0]) / 1e6,
+                (m.dispatch_bytes.out[1] + m.dispatch_bytes.in[1]) / 1e6);
+  }
+  double mean = 0;
+  for (const auto& m : r.per_rank) mean += m.total() / r.ranks;
+  std::printf("  mean rank: %.1f us of own stage time (top %zu of %d ranks shown)\n", mean * 1e6,
+              order.size(), r.ranks);
+  std::printf("straggler: rank %d, %.0f%% above the mean rank; %s\n", r.straggler,
+              r.straggler_excess * 100, r.straggler_reason.c_str());
+  std::printf("rows computed per rank: max/mean %.2f; dropped %lld of %lld assignments\n",
+              r.rows_imbalance.max_over_mean, static_cast<long long>(r.dropped),
+              static_cast<long long>(r.assignments));
+  std::printf("dispatch bytes: %.1f MB intra-node, %.1f MB inter-node (all ranks)\n",
+              r.dispatch_bytes[0] / 1e6, r.dispatch_bytes[1] / 1e6);
+  std::printf("layer latency: %.1f us (%.1f us if every rank did the mean rank's work)\n",
+              r.latency * 1e6, r.balanced_latency * 1e6);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  const args a = parse(argc, argv);
+  const sim::topology topo = make_topology(a);
+  const layer_config cfg{.hidden = a.hidden,
+                         .ffn = a.ffn,
+                         .experts = a.experts,
+                         .top_k = a.top_k,
+                         .ranks = a.ranks,
+                         .max_tokens = a.tokens,
+                         .capacity_factor = a.capacity == "dropless" ? 1.0 : std::stod(a.capacity)};
+  auto go = [&](const auto& src) {
+    std::printf("%d experts, top-%d, H=%d F=%d, %d tokens/rank on %d ranks in %d nodes (%s)\n",
+                a.experts, a.top_k, a.hidden, a.ffn, a.tokens, a.ranks, a.nodes, topo.name.c_str());
+    if (a.compare) {
+      double lat[2][2];
+      const char* places[2] = {"block", "balanced"};
+      for (int p = 0; p < 2; ++p)
+        for (int s = 0; s < 2; ++s) {
+          const auto r = run(a, places[p], s ? a.chunks : 1, cfg, topo, src);
+          lat[p][s] = r.latency;
+          if (p == 0 && s == 0) print(r, a.show);
+        }
+      std::printf("\n%-28s %14s %14s\n", "latency (us)", "sequential",
+                  ("pipelined C=" + std::to_string(a.chunks)).c_str());
+      for (int p = 0; p < 2; ++p)
+        std::printf("%-28s %14.1f %14.1f\n",
+                    p ? ("balanced +" + std::to_string(a.extra_slots) + " slots").c_str() : "block",
+                    lat[p][0] * 1e6, lat[p][1] * 1e6);
+      std::printf("replication recovers %.0f%%, overlap %.0f%%, both %.0f%% of block sequential\n",
+                  100 * (1 - lat[1][0] / lat[0][0]), 100 * (1 - lat[0][1] / lat[0][0]),
+                  100 * (1 - lat[1][1] / lat[0][0]));
+      return;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const int chunks = a.schedule == "pipelined" ? a.chunks : 1;
+    const auto r = run(a, a.placement, chunks, cfg, topo, src);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("placement %s, capacity %s%s, %s (C=%d); simulated in %.3f s\n",
+                a.placement.c_str(), a.capacity.c_str(), a.dedup ? ", dedup" : "",
+                a.schedule.c_str(), chunks, secs);
+    print(r, a.show);
+    if (!a.trace.empty()) {
+      std::ofstream f(a.trace);
+      sim::write_trace(f, r);
+      std::printf("trace: %s (open in ui.perfetto.dev)\n", a.trace.c_str());
+    }
+  };
+  if (!a.stats.empty()) {
+    std::ifstream f(a.stats);
+    go(sim::recorded_source(sim::read_stats(f), 0, a.seed));
+  } else if (a.skew > 0) {
+    go(sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
+  } else {
+    go(sim::uniform(a.experts, a.top_k, a.tokens, a.seed));
+  }
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "epmoe_simulate: %s\n", e.what());
+  return 1;
+}

@@ -1,0 +1,158 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <fstream>
+#include <istream>
+#include <ostream>
+#include <sstream>
+#include <string>
+
+#include "epmoe/core/error.hpp"
+
+// The machine a simulated deployment runs on: nodes of ranks (one rank per GPU or per CPU
+// socket), two link classes and one expert-GEMM engine per rank.
+namespace epmoe::sim {
+
+/// Link class of one transfer: between two ranks of the same node (NVLink, shared memory)
+/// or between nodes (the NIC).
+enum class link { intra = 0, inter = 1 };
+
+/// Per-rank rates of a homogeneous cluster. Bandwidths are bytes/s per direction per rank;
+/// latencies are seconds per exchange (the alpha of alpha-beta).
+struct topology {
+  std::string name = "custom";
+  int nodes = 1;
+  int ranks_per_node = 1;
+  double intra_bandwidth = 0;   // bytes/s a rank sends (and, separately, receives) in its node
+  double intra_latency = 0;     // s: start-up of one exchange within a node
+  double inter_bandwidth = 0;   // bytes/s of the rank's share of the NIC, per direction
+  double inter_latency = 0;     // s: start-up of one exchange across nodes
+  double gemm_flops = 0;        // FLOP/s of the expert GEMMs on one rank
+  double memory_bandwidth = 0;  // bytes/s of the rank's memory (expert weights are read once)
+  int activation_bytes = 2;     // bytes per element of a token row on the wire (bf16: 2)
+  int weight_bytes = 2;         // bytes per expert weight element
+
+  int ranks() const { return nodes * ranks_per_node; }
+  int node_of(int rank) const { return rank / ranks_per_node; }
+  link between(int a, int b) const { return node_of(a) == node_of(b) ? link::intra : link::inter; }
+  double bandwidth(link l) const { return l == link::intra ? intra_bandwidth : inter_bandwidth; }
+  double latency(link l) const { return l == link::intra ? intra_latency : inter_latency; }
+
+  void validate() const {
+    using detail::require;
+    require(nodes >= 1, "topology.nodes", nodes, "must be >= 1");
+    require(ranks_per_node >= 1, "topology.ranks_per_node", ranks_per_node, "must be >= 1");
+    require(intra_bandwidth > 0 || ranks_per_node == 1, "topology.intra_bandwidth", intra_bandwidth,
+            "must be > 0 when a node holds several ranks");
+    require(inter_bandwidth > 0 || nodes == 1, "topology.inter_bandwidth", inter_bandwidth,
+            "must be > 0 when there are several nodes");
+    require(intra_latency >= 0, "topology.intra_latency", intra_latency, "must be >= 0");
+    require(inter_latency >= 0, "topology.inter_latency", inter_latency, "must be >= 0");
+    require(gemm_flops > 0, "topology.gemm_flops", gemm_flops, "must be > 0");
+    require(memory_bandwidth > 0, "topology.memory_bandwidth", memory_bandwidth, "must be > 0");
+    require(activation_bytes >= 1, "topology.activation_bytes", activation_bytes, "must be >= 1");
+    require(weight_bytes >= 1, "topology.weight_bytes", weight_bytes, "must be >= 1");
+  }
+};
+
+/// 8x H100 SXM per node: NVLink 4 gives 450 GB/s per direction per GPU (900 GB/s both
+/// ways); one 400 Gb/s ConnectX-7 per GPU gives 50 GB/s. Latencies are what NCCL/DeepEP
+/// all-to-alls start with (a few us in a node, ~10 us over IB). GEMM rate: 600 TFLOP/s,
+/// about 60% of the 989 TFLOP/s dense bf16 peak, what grouped GEMMs of MoE shapes
+/// (a few hundred rows per expert) sustain in practice. HBM3: 3.35 TB/s.
+inline topology h100_nvlink_ib(int nodes = 1) {
+  return {"h100_nvlink_ib", nodes, 8, 450e9, 3e-6, 50e9, 10e-6, 600e12, 3.35e12, 2, 2};
+}
+
+/// 8x H200 per node: the H100's compute and links, HBM3e at 4.8 TB/s (the weight-read
+/// bound of small experts falls by 30%).
+inline topology h200(int nodes = 1) {
+  return {"h200", nodes, 8, 450e9, 3e-6, 50e9, 10e-6, 600e12, 4.8e12, 2, 2};
+}
+
+/// A CPU cluster: 2 ranks (sockets) per node over shared memory (~20 GB/s a copy), 100 Gb/s
+/// Ethernet/IB shared by the two (6.25 GB/s each), fp32 rows as the host layer sends them;
+/// ~1.5 TFLOP/s of fp32 GEMM and ~150 GB/s of DRAM per socket.
+inline topology cpu_cluster(int nodes = 1) {
+  return {"cpu_cluster", nodes, 2, 20e9, 2e-6, 6.25e9, 15e-6, 1.5e12, 150e9, 4, 4};
+}
+
+/// A preset by name: h100_nvlink_ib, h200 or cpu_cluster.
+inline topology preset(const std::string& name, int nodes = 1) {
+  if (name == "h100_nvlink_ib" || name == "h100") return h100_nvlink_ib(nodes);
+  if (name == "h200") return h200(nodes);
+  if (name == "cpu_cluster" || name == "cpu") return cpu_cluster(nodes);
+  throw config_error("topology", name, "must be h100_nvlink_ib, h200 or cpu_cluster");
+}
+
+/// The file format: one `key = value` per line, `#` starts a comment; keys are the field
+/// names. Missing keys keep their defaults (those of `base`).
+inline void save(std::ostream& os, const topology& t) {
+  os.precision(17);
+  os << "# epmoe::sim topology\n"
+     << "name = " << t.name << "\nnodes = " << t.nodes << "\nranks_per_node = " << t.ranks_per_node
+     << "\nintra_bandwidth = " << t.intra_bandwidth << "\nintra_latency = " << t.intra_latency
+     << "\ninter_bandwidth = " << t.inter_bandwidth << "\ninter_latency = " << t.inter_latency
+     << "\ngemm_flops = " << t.gemm_flops << "\nmemory_bandwidth = " << t.memory_bandwidth
+     << "\nactivation_bytes = " << t.activation_bytes << "\nweight_bytes = " << t.weight_bytes
+     << "\n";
+}
+
+inline topology load(std::istream& is, topology base = {}) {
+  std::string line;
+  while (std::getline(is, line)) {
+    line = line.substr(0, line.find('#'));
+    const auto eq = line.find('=');
+    auto trim = [](std::string s) {
+      const auto b = s.find_first_not_of(" \t\r"), e = s.find_last_not_of(" \t\r");
+      return b == std::string::npos ? std::string{} : s.substr(b, e - b + 1);
+    };
+    if (trim(line).empty()) continue;
+    if (eq == std::string::npos) throw config_error("topology file", line, "expected key = value");
+    const std::string key = trim(line.substr(0, eq)), value = trim(line.substr(eq + 1));
+    std::istringstream v(value);
+    bool ok = true;
+    if (key == "name")
+      base.name = value;
+    else if (key == "nodes")
+      ok = bool(v >> base.nodes);
+    else if (key == "ranks_per_node")
+      ok = bool(v >> base.ranks_per_node);
+    else if (key == "intra_bandwidth")
+      ok = bool(v >> base.intra_bandwidth);
+    else if (key == "intra_latency")
+      ok = bool(v >> base.intra_latency);
+    else if (key == "inter_bandwidth")
+      ok = bool(v >> base.inter_bandwidth);
+    else if (key == "inter_latency")
+      ok = bool(v >> base.inter_latency);
+    else if (key == "gemm_flops")
+      ok = bool(v >> base.gemm_flops);
+    else if (key == "memory_bandwidth")
+      ok = bool(v >> base.memory_bandwidth);
+    else if (key == "activation_bytes")
+      ok = bool(v >> base.activation_bytes);
+    else if (key == "weight_bytes")
+      ok = bool(v >> base.weight_bytes);
+    else
+      throw config_error("topology file", key, "unknown key");
+    if (!ok) throw config_error("topology." + key, value, "not a number");
+  }
+  base.validate();
+  return base;
+}
+
+inline void save_file(const std::string& path, const topology& t) {
+  std::ofstream f(path);
+  if (!f) throw config_error("topology file", path, "cannot be written");
+  save(f, t);
+}
+
+inline topology load_file(const std::string& path, topology base = {}) {
+  std::ifstream f(path);
+  if (!f) throw config_error("topology file", path, "cannot be read");
+  return load(f, std::move(base));
+}
+
+}  // namespace epmoe::sim

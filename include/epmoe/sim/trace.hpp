@@ -1,0 +1,39 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <ostream>
+
+#include "epmoe/sim/simulate.hpp"
+
+// A simulated pass as a Chrome trace (chrome://tracing, ui.perfetto.dev): one process per
+// rank, one slice per stage of each chunk, placed on the layer's schedule with the rank's own
+// duration (the gap to the next slice is the time it waits for the slowest rank).
+namespace epmoe::sim {
+
+inline void write_trace(std::ostream& os, const result& r) {
+  const auto old = os.precision(12);
+  os << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
+  bool first = true;
+  auto slice = [&](int rank, const char* name, int chunk, double start, double dur) {
+    os << (first ? "\n" : ",\n") << "{\"name\":\"" << name << "\",\"cat\":\"moe\",\"ph\":\"X\","
+       << "\"pid\":" << rank << ",\"tid\":" << rank << ",\"ts\":" << start * 1e6
+       << ",\"dur\":" << dur * 1e6 << ",\"args\":{\"chunk\":" << chunk << "}}";
+    first = false;
+  };
+  for (int rank = 0; rank < r.ranks; ++rank) {
+    os << (first ? "\n" : ",\n") << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank
+       << ",\"tid\":" << rank << ",\"args\":{\"name\":\"rank " << rank << "\"}}";
+    first = false;
+    for (int c = 0; c < r.chunks; ++c) {
+      const auto i = static_cast<std::size_t>(rank) * r.chunks + c;
+      slice(rank, "dispatch", c, r.timeline.dispatch_start[c], r.rank_dispatch[i]);
+      slice(rank, "experts", c, r.timeline.experts_start[c], r.rank_experts[i]);
+      slice(rank, "combine", c, r.timeline.combine_start[c], r.rank_combine[i]);
+    }
+  }
+  os << "\n]}\n";
+  os.precision(old);
+}
+
+}  // namespace epmoe::sim

@@ -1,0 +1,206 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#include <catch2/catch.hpp>
+#include <sstream>
+
+#include "../layer/harness.hpp"
+#include <epmoe/placement/balancer.hpp>
+#include <epmoe/placement/round_robin.hpp>
+#include <epmoe/sim/simulate.hpp>
+#include <epmoe/sim/source.hpp>
+#include <epmoe/sim/trace.hpp>
+
+using namespace epmoe;
+
+namespace {
+
+template <class Placement, class Capacity = capacity::dropless, bool Dedup = false>
+struct policies : test::threads_policies<2, Capacity> {
+  using placement = Placement;
+  static constexpr bool dedup = Dedup;
+};
+
+// The layer reproduces a simulated routing through a hand-made gate: with H >= E, gate row
+// e = unit vector e and a token that is K - k at its k-th expert (0 elsewhere), top-k picks
+// exactly the source's experts, in the source's order.
+reference::full_weights hand_gate(const layer_config& cfg, std::uint64_t seed) {
+  auto w = reference::full_weights::random(cfg, seed);
+  std::fill(w.gate.begin(), w.gate.end(), 0.f);
+  for (int e = 0; e < cfg.experts; ++e) w.gate[e * cfg.hidden + e] = 1.f;
+  return w;
+}
+
+template <class Source>
+test::global_tokens tokens_of(const layer_config& cfg, const Source& src) {
+  test::global_tokens g;
+  const int K = cfg.top_k;
+  for (int r = 0; r < cfg.ranks; ++r) {
+    const index_t T = src.tokens(r);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(T * K));
+    std::vector<float> w(ids.size());
+    src.route(r, {{ids.data(), T, K}, {w.data(), T, K}});
+    g.per_rank.push_back(T);
+    for (index_t t = 0; t < T; ++t) {
+      std::vector<float> x(static_cast<std::size_t>(cfg.hidden), 0.f);
+      for (int k = 0; k < K; ++k) x[ids[t * K + k]] = float(K - k);
+      g.x.insert(g.x.end(), x.begin(), x.end());
+    }
+  }
+  return g;
+}
+
+// Rank by rank, the simulator's counts equal what the layer's pass_stats report.
+template <class P>
+void check_against_layer(const layer_config& cfg, const typename P::placement& where,
+                         const typename P::capacity& cap = {}) {
+  const auto src = sim::zipf(cfg.experts, 1.2, cfg.top_k, cfg.max_tokens, 5);
+  const auto topo = sim::cpu_cluster(cfg.ranks / 2);  // fp32 rows, as the host layer sends
+  const auto w = hand_gate(cfg, 3);
+  const auto g = tokens_of(cfg, src);
+  test::run_options<P> opt;
+  opt.placement = where;
+  opt.capacity = cap;
+  const auto run = test::run_layer<P>(cfg, w, g, opt);
+  const auto s = sim::simulate<P>(cfg, topo, src, {.keep_peer_counts = true}, where, cap);
+  const int R = cfg.ranks, L = where.slots_per_rank();
+  index_t dropped = 0;
+  for (int r = 0; r < R; ++r) {
+    const pass_stats& st = run.stats[r][0];
+    const sim::rank_result& me = s.per_rank[r];
+    INFO("rank " << r);
+    CHECK(me.assignments == st.assignments);
+    CHECK(me.dropped == st.dropped);
+    CHECK(me.padding == st.padding_rows);
+    dropped += st.dropped;
+    for (int q = 0; q < R; ++q) {
+      CHECK(s.rows_sent[r * R + q] == st.rows_sent[q]);
+      CHECK(s.assignment_rows_sent[r * R + q] == st.assignment_rows_sent[q]);
+    }
+    for (int j = 0; j < L; ++j) {
+      CHECK(s.rows_per_slot[r * L + j] == st.rows_per_local_expert[j]);
+      CHECK(s.padded_rows_per_slot[r * L + j] == st.padded_rows_per_local_expert[j]);
+    }
+    const auto& d = me.dispatch_bytes;
+    CHECK(d.out[0] + d.out[1] == double(st.dispatch_bytes_sent));
+    CHECK(d.in[0] + d.in[1] == double(st.dispatch_bytes_received));
+    CHECK(me.combine_bytes.out[0] + me.combine_bytes.out[1] == double(st.combine_bytes_sent));
+    CHECK(me.combine_bytes.in[0] + me.combine_bytes.in[1] == double(st.combine_bytes_received));
+  }
+  CHECK(s.dropped == dropped);
+}
+
+}  // namespace
+
+TEST_CASE("sim: counts equal a real layer pass on threads, rank by rank", "[sim]") {
+  layer_config cfg{.hidden = 16,
+                   .ffn = 8,
+                   .experts = 8,
+                   .top_k = 2,
+                   .ranks = 4,
+                   .max_tokens = 40,
+                   .capacity_factor = 0.75};
+  SECTION("block, dropless") {
+    check_against_layer<policies<placement::block>>(cfg, placement::block(cfg));
+  }
+  SECTION("round-robin, capacity factor (drops)") {
+    using P = policies<placement::round_robin, capacity::factor<false>>;
+    check_against_layer<P>(cfg, placement::round_robin(cfg));
+  }
+  SECTION("block, padded capacity") {
+    using P = policies<placement::block, capacity::padded_factor>;
+    check_against_layer<P>(cfg, placement::block(cfg));
+  }
+  SECTION("balanced replicated table, capacity and dedup") {
+    using P = policies<placement::table, capacity::factor<false>, true>;
+    const auto load = sim::zipf(8, 1.2, 2, 40, 5).expected_load();
+    const auto t = placement::balance(load, {.ranks = 4, .nodes = 2, .extra_slots = 4}).refined;
+    check_against_layer<P>(cfg, t);
+  }
+}
+
+TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]") {
+  // Two nodes of one rank: every transfer is inter-node.
+  sim::topology topo{"hand", 2, 1, 0, 0, 1e9, 1e-5, 1e12, 1e11, 2, 2};
+  layer_config cfg{
+      .hidden = 100, .ffn = 50, .experts = 2, .top_k = 1, .ranks = 2, .max_tokens = 40};
+  // Rank 0: 10 tokens to expert 0 (its own), 30 to expert 1; rank 1: 20 to expert 1.
+  const sim::recorded_source src({{0, 0, 40, 1, {10, 30}}, {0, 1, 20, 1, {0, 20}}});
+  const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
+  // Rows are 100 * 2 bytes: rank 0 sends 30 rows = 6000 B, rank 1 receives them.
+  const double comm = 1e-5 + 6000 / 1e9;
+  CHECK(s.per_rank[0].dispatch == Approx(comm).epsilon(1e-12));
+  CHECK(s.per_rank[1].dispatch == Approx(comm).epsilon(1e-12));
+  CHECK(s.per_rank[1].combine == Approx(comm).epsilon(1e-12));
+  CHECK(s.dispatch_bytes[1] == 6000);
+  // Rank 0: 10 rows = 3e5 FLOP / 1e12 = 3e-7 s, weights 3*100*50*2 = 3e4 B / 1e11 = 3e-7 s.
+  CHECK(s.per_rank[0].experts == Approx(3e-7).epsilon(1e-12));
+  // Rank 1: 50 rows = 1.5e6 FLOP -> 1.5e-6 s (compute bound).
+  CHECK(s.per_rank[1].experts == Approx(1.5e-6).epsilon(1e-12));
+  CHECK(s.latency == Approx(2 * comm + 1.5e-6).epsilon(1e-12));
+  CHECK(s.straggler == 1);
+  CHECK(s.straggler_reason.find("compute") == 0);
+
+  SECTION("dedup adds 8 bytes of metadata per assignment row") {
+    const auto d =
+        sim::simulate<sim::policies<placement::block, capacity::dropless, true>>(cfg, topo, src);
+    CHECK(d.per_rank[0].dispatch_bytes.out[1] == 30 * 200 + 30 * 8);
+    CHECK(d.per_rank[0].combine_bytes.in[1] == 30 * 200);
+  }
+}
+
+TEST_CASE("sim: the pipelined schedule by hand", "[sim][cost]") {
+  // D0 [0,1]; X0 [1,3]; D1 [1,2]; M0 [3,4]; X1 [3,5]; M1 [5,6].
+  const auto t = sim::schedule({{1, 1}, {2, 2}, {1, 1}});
+  CHECK(t.latency == 6);
+  CHECK(t.experts_start[1] == 3);
+  CHECK(t.combine_start[0] == 3);
+  CHECK(sim::schedule({{2}, {4}, {2}}).latency == 8);  // sequential: the sum
+}
+
+TEST_CASE("sim: 128 ranks x 256 experts x 256 tokens completes; trace is well formed",
+          "[sim][scale]") {
+  const layer_config cfg{
+      .hidden = 1024, .ffn = 512, .experts = 256, .top_k = 8, .ranks = 128, .max_tokens = 256};
+  const auto src = sim::zipf(256, 1.2, 8, 256, 7);
+  const auto s = sim::simulate<sim::policies<>>(cfg, sim::h100_nvlink_ib(16), src, {.chunks = 2});
+  CHECK(s.assignments == index_t{128} * 256 * 8);
+  CHECK(s.dropped == 0);
+  CHECK(s.latency > 0);
+  CHECK(s.balanced_latency <= s.latency);
+  CHECK(s.rows_imbalance.max_over_mean > 1);
+
+  std::ostringstream os;
+  sim::write_trace(os, s);
+  const std::string j = os.str();
+  CHECK(j.find("{\"displayTimeUnit\"") == 0);
+  CHECK(j.find("\"traceEvents\":[") != std::string::npos);
+  std::size_t slices = 0;
+  for (auto p = j.find("\"ph\":\"X\""); p != std::string::npos; p = j.find("\"ph\":\"X\"", p + 1))
+    ++slices;
+  CHECK(slices == std::size_t{128} * 2 * 3);
+  int depth = 0, min_depth = 0;  // brackets balance (no string holds one)
+  for (char c : j) {
+    depth += (c == '{' || c == '[') - (c == '}' || c == ']');
+    min_depth = std::min(min_depth, depth);
+  }
+  CHECK(depth == 0);
+  CHECK(min_depth == 0);
+}
+
+TEST_CASE("sim: stats lines round-trip and replay exact per-expert counts", "[sim][stats]") {
+  pass_stats a(4, 2, 2), b(4, 2, 2);
+  a.tokens = 6, a.routed_per_expert = {6, 3, 2, 1};
+  b.tokens = 3, b.routed_per_expert = {0, 3, 0, 3};
+  std::stringstream io;
+  sim::write_stats_line(io, 0, 0, 2, a);
+  sim::write_stats_line(io, 0, 1, 2, b);
+  const auto recs = sim::read_stats(io);
+  REQUIRE(recs.size() == 2);
+  CHECK(recs[1].routed_per_expert == b.routed_per_expert);
+  const sim::recorded_source src(recs);
+  const layer_config cfg{
+      .hidden = 8, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 6};
+  const auto s = sim::simulate<sim::policies<>>(cfg, sim::cpu_cluster(1), src);
+  // block: 2 experts per rank; rank 0 holds experts 0, 1 (6+3 + 0+3 rows).
+  CHECK(s.rows_per_slot == std::vector<index_t>{6, 6, 2, 4});
+}
