@@ -64,7 +64,10 @@ struct swiglu {
     matrix_view<float> h1(scratch, n, F), h3(scratch + n * F, n, F);
     space.gemm_nt(x, w.w1[j], h1);
     space.gemm_nt(x, w.w3[j], h3);
-    space.for_each(n * F, silu_mul_rows{h1.data, h3.data});
+    if constexpr (requires { space.silu_mul(h1.data, h3.data, n * F); })
+      space.silu_mul(h1.data, h3.data, n * F);  // the space's vectorised loop (space::host)
+    else
+      space.for_each(n * F, silu_mul_rows{h1.data, h3.data});
     space.gemm_nt(h1, w.w2[j], x);
   }
 };

@@ -1,0 +1,494 @@
+#!/usr/bin/env python3
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""epmoe against a PyTorch MoE layer, side by side in one run.
+
+The PyTorch layer is written the way PyTorch users write it (Hugging Face's Mixtral: a loop
+over the experts with index_select / index_add_; DeepSeek-V3's sigmoid + bias, group-limited
+gate and shared experts), fp32, the same shapes and weight sizes as the C++ benchmark. Both
+sides run with the same threads (torch.set_num_threads, OPENBLAS_NUM_THREADS) and the same
+OpenBLAS kernels (OPENBLAS_CORETYPE), both evict the caches before every timed pass, and each
+point runs the C++ side and then the PyTorch side back to back.
+
+    /usr/bin/python3 bench/compare_torch.py [--bench build/default/bench/epmoe_bench]
+        [--shapes all] [--tokens 1,16,128,1024,4096] [--threads N] [--coretype auto]
+        [--scaling] [--out bench/results/results.json] [--smoke]
+
+Exits 77 (CTest's skip code) when torch is not installed.
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+SKIP = 77
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# The shapes of bench/bench_common.hpp (the C++ side owns the truth; these must match).
+SHAPES = {
+    "mixtral": dict(hidden=1024, ffn=3584, experts=8, top_k=2, shared=0, deepseek=False),
+    "deepseek": dict(hidden=1024, ffn=512, experts=64, top_k=6, shared=2, deepseek=True,
+                     groups=8, top_groups=4),
+    "tiny-mixtral": dict(hidden=64, ffn=224, experts=8, top_k=2, shared=0, deepseek=False),
+    "tiny-deepseek": dict(hidden=64, ffn=32, experts=16, top_k=4, shared=2, deepseek=True,
+                          groups=4, top_groups=2),
+}
+
+# Targets of issue 5 (ratios, same machine, same BLAS settings, one run).
+TARGETS = {
+    "overhead_max_at_T_ge_1024": 1.10,
+    "efficiency_min_at_T_4096": 0.85,
+    "bandwidth_fraction_min_at_T_le_16": 0.80,
+    "speedup_vs_torch_min": {1: 1.3, 16: 1.8, 128: 2.0, 1024: 1.4, 4096: 1.4},
+}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--bench", help="the epmoe_bench binary (default: build/default/bench/)")
+    p.add_argument("--mpi-bench", help="the epmoe_bench_mpi binary (default: next to --bench)")
+    p.add_argument("--shapes", default="all", help="all, tiny, or names: mixtral,deepseek,...")
+    p.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per rank")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads on both sides (default: all CPUs)")
+    p.add_argument("--coretype", default="auto",
+                   help="OPENBLAS_CORETYPE for both sides: auto (SkylakeX when the CPU has "
+                        "AVX-512, else OpenBLAS's own choice), none, or a name")
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=40)
+    p.add_argument("--min-seconds", type=float, default=2.0)
+    p.add_argument("--scaling", action="store_true",
+                   help="also run the expert-parallel scaling (threads, and MPI when built)")
+    p.add_argument("--scaling-tokens", default="128,1024")
+    p.add_argument("--wait-idle", type=float, default=300.0,
+                   help="before each point, wait up to this many seconds for the machine to be "
+                        "idle (other jobs skew a side-by-side run); 0: do not wait")
+    p.add_argument("--out", help="write every figure as JSON here")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes, few repetitions: checks that both sides run")
+    a = p.parse_args()
+    if a.smoke:
+        if a.shapes == "all":
+            a.shapes = "tiny"
+        if a.tokens == "1,16,128,1024,4096":
+            a.tokens = "1,16"
+        a.min_reps, a.max_reps, a.min_seconds = 2, 2, 0.0
+        a.scaling_tokens = "32"
+        a.wait_idle = 0.0
+    return a
+
+
+def shape_names(spec):
+    out = []
+    for s in spec.split(","):
+        if s == "all":
+            out += ["mixtral", "deepseek"]
+        elif s == "tiny":
+            out += ["tiny-mixtral", "tiny-deepseek"]
+        elif s in SHAPES:
+            out.append(s)
+        else:
+            sys.exit(f"unknown shape {s!r}: {', '.join(SHAPES)}")
+    return out
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_model():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def set_environment(args):
+    """The BLAS settings of both sides; must run before torch (and its OpenBLAS) loads."""
+    coretype = args.coretype
+    if coretype == "auto":
+        # OpenBLAS's SkylakeX kernels are much faster where they run; elsewhere they crash.
+        coretype = "SkylakeX" if "avx512f" in cpu_flags() else None
+    elif coretype == "none":
+        coretype = None
+    if coretype:
+        os.environ["OPENBLAS_CORETYPE"] = coretype
+    else:
+        os.environ.pop("OPENBLAS_CORETYPE", None)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    return coretype
+
+
+def openblas_in_process():
+    """(library path, core name, threads) of each OpenBLAS this process has loaded."""
+    import ctypes
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({l.split()[-1] for l in f if "blas" in l and "/" in l})
+    except OSError:
+        return found
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path)
+            name = lib.openblas_get_corename
+            name.restype = ctypes.c_char_p
+            found.append({"library": path, "core": name().decode(),
+                          "threads": int(lib.openblas_get_num_threads())})
+        except (OSError, AttributeError):
+            pass
+    return found
+
+
+# --- is the machine ours? -------------------------------------------------------------------
+
+def cpu_ticks():
+    """(busy, total) clock ticks of all CPUs so far (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    idle = v[3] + (v[4] if len(v) > 4 else 0)
+    return sum(v) - idle, sum(v)
+
+
+def idle_fraction(seconds):
+    b0, t0 = cpu_ticks()
+    time.sleep(seconds)
+    b1, t1 = cpu_ticks()
+    return 1.0 - (b1 - b0) / (t1 - t0) if t1 > t0 else 1.0
+
+
+def wait_idle(limit):
+    """Waits (up to `limit` s) until the CPUs are >= 90% idle; returns the last idle fraction."""
+    if limit <= 0:
+        return None
+    start = time.time()
+    f = idle_fraction(1.0)
+    while f < 0.9 and time.time() - start < limit:
+        f = idle_fraction(2.0)
+    return f
+
+
+class others_meter:
+    """The share of the CPUs that other processes used while a point ran: all busy ticks less
+    this process's and its children's CPU time."""
+
+    def __enter__(self):
+        self.b, self.t = cpu_ticks()
+        self.own = sum(os.times()[:4])
+        return self
+
+    def __exit__(self, *exc):
+        b, t = cpu_ticks()
+        hz = os.sysconf("SC_CLK_TCK")
+        own = (sum(os.times()[:4]) - self.own) * hz
+        self.share = max(0.0, (b - self.b) - own) / (t - self.t) if t > self.t else 0.0
+
+
+# --- the PyTorch layers ---------------------------------------------------------------------
+
+def build_torch_layer(torch, spec, seed=1):
+    """A Mixtral-style (or DeepSeek-style) MoE block as PyTorch users write it."""
+    nn, F = torch.nn, torch.nn.functional
+    H, Fw, E, K = spec["hidden"], spec["ffn"], spec["experts"], spec["top_k"]
+
+    class Expert(nn.Module):  # Hugging Face MixtralBlockSparseTop2MLP / DeepseekV3MLP
+        def __init__(self, hidden, ffn):
+            super().__init__()
+            self.w1 = nn.Linear(hidden, ffn, bias=False)
+            self.w3 = nn.Linear(hidden, ffn, bias=False)
+            self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(H, E, bias=False)
+            self.experts = nn.ModuleList(Expert(H, Fw) for _ in range(E))
+            if spec["deepseek"]:
+                # DeepSeek-V3: e_score_correction_bias; the shared experts as one wider MLP.
+                self.register_buffer("bias", torch.zeros(E))
+                self.shared = Expert(H, Fw * spec["shared"]) if spec["shared"] else None
+
+        def route(self, x):
+            logits = self.gate(x)
+            if not spec["deepseek"]:  # Mixtral: softmax, top-k, renormalise
+                w = F.softmax(logits, dim=1, dtype=torch.float)
+                w, ids = torch.topk(w, K, dim=-1)
+                w = w / w.sum(dim=-1, keepdim=True)
+                return w.to(x.dtype), ids
+            # DeepSeek-V3 MoEGate (noaux_tc): sigmoid, bias for the choice, best groups.
+            T, G = x.shape[0], spec["groups"]
+            scores = logits.sigmoid()
+            choice = scores + self.bias.unsqueeze(0)
+            group_scores = choice.view(T, G, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            group_idx = torch.topk(group_scores, k=spec["top_groups"], dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            score_mask = group_mask.unsqueeze(-1).expand(T, G, E // G).reshape(T, -1)
+            masked = choice.masked_fill(~score_mask.bool(), 0.0)
+            ids = torch.topk(masked, k=K, dim=-1, sorted=False)[1]
+            w = scores.gather(1, ids)
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+            return w, ids
+
+        def forward(self, x):
+            w, ids = self.route(x)
+            out = torch.zeros_like(x)
+            mask = F.one_hot(ids, num_classes=E).permute(2, 1, 0)
+            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+            for e in hit:  # Mixtral's loop over the experts that got tokens
+                idx, top_x = torch.where(mask[e])
+                cur = x.index_select(0, top_x)
+                y = self.experts[e](cur) * w[top_x, idx, None]
+                out.index_add_(0, top_x, y.to(x.dtype))
+            if spec["deepseek"] and self.shared is not None:
+                out = out + self.shared(x)
+            return out
+
+    torch.manual_seed(seed)
+    m = MoE().eval()
+    with torch.no_grad():  # the C++ side's scales: U(-1,1)/sqrt(fan-in); gate logits of std ~2
+        for mod in m.modules():
+            if isinstance(mod, nn.Linear):
+                mod.weight.uniform_(-1, 1).mul_(1 / math.sqrt(mod.in_features))
+        gs = min(1.0, 2.0 ** round(math.log2(6 / math.sqrt(H))))
+        m.gate.weight.copy_((torch.randint(0, 33, (E, H)) - 16).float() / 16 * gs)
+    return m
+
+
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def torch_point(torch, model, spec, T, args, flush_buf):
+    """Median ms of model(x) at T tokens, cycling 4 batches, caches evicted before each."""
+    H = spec["hidden"]
+    gen = torch.Generator().manual_seed(100)
+    xs = [(torch.randint(0, 33, (T, H), generator=gen) - 16).float() / 16 for _ in range(4)]
+    times = []
+    with torch.inference_mode():
+        def one(i):
+            flush_buf.sum()
+            t0 = time.perf_counter()
+            model(xs[i % len(xs)])
+            return time.perf_counter() - t0
+
+        one(-1)  # warm-up
+        start = time.perf_counter()
+        while len(times) < args.max_reps and (len(times) < args.min_reps or
+                                              time.perf_counter() - start < args.min_seconds):
+            times.append(one(len(times)))
+    return median(times) * 1e3, len(times)
+
+
+# --- the C++ side ---------------------------------------------------------------------------
+
+def run_bench(cmd, env):
+    r = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        sys.stderr.write(r.stderr)
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}")
+    try:
+        return json.loads(r.stdout)
+    except json.JSONDecodeError as e:
+        sys.exit(f"{' '.join(cmd)} wrote malformed JSON: {e}")
+
+
+def find_bench(args):
+    if args.bench:
+        return args.bench
+    for cand in [os.path.join(ROOT, "build", "default", "bench", "epmoe_bench"),
+                 shutil.which("epmoe_bench")]:
+        if cand and os.path.exists(cand):
+            return cand
+    sys.exit("epmoe_bench not found: build it (cmake --build --preset default) or pass --bench")
+
+
+def mpiexec_command(n):
+    exe = shutil.which("mpiexec")
+    if not exe:
+        return None
+    cmd = [exe, "-n", str(n)]
+    try:
+        v = subprocess.run([exe, "--version"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True).stdout
+    except OSError:
+        return None
+    if "Open MPI" in v or "OpenRTE" in v:
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        if n > (os.cpu_count() or 1):
+            cmd.append("--oversubscribe")
+    return cmd
+
+
+def check_targets(points, scaling):
+    """One line per target: figure, threshold, met or not."""
+    lines = []
+    for p in points:
+        shape, T, cpp = p["shape"], p["tokens"], p["epmoe"]
+        if T >= 1024:
+            ok = cpp["overhead"] <= TARGETS["overhead_max_at_T_ge_1024"]
+            lines.append((shape, T, "overhead (layer / its expert GEMMs alone)",
+                          cpp["overhead"], "<= 1.10", ok))
+        if T == 4096:
+            ok = cpp["efficiency"] >= TARGETS["efficiency_min_at_T_4096"]
+            lines.append((shape, T, "compute bound (one-GEMM time / layer time)",
+                          cpp["efficiency"], ">= 0.85", ok))
+        if T <= 16:
+            ok = cpp["weight_bw_fraction"] >= TARGETS["bandwidth_fraction_min_at_T_le_16"]
+            lines.append((shape, T, "memory bound (weight bytes / time, of read bw)",
+                          cpp["weight_bw_fraction"], ">= 0.80", ok))
+        want = TARGETS["speedup_vs_torch_min"].get(T)
+        if want is not None and p.get("speedup") is not None:
+            lines.append((shape, T, "vs PyTorch (torch ms / epmoe ms)", p["speedup"],
+                          f">= {want}", p["speedup"] >= want))
+    return lines
+
+
+def main():
+    args = parse_args()
+    coretype = set_environment(args)
+    try:
+        import torch
+    except ImportError:
+        print("compare_torch: SKIP: torch is not installed (Debian: apt-get install python3-torch)")
+        return SKIP
+    torch.set_num_threads(args.threads)
+
+    bench = find_bench(args)
+    env = dict(os.environ)
+    shapes = shape_names(args.shapes)
+    tokens = [int(t) for t in args.tokens.split(",")]
+    reps = ["--min-reps", str(args.min_reps), "--max-reps", str(args.max_reps),
+            "--min-seconds", str(args.min_seconds)]
+
+    # The machine, measured once by the C++ side (read bandwidth, one sgemm's rate).
+    quick = ["--quick-machine"] if args.smoke else []
+    wait_idle(args.wait_idle)
+    machine = run_bench([bench, "--no-layer", "--json", "-"] + quick, env)["machine"]
+    # The bandwidth the memory-bound figure compares with: the best the machine reached.
+    read_gbs = max(machine["read_gbs_1_thread"], machine["read_gbs_all_threads"])
+    flush_buf = torch.ones(96 << 18)  # the C++ side's cache flush: 96 MB read
+    torch.nn.functional.linear(torch.ones(4, 8), torch.ones(8, 8))  # load torch's BLAS
+    torch_blas = openblas_in_process()
+    print(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs; {args.threads} threads on "
+          f"both sides; OPENBLAS_CORETYPE={coretype or '(unset: OpenBLAS picks)'}")
+    print(f"epmoe: {machine['gemm']}; BLAS core {machine['blas_core']}, "
+          f"{machine['blas_threads']} BLAS threads")
+    print(f"torch {torch.__version__}: {torch.get_num_threads()} threads; BLAS "
+          + ", ".join(f"{b['core']} ({b['threads']} threads)" for b in torch_blas[:1]))
+    print(f"read bandwidth {read_gbs:.1f} GB/s, "
+          f"sgemm {machine['sgemm_1024x4096x1024_gflops']:.1f} GFLOP/s\n")
+    print(f"{'shape':<14} {'T':>5} {'epmoe ms':>10} {'torch ms':>10} {'speedup':>8} "
+          f"{'eff':>6} {'ovh':>6} {'bw%':>5}")
+
+    points = []
+    for name in shapes:
+        spec = SHAPES[name]
+        model = build_torch_layer(torch, spec)
+        for T in tokens:
+            idle = wait_idle(args.wait_idle)
+            with others_meter() as others:
+                cpp = run_bench([bench, "--shapes", name, "--tokens", str(T), "--json", "-",
+                                 "--read-gbs", str(read_gbs)] + reps, env)
+                cpp_point = cpp["points"][0]
+                torch_ms, torch_reps = torch_point(torch, model, spec, T, args, flush_buf)
+            speedup = torch_ms / cpp_point["layer_ms"]
+            points.append({"shape": name, "tokens": T, "epmoe": cpp_point,
+                           "torch": {"ms": torch_ms, "reps": torch_reps},
+                           "speedup": speedup, "idle_before": idle,
+                           "other_processes_cpu_share": others.share})
+            busy = " (machine busy: other processes used %.0f%% of the CPUs)" % (
+                100 * others.share) if others.share > 0.05 else ""
+            print(f"{name:<14} {T:>5} {cpp_point['layer_ms']:>10.3f} {torch_ms:>10.3f} "
+                  f"{speedup:>7.2f}x {cpp_point['efficiency']:>6.2f} {cpp_point['overhead']:>6.2f} "
+                  f"{100 * cpp_point['weight_bw_fraction']:>4.0f}%{busy}", flush=True)
+        del model
+
+    scaling = []
+    if args.scaling:
+        print()
+        wait_idle(args.wait_idle)
+        s = run_bench([bench, "--no-layer", "--scaling", "--shapes", args.shapes,
+                       "--scaling-tokens", args.scaling_tokens, "--json", "-"] + quick, env)
+        scaling += s["scaling"]
+        mpi_bench = args.mpi_bench or os.path.join(os.path.dirname(bench), "epmoe_bench_mpi")
+        if os.path.exists(mpi_bench):
+            for n in (1, 2):
+                cmd = mpiexec_command(n)
+                if cmd is None:
+                    print("no mpiexec: MPI scaling skipped")
+                    break
+                wait_idle(args.wait_idle)
+                m = run_bench(cmd + [mpi_bench, "--shapes", args.shapes, "--scaling-tokens",
+                                     args.scaling_tokens, "--json", "-"], env)
+                scaling += m["scaling"]
+        else:
+            print("epmoe_bench_mpi not built (no MPI): MPI scaling skipped")
+        base = {(r["shape"], r["comm"], r["global_tokens"], r["dedup"]): r["ms"]
+                for r in scaling if r["ranks"] == 1}
+        print(f"{'shape':<14} {'comm':<8} {'tokens':>6} {'ranks':>5} {'dedup':>5} "
+              f"{'ms':>10} {'vs 1 rank':>9} {'rows sent':>10} {'(no dedup)':>10}")
+        for r in scaling:
+            one = base.get((r["shape"], r["comm"], r["global_tokens"], r["dedup"]))
+            r["speedup_vs_1_rank"] = one / r["ms"] if one else None
+            print(f"{r['shape']:<14} {r['comm']:<8} {r['global_tokens']:>6} {r['ranks']:>5} "
+                  f"{'yes' if r['dedup'] else 'no':>5} {r['ms']:>10.3f} "
+                  f"{r['speedup_vs_1_rank'] or 0:>8.2f}x {r['rows_sent_off_rank']:>10} "
+                  f"{r['assignment_rows_sent_off_rank']:>10}")
+
+    checks = check_targets(points, scaling)
+    if checks:
+        print("\ntargets (issue 5):")
+        for shape, T, what, value, want, ok in checks:
+            print(f"  {'met ' if ok else 'MISS'} {shape:<9} T={T:<5} {what}: {value:.2f} ({want})")
+
+    if args.out:
+        result = {
+            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": dict(machine, cpu_model=cpu_model(), logical_cpus=os.cpu_count()),
+            "threads": args.threads,
+            "openblas_coretype": coretype,
+            "torch": {"version": torch.__version__, "threads": torch.get_num_threads(),
+                      "blas": torch_blas},
+            "points": points,
+            "scaling": scaling,
+            "targets": [{"shape": s, "tokens": t, "what": w, "value": v, "want": want, "met": ok}
+                        for s, t, w, v, want, ok in checks],
+        }
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        with open(args.out) as f:  # prove it reads back
+            json.load(f)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

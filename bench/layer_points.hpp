@@ -1,0 +1,211 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+//
+// One benchmark point: the layer forward at T tokens on one rank, side by side in the same
+// process with (a) one BLAS GEMM of the same expert FLOPs and (b) the layer's own expert GEMM
+// calls alone (same shapes, inputs already gathered), repetition by repetition.
+#pragma once
+
+#include <epmoe/reference/weights.hpp>
+
+#include "bench_common.hpp"
+
+namespace bench {
+
+struct point_options {
+  rep_policy reps;
+  int batches = 4;     // distinct token batches, cycled (routing differs pass to pass)
+  bool flush = true;   // evict the caches before every timed call (weights come from memory)
+  std::FILE* out = stdout;
+};
+
+/// Reads a buffer larger than the last-level cache, so the next call finds its weights in
+/// memory, as a layer does in a model whose other layers ran in between.
+class cache_flusher {
+ public:
+  explicit cache_flusher(bool on) : a_(on ? std::size_t{96} << 18 : 0, 1.f) {}
+  void operator()() {
+    float s = 0;
+    for (std::size_t i = 0; i < a_.size(); i += 16) s += a_[i];  // one read per 64-byte line
+    sink_ = sink_ + s;
+  }
+
+ private:
+  std::vector<float> a_;
+  volatile float sink_ = 0;
+};
+
+/// C[M,N] = A[M,K] B[N,K]^T as one BLAS call (the portable loop when there is no BLAS).
+inline void one_gemm(const float* a, const float* b, float* c, index_t M, index_t N, index_t K) {
+#if defined(EPMOE_HAS_CBLAS)
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N),
+              static_cast<int>(K), 1.f, a, static_cast<int>(K), b, static_cast<int>(K), 0.f, c,
+              static_cast<int>(N));
+#else
+  epmoe::space::host_gemm_nt({a, M, K}, {b, N, K}, {c, M, N});
+#endif
+}
+
+/// Median of one stage's time over the repetitions, in ms.
+inline double median_of(const std::vector<epmoe::stage_times>& t, double epmoe::stage_times::*f) {
+  std::vector<double> v;
+  for (const auto& s : t) v.push_back(s.*f * 1e3);
+  return median(v);
+}
+
+inline json stage_json(const std::vector<epmoe::stage_times>& t) {
+  const auto med = [&](double epmoe::stage_times::*f) { return median_of(t, f); };
+  json j = json::object();
+  j.add("route", med(&epmoe::stage_times::route))
+      .add("plan", med(&epmoe::stage_times::plan))
+      .add("permute", med(&epmoe::stage_times::permute))
+      .add("shared", med(&epmoe::stage_times::shared))
+      .add("dispatch", med(&epmoe::stage_times::dispatch))
+      .add("experts", med(&epmoe::stage_times::experts))
+      .add("combine", med(&epmoe::stage_times::combine))
+      .add("reduce", med(&epmoe::stage_times::reduce))
+      .add("total", med(&epmoe::stage_times::total));
+  return j;
+}
+
+/// The layer of shape s at every T of `tokens` on one rank; one JSON object per point.
+template <class P, class Router>
+std::vector<json> layer_points(const shape& s, Router router, const std::vector<index_t>& tokens,
+                               const point_options& o, const machine& m) {
+  using layer_t = epmoe::moe_layer<P>;
+  layer_config cfg = s.cfg;
+  cfg.ranks = 1;
+  cfg.max_tokens = static_cast<int>(*std::max_element(tokens.begin(), tokens.end()));
+  const index_t H = cfg.hidden, F = cfg.ffn, Fs = cfg.shared_width(), N = cfg.shared_experts;
+
+  auto full = epmoe::reference::full_weights::random(cfg, 1);
+  const auto mine = epmoe::reference::slice(full, typename layer_t::placement_type(cfg), 0);
+  std::vector<float>().swap(full.w1);  // the layer reads the slice; free the second copy
+  std::vector<float>().swap(full.w3);
+  std::vector<float>().swap(full.w2);
+  const auto experts = mine.experts();
+  const auto shared = full.shared();
+  layer_t layer(cfg, epmoe::comm::local{}, {full.gate_view(), experts, shared}, router);
+  const epmoe::space::host space{};
+  cache_flusher flush(o.flush);
+
+  const double expert_bytes = 3.0 * H * F * sizeof(float);
+  const double shared_bytes = 3.0 * N * H * Fs * sizeof(float);
+  const double gate_bytes = double(cfg.experts) * H * sizeof(float);
+
+  std::vector<json> points;
+  for (index_t T : tokens) {
+    const int B = o.batches;
+    std::vector<std::vector<float>> xs;
+    for (int b = 0; b < B; ++b) xs.push_back(epmoe::reference::random_tokens(T, H, 100 + b));
+    std::vector<float> y(T * H);
+    const auto run_layer = [&](int b) {
+      layer.forward({xs[b].data(), T, H}, {y.data(), T, H});
+    };
+
+    // One pass per batch: the rows each expert gets, to replay its GEMMs alone.
+    std::vector<std::vector<index_t>> rows(B);
+    std::vector<double> flops(B), active(B);
+    index_t most = T;  // rows of the largest batch: routed, then T for the shared experts
+    for (int b = 0; b < B; ++b) {
+      run_layer(b);
+      const auto& st = layer.stats();
+      rows[b] = st.padded_rows_per_local_expert;
+      flops[b] = st.expert_flops + st.shared_flops;
+      index_t total = N > 0 ? T : 0;
+      for (index_t n : rows[b]) {
+        active[b] += n > 0;
+        total += n;
+      }
+      most = std::max(most, total);
+    }
+    double mean_flops = 0, mean_active = 0;
+    for (int b = 0; b < B; ++b) {
+      mean_flops += flops[b] / B;
+      mean_active += active[b] / B;
+    }
+    // As in the layer, each expert reads its own block of gathered rows and the scratch is
+    // shared; the outputs go to their own rows (not over the inputs, which later passes reuse).
+    const index_t Fmax = std::max(F, Fs);
+    std::vector<float> gin(most * H, 0.01f), g1(most * Fmax), g3(most * Fmax), gout(most * H);
+    const auto gemms_alone = [&](int b) {
+      index_t at = 0;
+      const auto expert_gemms = [&](const epmoe::expert::swiglu::weights& w, index_t j, index_t n) {
+        const index_t f = w.w1.rows;
+        const epmoe::matrix_view<const float> in(gin.data() + at * H, n, H);
+        space.gemm_nt(in, w.w1[j], {g1.data(), n, f});
+        space.gemm_nt(in, w.w3[j], {g3.data(), n, f});
+        space.gemm_nt({g1.data(), n, f}, w.w2[j], {gout.data() + at * H, n, H});
+        at += n;
+      };
+      for (index_t j = 0; j < static_cast<index_t>(rows[b].size()); ++j)
+        if (rows[b][j] > 0) expert_gemms(experts, j, rows[b][j]);
+      const index_t routed = at;
+      for (index_t n = 0; n < N; ++n) {
+        at = routed;  // every shared expert reads the same T rows
+        expert_gemms(shared, n, T);
+      }
+    };
+
+    // One GEMM doing the same FLOPs: [M, H] x [H, 3F], M = expert rows (routed + shared).
+    const index_t M = std::max<index_t>(1, std::llround(mean_flops / (6.0 * H * F)));
+    std::vector<float> ra(M * H, 0.01f), rb(3 * F * H, 0.01f), rc(M * 3 * F);
+
+    std::vector<double> t_layer, t_alone, t_gemm;
+    std::vector<epmoe::stage_times> stages;
+    const auto timed = [&](std::vector<double>* into, const auto& f) {
+      if (o.flush) flush();
+      const auto start = clock::now();
+      f();
+      if (into) into->push_back(seconds_since(start));
+    };
+    const int reps = repeat(o.reps, [&](int i) {
+      const int b = (i + B) % B;
+      const bool keep = i >= 0;
+      timed(keep ? &t_gemm : nullptr, [&] { one_gemm(ra.data(), rb.data(), rc.data(), M, 3 * F, H); });
+      timed(keep ? &t_alone : nullptr, [&] { gemms_alone((b + 2) % B); });
+      timed(keep ? &t_layer : nullptr, [&] { run_layer(b); });
+      if (keep) stages.push_back(layer.stats().time);
+    });
+
+    const double layer_s = median(t_layer), alone_s = median(t_alone), gemm_s = median(t_gemm);
+    const double weight_bytes = mean_active * expert_bytes + shared_bytes + gate_bytes;
+    const double weight_gbs = weight_bytes / layer_s * 1e-9;
+    json p = json::object();
+    p.add("shape", s.name)
+        .add("tokens", static_cast<long long>(T))
+        .add("reps", reps)
+        .add("layer_ms", layer_s * 1e3)
+        .add("stage_ms", stage_json(stages))
+        .add("expert_gflop", mean_flops * 1e-9)
+        .add("expert_gflops", mean_flops / layer_s * 1e-9)
+        .add("one_gemm_m", static_cast<long long>(M))
+        .add("one_gemm_ms", gemm_s * 1e3)
+        .add("efficiency", gemm_s / layer_s)
+        .add("gemms_alone_ms", alone_s * 1e3)
+        .add("overhead", layer_s / alone_s)
+        .add("active_experts", mean_active)
+        .add("weight_mb", weight_bytes * 1e-6)
+        .add("weight_gbs", weight_gbs)
+        .add("weight_bw_fraction", weight_gbs / m.read_gbs());
+    std::fprintf(o.out,
+                 "%-14s %5lld %9.3f %9.3f %9.3f %7.1f %6.2f %6.2f %7.1f %5.0f%%  "
+                 "[route %.2f plan %.2f permute %.2f shared %.2f dispatch %.2f experts %.2f "
+                 "combine %.2f reduce %.2f]\n",
+                 s.name.c_str(), static_cast<long long>(T), layer_s * 1e3, gemm_s * 1e3,
+                 alone_s * 1e3, mean_flops / layer_s * 1e-9, gemm_s / layer_s, layer_s / alone_s,
+                 weight_gbs, 100 * weight_gbs / m.read_gbs(), median_of(stages, &epmoe::stage_times::route),
+                 median_of(stages, &epmoe::stage_times::plan),
+                 median_of(stages, &epmoe::stage_times::permute),
+                 median_of(stages, &epmoe::stage_times::shared),
+                 median_of(stages, &epmoe::stage_times::dispatch),
+                 median_of(stages, &epmoe::stage_times::experts),
+                 median_of(stages, &epmoe::stage_times::combine),
+                 median_of(stages, &epmoe::stage_times::reduce));
+    std::fflush(o.out);
+    points.push_back(p);
+  }
+  return points;
+}
+
+}  // namespace bench

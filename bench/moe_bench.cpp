@@ -1,0 +1,144 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+//
+// The layer forward side by side, in one run, with one BLAS GEMM of the same expert FLOPs,
+// with its own expert GEMM calls alone, and with the machine's read bandwidth; then the
+// expert-parallel scaling over in-process ranks. Prints tables; --json writes every figure.
+//
+//   epmoe_bench [--shapes all|tiny|mixtral,deepseek,...] [--tokens 1,16,128,1024,4096]
+//               [--min-reps N] [--max-reps N] [--min-seconds S] [--batches N] [--no-flush]
+//               [--scaling] [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer]
+//               [--quick-machine] [--read-gbs GB/s] [--json FILE|-]
+//
+// Columns: layer ms (median); 1-GEMM ms: one [M, H] x [H, 3F] BLAS call of the same expert
+// FLOPs (M = expert rows); alone ms: the layer's expert GEMM calls alone; GFLOP/s: expert FLOPs
+// / layer time; eff = 1-GEMM / layer; ovh = layer / alone; GB/s: activated experts' weight
+// bytes / layer time, and that as % of the measured read bandwidth.
+#include <cstring>
+
+#include "layer_points.hpp"
+#include "scaling.hpp"
+
+namespace {
+
+using namespace bench;
+
+struct options {
+  std::string shapes = "all";
+  std::vector<index_t> tokens = {1, 16, 128, 1024, 4096};
+  point_options point;
+  bool layer = true;
+  bool scaling = false;
+  std::vector<index_t> scaling_tokens = {128, 1024};
+  int scaling_reps = 5;
+  bool quick_machine = false;
+  double read_gbs = 0;
+  std::string json_path;
+};
+
+[[noreturn]] void usage(const char* why) {
+  std::fprintf(stderr,
+               "epmoe_bench: %s\n"
+               "usage: epmoe_bench [--shapes all|tiny|NAME,...] [--tokens 1,16,...] "
+               "[--min-reps N] [--max-reps N] [--min-seconds S] [--batches N] [--no-flush] "
+               "[--scaling] [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer] "
+               "[--quick-machine] [--read-gbs GB/s] [--json FILE|-]\n",
+               why);
+  std::exit(2);
+}
+
+options parse(int argc, char** argv) {
+  options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
+      return argv[++i];
+    };
+    if (a == "--shapes") o.shapes = value();
+    else if (a == "--tokens") o.tokens = parse_list(value());
+    else if (a == "--min-reps") o.point.reps.min_reps = std::atoi(value().c_str());
+    else if (a == "--max-reps") o.point.reps.max_reps = std::atoi(value().c_str());
+    else if (a == "--min-seconds") o.point.reps.min_seconds = std::atof(value().c_str());
+    else if (a == "--batches") o.point.batches = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--no-flush") o.point.flush = false;
+    else if (a == "--scaling") o.scaling = true;
+    else if (a == "--scaling-tokens") o.scaling_tokens = parse_list(value());
+    else if (a == "--scaling-reps") o.scaling_reps = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--no-layer") o.layer = false;
+    else if (a == "--quick-machine") o.quick_machine = true;
+    else if (a == "--read-gbs") o.read_gbs = std::atof(value().c_str());
+    else if (a == "--json") o.json_path = value();
+    else usage(("unknown argument " + a).c_str());
+  }
+  if (o.tokens.empty()) usage("--tokens needs at least one value");
+  for (index_t t : o.tokens)
+    if (t < 1) usage("--tokens must be >= 1");
+  return o;
+}
+
+// Threads ranks: 1 and 2 ranks, without and with dedup, at each global token count. Each
+// rank's BLAS gets cpus / ranks threads, so every run uses the same cores.
+void threads_scaling(const shape& s, const options& o, const machine& m, std::FILE* out,
+                     json& arr) {
+  auto full = epmoe::reference::full_weights::random(s.cfg, 1);
+  for (index_t G : o.scaling_tokens)
+    for (int R : {1, 2})
+      for (bool dedup : {false, true}) {
+        if (G % R != 0 || s.cfg.experts % R != 0) continue;
+        const int threads = std::max(1, m.blas_threads / R);
+        set_blas_threads(threads);
+        std::vector<rank_run> runs(static_cast<std::size_t>(R));
+        epmoe::comm::threads_world world(R);
+        const auto body = [&]<bool D>() {
+          world.run([&](epmoe::comm::threads c) {
+            with_policies<epmoe::comm::threads, D>(s, [&]<class P>(auto router) {
+              runs[c.rank()] = scaling_rank<P>(s, router, c, full, G, o.scaling_reps,
+                                               o.point.batches);
+            });
+          });
+        };
+        if (dedup) body.template operator()<true>();
+        else body.template operator()<false>();
+        set_blas_threads(m.blas_threads);
+        print_scaling_row(out, s, "threads", G, R, dedup, threads, runs);
+        arr.push(scaling_json(s, "threads", G, dedup, threads, runs));
+      }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const options o = parse(argc, argv);
+  // With the JSON on stdout, the tables go to stderr.
+  std::FILE* out = o.json_path == "-" ? stderr : stdout;
+  point_options po = o.point;
+  po.out = out;
+
+  const machine m = machine::measure(o.quick_machine, o.read_gbs);
+  m.print(out);
+  json root = json::object();
+  root.add("program", "epmoe_bench").add("machine", m.to_json());
+  root.add("flush_caches", po.flush).add("batches", po.batches);
+
+  const auto shapes = parse_shapes(o.shapes);
+  if (o.layer) {
+    std::fprintf(out, "%-14s %5s %9s %9s %9s %7s %6s %6s %7s %6s\n", "shape", "T", "layer ms",
+                 "1-GEMM ms", "alone ms", "GFLOP/s", "eff", "ovh", "GB/s", "of bw");
+    json points = json::array();
+    for (const shape& s : shapes)
+      with_policies<epmoe::comm::local, false>(s, [&]<class P>(auto router) {
+        for (const json& p : layer_points<P>(s, router, o.tokens, po, m)) points.push(p);
+      });
+    root.add("points", points);
+    std::fprintf(out, "\n");
+  }
+  if (o.scaling) {
+    print_scaling_header(out);
+    json scaling = json::array();
+    for (const shape& s : shapes) threads_scaling(s, o, m, out, scaling);
+    root.add("scaling", scaling);
+  }
+  if (!o.json_path.empty()) write_text(o.json_path, root.str());
+  return 0;
+}
