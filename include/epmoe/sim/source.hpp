@@ -46,6 +46,7 @@ class weighted_source {
                            "needs at least top_k experts with a load > 0");
     cdf_.resize(load_.size());
     std::partial_sum(load_.begin(), load_.end(), cdf_.begin());
+    build_alias();
   }
 
   int experts() const { return static_cast<int>(load_.size()); }
@@ -62,25 +63,67 @@ class weighted_source {
 
   /// Fills ids and weights [tokens(rank), K] for `rank`.
   void route(int rank, mutable_routing_view out) const {
-    std::mt19937_64 rng(math::hash4(seed_, static_cast<std::uint64_t>(rank), 0x736f75726365ull, 0));
-    const double total = cdf_.back();
+    // Counter-based: splitmix64 from (seed, rank); one draw picks a column of the alias table
+    // (high bits) and a coin against its threshold (low bits): O(1) per pick.
+    std::uint64_t state =
+        math::hash4(seed_, static_cast<std::uint64_t>(rank), 0x736f75726365ull, 0);
+    const auto E = static_cast<std::uint64_t>(experts());
     const int K = top_k_;
     for (index_t t = 0; t < out.tokens(); ++t) {
+      std::int32_t* ids = &out.ids(t, 0);
       for (int k = 0; k < K; ++k) {
         int e;
         do {  // rejection of repeats: cheap while K is small next to the experts that carry load
-          const double u = std::uniform_real_distribution<double>(0, total)(rng);
-          e = static_cast<int>(std::upper_bound(cdf_.begin(), cdf_.end(), u) - cdf_.begin());
-          e = std::min(e, experts() - 1);
-        } while (load_[e] <= 0 ||
-                 std::find(&out.ids(t, 0), &out.ids(t, 0) + k, e) != &out.ids(t, 0) + k);
-        out.ids(t, k) = e;
+          const std::uint64_t u = splitmix64(state);
+          const auto i = static_cast<int>(((u >> 32) * E) >> 32);
+          e = static_cast<double>(u & 0xffffffffu) * 0x1p-32 < prob_[i] ? i : alias_[i];
+        } while (std::find(ids, ids + k, e) != ids + k);
+        ids[k] = e;
         out.weights(t, k) = 1.f / static_cast<float>(K);
       }
     }
   }
 
  private:
+  static std::uint64_t splitmix64(std::uint64_t& x) {
+    std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Vose's alias table: column i keeps expert i with probability prob_[i], else alias_[i].
+  void build_alias() {
+    const int E = experts();
+    prob_.assign(static_cast<std::size_t>(E), 0.0);
+    alias_.assign(static_cast<std::size_t>(E), 0);
+    std::vector<double> scaled(static_cast<std::size_t>(E));
+    std::vector<int> small, large;
+    for (int e = 0; e < E; ++e) {
+      scaled[e] = load_[e] * E / cdf_.back();
+      (scaled[e] < 1 ? small : large).push_back(e);
+    }
+    while (!small.empty() && !large.empty()) {
+      const int s = small.back(), l = large.back();
+      small.pop_back();
+      prob_[s] = scaled[s];
+      alias_[s] = l;
+      scaled[l] -= 1 - scaled[s];
+      if (scaled[l] < 1) {
+        large.pop_back();
+        small.push_back(l);
+      }
+    }
+    for (int e : large) prob_[e] = 1, alias_[e] = e;
+    // Rounding leftovers: keep a positive-load column whole, send a zero-load one elsewhere.
+    const int heaviest =
+        static_cast<int>(std::max_element(load_.begin(), load_.end()) - load_.begin());
+    for (int e : small) {
+      prob_[e] = load_[e] > 0 ? 1 : 0;
+      alias_[e] = load_[e] > 0 ? e : heaviest;
+    }
+  }
+  std::vector<double> prob_;
+  std::vector<int> alias_;
   std::vector<double> load_, cdf_;
   int top_k_;
   index_t tokens_;
