@@ -26,22 +26,34 @@ struct table_view {
 
   /// The copy of expert e a token on rank `home` uses: one on its own rank if any, else one
   /// on its own node, else any; among several, the token's hash spreads rows evenly.
+  /// An expert's copies are listed in slot order, and a rank's (a node's) slots are
+  /// contiguous, so each lookup is a binary search: O(log copies) for hot experts with many.
   EPMOE_HD int slot_for(int e, int home, std::uint64_t token) const {
     const int* c = log_to_phy + e * max_copies;
     const int n = copies[e];
     if (n == 1) return c[0];
-    for (int i = 0; i < n; ++i)
-      if (c[i] / slots_per_rank == home) return c[i];
+    const int rank_lo = home * slots_per_rank;
+    const int i = first_at_least(c, n, rank_lo);
+    if (i < n && c[i] < rank_lo + slots_per_rank) return c[i];
     const std::uint64_t h = math::hash4(0x706c6163ull, token, static_cast<std::uint64_t>(e), 0);
-    const int node = home / ranks_per_node;
-    int near = 0;
-    for (int i = 0; i < n; ++i) near += c[i] / slots_per_rank / ranks_per_node == node;
-    if (near > 0) {
-      int pick = static_cast<int>(h % static_cast<std::uint64_t>(near));
-      for (int i = 0; i < n; ++i)
-        if (c[i] / slots_per_rank / ranks_per_node == node && pick-- == 0) return c[i];
-    }
+    const int node_lo = home / ranks_per_node * ranks_per_node * slots_per_rank;
+    const int a = first_at_least(c, n, node_lo);
+    const int b = first_at_least(c, n, node_lo + ranks_per_node * slots_per_rank);
+    if (b > a) return c[a + static_cast<int>(h % static_cast<std::uint64_t>(b - a))];
     return c[h % static_cast<std::uint64_t>(n)];
+  }
+
+  /// The first i in [0, n) with c[i] >= v (c ascending), or n.
+  EPMOE_HD static int first_at_least(const int* c, int n, int v) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (c[mid] < v)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo;
   }
 };
 
