@@ -20,6 +20,9 @@
 #include <epmoe/placement/block.hpp>
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/placement/table.hpp>
+#include <epmoe/epmoe.hpp>
+#include <epmoe/reference/weights.hpp>
+#include <epmoe/sim/calibrate.hpp>
 #include <epmoe/sim/simulate.hpp>
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/trace.hpp>
@@ -32,9 +35,10 @@ struct args {
   int ranks = 64, nodes = 8, experts = 256, top_k = 8, hidden = 7168, ffn = 2048;
   int tokens = 4096, chunks = 4, extra_slots = -1, show = 5;
   std::string placement = "block", capacity = "dropless", schedule = "sequential";
-  std::string topology = "h100_nvlink_ib", trace, stats;
+  std::string topology = "h100_nvlink_ib", trace, stats, calibrate;
   double skew = 1.2;
-  bool dedup = false, compare = false;
+  bool dedup = false, compare = false, validate = false, topology_set = false;
+  int passes = 8;
   std::uint64_t seed = 1;
 };
 
@@ -46,7 +50,11 @@ struct args {
       "  [--schedule sequential|pipelined] [--chunks C] [--skew ZIPF (0: uniform)]\n"
       "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
       "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
-      "  [--compare (block vs balanced x sequential vs pipelined)]");
+      "  [--compare (block vs balanced x sequential vs pipelined)]\n"
+      "  --calibrate FILE [--ranks R (2)] [--tokens T (256)] [--hidden H] [--ffn F] [--experts E]\n"
+      "      [--top-k K]: measure comm::threads, host GEMM and memory rates; write a topology\n"
+      "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P] ...:\n"
+      "      predicted vs measured per-stage times of a real layer on comm::threads");
   std::exit(2);
 }
 
@@ -85,7 +93,13 @@ args parse(int argc, char** argv) {
     else if (k == "--schedule")
       a.schedule = next();
     else if (k == "--topology")
-      a.topology = next();
+      a.topology = next(), a.topology_set = true;
+    else if (k == "--calibrate")
+      a.calibrate = next();
+    else if (k == "--validate")
+      a.validate = true;
+    else if (k == "--passes")
+      a.passes = std::stoi(next());
     else if (k == "--trace")
       a.trace = next();
     else if (k == "--stats")
@@ -100,6 +114,21 @@ args parse(int argc, char** argv) {
       a.compare = true;
     else
       usage();
+  }
+  if (!a.calibrate.empty() || a.validate) {  // this machine: small defaults unless given
+    auto given = [&](const char* f) {
+      for (int i = 1; i < argc; ++i)
+        if (std::string(argv[i]) == f) return true;
+      return false;
+    };
+    if (!given("--ranks")) a.ranks = 2;
+    if (!given("--nodes")) a.nodes = 1;
+    if (!given("--experts")) a.experts = 8;
+    if (!given("--top-k")) a.top_k = 2;
+    if (!given("--hidden")) a.hidden = 512;
+    if (!given("--ffn")) a.ffn = 1024;
+    if (!given("--tokens")) a.tokens = 256;
+    if (!given("--skew")) a.skew = 0;
   }
   if (a.extra_slots < 0) a.extra_slots = a.ranks;  // one spare slot per rank
   return a;
@@ -185,10 +214,146 @@ void print(const sim::result& r, int show) {
               r.latency * 1e6, r.balanced_latency * 1e6);
 }
 
+// ---- calibration and validation on this machine (comm::threads) ----
+
+sim::calibration calibrate_here(const args& a) {
+  sim::calibration_options o;
+  o.ranks = a.ranks;
+  o.hidden = a.hidden;
+  o.ffn = a.ffn;
+  o.gemm_calls = std::max(1, a.experts / a.ranks);
+  o.gemm_rows = std::max<index_t>(1, index_t{a.ranks} * a.tokens * a.top_k / a.experts);
+  // The bandwidth point: about what one rank sends a peer in the layer's dispatch.
+  o.large_bytes = std::max<index_t>(index_t{64} << 10, index_t{a.tokens} * a.top_k * a.hidden * 4 /
+                                                           std::max(a.ranks, 1));
+  const auto c = sim::calibrate(o);
+  std::printf(
+      "calibration on %d in-process ranks (comm::threads):\n"
+      "  alltoallv: %.1f us at %lld B/peer, %.1f us at %lld B/peer -> latency %.1f us, "
+      "%.2f GB/s in per rank\n"
+      "  expert GEMMs (%lld x %d x %d, %d experts): %.1f GFLOP/s per rank\n"
+      "  memory reads: %.2f GB/s per rank\n",
+      a.ranks, c.exchange_small * 1e6, static_cast<long long>(o.small_bytes),
+      c.exchange_large * 1e6, static_cast<long long>(o.large_bytes), c.latency * 1e6,
+      c.bandwidth / 1e9, static_cast<long long>(o.gemm_rows), a.hidden, a.ffn, o.gemm_calls,
+      c.gemm_flops / 1e9, c.memory_bandwidth / 1e9);
+  return c;
+}
+
+template <int K>
+struct threads_layer_policies : default_policies {
+  using router = epmoe::router::topk_softmax<K>;
+  using comm = epmoe::comm::threads;
+};
+
+// Per-stage wall times of a real layer on comm::threads: [rank][pass].
+template <int K, class Source>
+std::vector<std::vector<stage_times>> run_real(const layer_config& cfg, const Source& src,
+                                               int passes) {
+  // The hand gate (as tests/sim does): gate row e = unit vector e and a token that is K - k at
+  // its k-th source expert, so top-k picks exactly the simulated assignments.
+  auto w = reference::full_weights::random(cfg, 3);
+  std::fill(w.gate.begin(), w.gate.end(), 0.f);
+  for (int e = 0; e < cfg.experts; ++e) w.gate[e * cfg.hidden + e] = 1.f;
+  std::vector<std::vector<float>> x(static_cast<std::size_t>(cfg.ranks));
+  for (int r = 0; r < cfg.ranks; ++r) {
+    const index_t T = src.tokens(r);
+    std::vector<std::int32_t> ids(static_cast<std::size_t>(T * K));
+    std::vector<float> wt(ids.size());
+    src.route(r, {{ids.data(), T, K}, {wt.data(), T, K}});
+    x[r].assign(static_cast<std::size_t>(T * cfg.hidden), 0.f);
+    for (index_t t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) x[r][t * cfg.hidden + ids[t * K + k]] = float(K - k);
+  }
+  using P = threads_layer_policies<K>;
+  std::vector<std::vector<stage_times>> out(static_cast<std::size_t>(cfg.ranks));
+  comm::threads_world world(cfg.ranks);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    const typename P::placement where(cfg);
+    const auto mine = reference::slice(w, where, r);
+    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()},
+                       {}, {}, where);
+    const index_t T = src.tokens(r), H = cfg.hidden;
+    std::vector<float> y(static_cast<std::size_t>(T * H));
+    for (int p = 0; p < passes + 1; ++p) {  // pass 0 warms up
+      layer.forward({x[r].data(), T, H}, {y.data(), T, H});
+      if (p > 0) out[r].push_back(layer.stats().time);
+    }
+  });
+  return out;
+}
+
+template <class Source>
+int validate(const args& a, const sim::topology& topo, const Source& src) {
+  const layer_config cfg{.hidden = a.hidden,
+                         .ffn = a.ffn,
+                         .experts = a.experts,
+                         .top_k = a.top_k,
+                         .ranks = a.ranks,
+                         .max_tokens = a.tokens};
+  if (a.hidden < a.experts) throw std::runtime_error("--validate needs --hidden >= --experts");
+  std::vector<std::vector<stage_times>> real;
+  switch (a.top_k) {
+    case 1: real = run_real<1>(cfg, src, a.passes); break;
+    case 2: real = run_real<2>(cfg, src, a.passes); break;
+    case 4: real = run_real<4>(cfg, src, a.passes); break;
+    case 8: real = run_real<8>(cfg, src, a.passes); break;
+    default: throw std::runtime_error("--validate supports --top-k 1, 2, 4 or 8");
+  }
+  const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
+  auto med = [&](int r, double stage_times::*f) {
+    std::vector<double> v;
+    for (const auto& t : real[r]) v.push_back(t.*f);
+    return sim::detail::median(v);
+  };
+  int busy = 0;  // the rank with the most expert time: its combine has no wait in it
+  for (int r = 1; r < a.ranks; ++r)
+    if (med(r, &stage_times::experts) > med(busy, &stage_times::experts)) busy = r;
+  const double pd = s.stages.dispatch[0], px = s.stages.experts[0], pc = s.stages.combine[0];
+  const double md = med(busy, &stage_times::dispatch), mx = med(busy, &stage_times::experts),
+               mc = med(busy, &stage_times::combine), mt = med(busy, &stage_times::total);
+  const double mrest = mt - md - mx - mc;
+  std::printf("validation: real moe_layer on %d comm::threads ranks, %d passes (median), "
+              "busiest rank %d; sim rows/rank max/mean %.2f\n",
+              a.ranks, a.passes, busy, s.rows_imbalance.max_over_mean);
+  std::printf("  %-28s %12s %12s %8s\n", "stage", "predicted ms", "measured ms", "error %");
+  auto row = [](const char* n, double p, double m) {
+    std::printf("  %-28s %12.3f %12.3f %+8.1f\n", n, p * 1e3, m * 1e3,
+                m > 0 ? 100 * (p - m) / m : 0.0);
+  };
+  row("dispatch", pd, md);
+  row("experts", px, mx);
+  row("combine", pc, mc);
+  row("dispatch+experts+combine", pd + px + pc, md + mx + mc);
+  std::printf("  %-28s %12s %12.3f %8s\n", "route+plan+permute+reduce", "(not modelled)",
+              mrest * 1e3, "");
+  row("layer total", s.latency, mt);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   const args a = parse(argc, argv);
+  if (!a.calibrate.empty()) {
+    auto c = calibrate_here(a);
+    sim::save_file(a.calibrate, c.topo);
+    std::printf("wrote %s:\n", a.calibrate.c_str());
+    sim::save(std::cout, c.topo);
+    return 0;
+  }
+  if (a.validate) {
+    sim::topology topo;
+    if (a.topology_set) {
+      topo = sim::load_file(a.topology);
+      topo.nodes = 1, topo.ranks_per_node = a.ranks;
+    } else {
+      topo = calibrate_here(a).topo;
+    }
+    if (a.skew > 0) return validate(a, topo, sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
+    return validate(a, topo, sim::uniform(a.experts, a.top_k, a.tokens, a.seed));
+  }
   const sim::topology topo = make_topology(a);
   const layer_config cfg{.hidden = a.hidden,
                          .ffn = a.ffn,
