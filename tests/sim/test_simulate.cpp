@@ -6,6 +6,7 @@
 #include "../layer/harness.hpp"
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/round_robin.hpp>
+#include <epmoe/sim/calibrate.hpp>
 #include <epmoe/sim/simulate.hpp>
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/trace.hpp>
@@ -203,4 +204,29 @@ TEST_CASE("sim: stats lines round-trip and replay exact per-expert counts", "[si
   const auto s = sim::simulate<sim::policies<>>(cfg, sim::cpu_cluster(1), src);
   // block: 2 experts per rank; rank 0 holds experts 0, 1 (6+3 + 0+3 rows).
   CHECK(s.rows_per_slot == std::vector<index_t>{6, 6, 2, 4});
+}
+
+TEST_CASE("sim: calibration measures positive rates and writes a loadable topology",
+          "[sim][calibrate]") {
+  sim::calibration_options o;
+  o.ranks = 2, o.hidden = 64, o.ffn = 32, o.gemm_rows = 16, o.gemm_calls = 2;
+  o.large_bytes = 64 << 10, o.exchanges = 5, o.reps = 2, o.memory_bytes = 1 << 20;
+  const auto c = sim::calibrate(o);
+  CHECK(c.exchange_small > 0);
+  CHECK(c.bandwidth > 0);
+  CHECK(c.latency >= 0);
+  CHECK(c.gemm_flops > 0);
+  CHECK(c.memory_bandwidth > 0);
+  CHECK(c.topo.ranks() == 2);
+  CHECK(c.topo.activation_bytes == 4);
+  std::stringstream io;
+  sim::save(io, c.topo);
+  const auto t = sim::load(io);
+  CHECK(t.intra_bandwidth == Approx(c.bandwidth));
+  CHECK(t.gemm_flops == Approx(c.gemm_flops));
+  // The calibrated machine prices a two-rank pass.
+  const layer_config cfg{.hidden = 16, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2,
+                         .max_tokens = 32};
+  const auto s = sim::simulate<sim::policies<>>(cfg, t, sim::uniform(4, 2, 32, 1));
+  CHECK(s.latency > 0);
 }
