@@ -28,6 +28,7 @@
 #include "epmoe/core/view.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/placement/block.hpp"
+#include "epmoe/placement/relocate.hpp"
 #include "epmoe/placement/table.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/sequential.hpp"
@@ -234,69 +235,18 @@ class moe_layer {
   /// weights or the new ones. Returns the bytes of weights this rank's slots received.
   index_t apply_placement(
       const placement::table& next) requires std::same_as<placement_type, placement::table> {
-    const placement::table& now = placement_;
-    const int R = cfg_.ranks, S = now.slots_per_rank(), me = rank();
-    detail::require(
-        next.experts() == now.experts() && next.ranks() == R && next.slots_per_rank() == S,
-        "placement", next.slots(), "the new table must keep experts, ranks and slots per rank");
-    std::int64_t h = 0;
-    for (int p : next.phy_to_log()) h = h * 1000003 + p + 1;
-    const agreement_field same[] = {{"placement (the new table)", h}};
-    agree_on(comm_, std::span<const agreement_field>(same));
-
     auto views = expert_tensors(w_.experts);
-    if (owned_experts_.empty())  // first move: take a copy the layer may overwrite
-      for (auto* v : views) {
-        owned_experts_.push_back(space_.template allocate<float>(v->count * v->batch_stride));
-        copy_stack(*v, owned_experts_.back().data());
-        *v = {owned_experts_.back().data(), v->count, v->rows, v->cols, v->stride, v->batch_stride};
+    std::array<stacked_view<float>, std::tuple_size_v<decltype(views)>> owned;
+    for (std::size_t k = 0; k < views.size(); ++k) {
+      stacked_view<const float>& v = *views[k];
+      if (owned_experts_.size() < views.size()) {  // first move: a copy the layer may write
+        owned_experts_.push_back(space_.template allocate<float>(v.count * v.batch_stride));
+        copy_stack(v, owned_experts_.back().data());
+        v = {owned_experts_.back().data(), v.count, v.rows, v.cols, v.stride, v.batch_stride};
       }
-    index_t slot_floats = 0;
-    for (auto* v : views) slot_floats += v->rows * v->cols;
-    // Every move (dest slot <- a current holder of its new expert), known to every rank.
-    struct move {
-      int dst, src;
-    };
-    std::vector<move> moves;
-    for (int p = 0; p < next.slots(); ++p) {
-      const int e = next.phy_to_log()[p];
-      if (now.phy_to_log()[p] != e) moves.push_back({p, now.log_to_phy()[e * now.max_copies()]});
+      owned[k] = {owned_experts_[k].data(), v.count, v.rows, v.cols, v.stride, v.batch_stride};
     }
-    std::vector<index_t> sn(R, 0), sd(R, 0), rn(R, 0), rd(R, 0);
-    for (const move& m : moves) {
-      if (m.src / S == me) sn[m.dst / S] += slot_floats;
-      if (m.dst / S == me) rn[m.src / S] += slot_floats;
-    }
-    for (int r = 1; r < R; ++r) {
-      sd[r] = sd[r - 1] + sn[r - 1];
-      rd[r] = rd[r - 1] + rn[r - 1];
-    }
-    std::vector<float> send(static_cast<std::size_t>(sd[R - 1] + sn[R - 1]));
-    std::vector<float> recv(static_cast<std::size_t>(rd[R - 1] + rn[R - 1]));
-    std::vector<index_t> at = sd;
-    for (const move& m : moves)  // moves in slot order: sender and receiver agree on order
-      if (m.src / S == me)
-        for (auto* v : views)
-          for (index_t i = 0; i < v->rows; ++i) {
-            std::copy_n((*v)[m.src % S].row(i), v->cols, send.data() + at[m.dst / S]);
-            at[m.dst / S] += v->cols;
-          }
-    comm_.alltoallv(send.data(), sn.data(), sd.data(), recv.data(), rn.data(), rd.data());
-    at = rd;
-    index_t received = 0;
-    for (const move& m : moves)
-      if (m.dst / S == me) {
-        for (std::size_t k = 0; k < views.size(); ++k) {
-          float* base = owned_experts_[k].data();
-          const auto& v = *views[k];
-          for (index_t i = 0; i < v.rows; ++i) {
-            std::copy_n(recv.data() + at[m.src / S], v.cols,
-                        base + (m.dst % S) * v.batch_stride + i * v.stride);
-            at[m.src / S] += v.cols;
-          }
-        }
-        received += slot_floats * static_cast<index_t>(sizeof(float));
-      }
+    const index_t received = placement::relocate(comm_, placement_, next, owned);
     placement_ = next;
     return received;
   }
