@@ -65,6 +65,7 @@ def parse_args():
     p.add_argument("--scaling", action="store_true",
                    help="also run the expert-parallel scaling (threads, and MPI when built)")
     p.add_argument("--scaling-tokens", default="128,1024")
+    p.add_argument("--scaling-reps", type=int, default=9)
     p.add_argument("--wait-idle", type=float, default=300.0,
                    help="before each point, wait up to this many seconds for the machine to be "
                         "idle (other jobs skew a side-by-side run); 0: do not wait")
@@ -79,6 +80,7 @@ def parse_args():
             a.tokens = "1,16"
         a.min_reps, a.max_reps, a.min_seconds = 2, 2, 0.0
         a.scaling_tokens = "32"
+        a.scaling_reps = 1
         a.wait_idle = 0.0
     return a
 
@@ -338,6 +340,8 @@ def mpiexec_command(n):
     except OSError:
         return None
     if "Open MPI" in v or "OpenRTE" in v:
+        # Open MPI binds each rank to one core; one rank must have the machine, as in-process.
+        cmd += ["--bind-to", "none"]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         if n > (os.cpu_count() or 1):
@@ -350,6 +354,8 @@ def check_targets(points, scaling):
     lines = []
     for p in points:
         shape, T, cpp = p["shape"], p["tokens"], p["epmoe"]
+        if shape not in ("mixtral", "deepseek"):  # the targets are for the shapes
+            continue
         if T >= 1024:
             ok = cpp["overhead"] <= TARGETS["overhead_max_at_T_ge_1024"]
             lines.append((shape, T, "overhead (layer / its expert GEMMs alone)",
@@ -433,8 +439,12 @@ def main():
     if args.scaling:
         print()
         wait_idle(args.wait_idle)
-        s = run_bench([bench, "--no-layer", "--scaling", "--shapes", args.shapes,
-                       "--scaling-tokens", args.scaling_tokens, "--json", "-"] + quick, env)
+        with others_meter() as others:
+            s = run_bench([bench, "--no-layer", "--scaling", "--shapes", args.shapes,
+                           "--scaling-tokens", args.scaling_tokens, "--scaling-reps",
+                           str(args.scaling_reps), "--json", "-"] + quick, env)
+        for r in s["scaling"]:
+            r["other_processes_cpu_share"] = others.share
         scaling += s["scaling"]
         mpi_bench = args.mpi_bench or os.path.join(os.path.dirname(bench), "epmoe_bench_mpi")
         if os.path.exists(mpi_bench):
@@ -444,8 +454,12 @@ def main():
                     print("no mpiexec: MPI scaling skipped")
                     break
                 wait_idle(args.wait_idle)
-                m = run_bench(cmd + [mpi_bench, "--shapes", args.shapes, "--scaling-tokens",
-                                     args.scaling_tokens, "--json", "-"], env)
+                with others_meter() as others:
+                    m = run_bench(cmd + [mpi_bench, "--shapes", args.shapes, "--scaling-tokens",
+                                         args.scaling_tokens, "--scaling-reps",
+                                         str(args.scaling_reps), "--json", "-"], env)
+                for r in m["scaling"]:
+                    r["other_processes_cpu_share"] = others.share
                 scaling += m["scaling"]
         else:
             print("epmoe_bench_mpi not built (no MPI): MPI scaling skipped")
@@ -456,10 +470,12 @@ def main():
         for r in scaling:
             one = base.get((r["shape"], r["comm"], r["global_tokens"], r["dedup"]))
             r["speedup_vs_1_rank"] = one / r["ms"] if one else None
+            busy = " (machine busy: %.0f%%)" % (100 * r["other_processes_cpu_share"]) \
+                if r["other_processes_cpu_share"] > 0.05 else ""
             print(f"{r['shape']:<14} {r['comm']:<8} {r['global_tokens']:>6} {r['ranks']:>5} "
                   f"{'yes' if r['dedup'] else 'no':>5} {r['ms']:>10.3f} "
                   f"{r['speedup_vs_1_rank'] or 0:>8.2f}x {r['rows_sent_off_rank']:>10} "
-                  f"{r['assignment_rows_sent_off_rank']:>10}")
+                  f"{r['assignment_rows_sent_off_rank']:>10}{busy}")
 
     checks = check_targets(points, scaling)
     if checks:

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -17,6 +19,10 @@
 #endif
 #if defined(EPMOE_HAS_OPENBLAS)
 extern "C" int openblas_get_num_threads(void);
+#endif
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
 #endif
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define EPMOE_HOST_GEMM_AVX2 1
@@ -41,7 +47,7 @@ namespace detail {
 /// Rows of `a` up to which host_gemm_nt streams b itself instead of calling sgemm: with few
 /// rows a GEMM is bound by reading b (an expert's weights) once, which sgemm does poorly
 /// (it packs all of b for a handful of rows; measured 2-5 GB/s against ~19 GB/s of reads).
-inline constexpr index_t stream_max_rows = 12;
+inline constexpr index_t stream_max_rows = 32;
 
 /// Threads for one streaming GEMM: the BLAS's own count (one rank = one thread otherwise),
 /// and only when the call is large enough to pay for starting them.
@@ -50,10 +56,15 @@ inline int stream_threads(index_t M, index_t N, index_t K) {
 #if defined(EPMOE_HAS_OPENBLAS)
   n = openblas_get_num_threads();
 #endif
-  // One core streams ~all the memory bandwidth; more help only once the dots cost more than
-  // the reads (from ~4 rows), and a wake-up (~20 us) must be small against the call.
+  if (n <= 1) return 1;
+  // A wake-up (~80 us when the helpers sleep) must be small against streaming b.
   const double bytes = 4.0 * static_cast<double>(N) * static_cast<double>(K);
-  if (M < 4 || bytes < (1 << 20)) return 1;
+  if (bytes < (1 << 20) && M * N * K < (1 << 22)) return 1;
+#if defined(__linux__)
+  // No more threads than cores this thread may run on (mpiexec binds a rank to one core).
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) n = std::min(n, CPU_COUNT(&set));
+#endif
   return std::clamp(n, 1, static_cast<int>(std::max<index_t>(1, N / 64)));
 }
 
@@ -65,8 +76,9 @@ inline void gemm_nt_columns_portable(matrix_view<const float> a, matrix_view<con
   for (index_t i = 0; i < M; ++i) {
     const float* ar = a.row(i);
     float* cr = c.row(i);
+    const index_t n4 = n0 + (n1 - n0) / 4 * 4;
     index_t j = n0;
-    for (; j + 4 <= n1; j += 4) {
+    for (; j < n4; j += 4) {
       const float *b0 = b.row(j), *b1 = b.row(j + 1), *b2 = b.row(j + 2), *b3 = b.row(j + 3);
       float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
       for (index_t k = 0; k < K; ++k) {
@@ -235,8 +247,12 @@ inline void gemm_nt_columns(matrix_view<const float> a, matrix_view<const float>
 }
 
 /// Helper threads for the streaming kernel, started on first use and kept (starting a thread
-/// costs ~70 us here, as much as streaming 1 MB). One job at a time: a caller that finds the
-/// helpers busy (another rank thread) runs its job alone.
+/// costs ~70 us here, as much as streaming 1 MB). A job is cut into chunks that the caller and
+/// the helpers take in turn, so the caller finishes alone when a helper does not get a core
+/// (another process, another rank thread). A helper that finished spins (yielding) for the
+/// next job for ~100 us before it sleeps: waking a sleeping thread takes ~80 us on this VM,
+/// and the GEMMs of a forward pass come back to back. One job at a time: a caller that finds
+/// the helpers busy runs its job alone.
 class stream_helpers {
  public:
   static stream_helpers& get() {
@@ -244,26 +260,31 @@ class stream_helpers {
     return h;
   }
 
-  /// Runs job(t) for t in [0, n): t = 0 on the caller, the others on helpers. False (and
-  /// nothing run) when the helpers are busy.
+  /// Runs job(c) for every chunk c in [0, chunks), on the caller and up to threads - 1
+  /// helpers. False (and nothing run) when the helpers are busy.
   template <class Job>
-  bool run(int n, const Job& job) {
+  bool run(int threads, int chunks, const Job& job) {
     std::unique_lock busy(busy_, std::try_to_lock);
     if (!busy.owns_lock()) return false;
+    std::uint64_t gen;
     {
       std::lock_guard lock(mutex_);
-      while (static_cast<int>(threads_.size()) < n - 1)
-        threads_.emplace_back([this, id = static_cast<int>(threads_.size()) + 1] { serve(id); });
-      job_ = [&job](int t) { job(t); };
-      parts_ = n;
-      pending_ = n - 1;
-      ++generation_;
+      while (static_cast<int>(threads_.size()) < threads - 1)
+        threads_.emplace_back([this] { serve(); });
+      keep_off_callers_core();
+      job_ = [&job](int c) { job(c); };
+      chunks_ = chunks;
+      done_.store(0, std::memory_order_relaxed);
+      gen = ++generation_ & 0xffffffffu;
+      ticket_.store(gen << 32, std::memory_order_release);
     }
     wake_.notify_all();
-    job(0);
-    std::unique_lock lock(mutex_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    job_ = nullptr;
+    work(gen, chunks, job);
+    const auto finished = [&] { return done_.load(std::memory_order_acquire) == chunks; };
+    if (!spin_until(finished)) {
+      std::unique_lock lock(mutex_);
+      finished_.wait(lock, finished);
+    }
     return true;
   }
 
@@ -277,44 +298,106 @@ class stream_helpers {
   }
 
  private:
-  void serve(int id) {
-    std::uint64_t seen = 0;
-    std::unique_lock lock(mutex_);
+  // Takes chunks of job `gen` (the ticket holds the job's generation and its next chunk)
+  // until none is left; whoever finishes the last one wakes the caller.
+  template <class Job>
+  void work(std::uint64_t gen, int chunks, const Job& job) {
     for (;;) {
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      if (id >= parts_) continue;  // this job needs fewer helpers
-      lock.unlock();
-      job_(id);
-      lock.lock();
-      if (--pending_ == 0) done_.notify_one();
+      std::uint64_t t = ticket_.load(std::memory_order_acquire);
+      do {
+        if (t >> 32 != gen || static_cast<int>(t & 0xffffffffu) >= chunks) return;
+      } while (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel));
+      job(static_cast<int>(t & 0xffffffffu));
+      if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks) {
+        std::lock_guard lock(mutex_);  // the caller checks done_ under it before sleeping
+        finished_.notify_one();
+      }
+    }
+  }
+
+  // Linux puts a woken thread next to the thread that woke it when it last ran there; a helper
+  // on the caller's core takes turns with it instead of running beside it (measured: no gain
+  // at all half of the time). So the helpers may run on any core the caller may, but not on
+  // the one it is on now (updated when the caller moves).
+  void keep_off_callers_core() {
+#if defined(__linux__)
+    const int cpu = sched_getcpu();
+    if (cpu < 0 || cpu == avoided_cpu_) return;
+    avoided_cpu_ = cpu;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0 || !CPU_ISSET(cpu, &set) || CPU_COUNT(&set) < 2)
+      return;
+    CPU_CLR(cpu, &set);
+    for (auto& t : threads_) pthread_setaffinity_np(t.native_handle(), sizeof set, &set);
+#endif
+  }
+
+  // Polls `ready` for ~100 us, yielding the core (a helper may share the caller's); true once
+  // it holds.
+  template <class Ready>
+  static bool spin_until(const Ready& ready) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      if (ready()) return true;
+      std::this_thread::yield();
+      if (i % 16 == 15 &&
+          std::chrono::steady_clock::now() - start > std::chrono::microseconds(100))
+        return ready();
+    }
+  }
+
+  void serve() {
+    std::uint64_t seen = 0;
+    for (;;) {
+      const auto fresh = [&] {
+        return stop_ || (generation_.load(std::memory_order_acquire) & 0xffffffffu) != seen;
+      };
+      if (!spin_until([&] { return (generation_.load(std::memory_order_acquire) & 0xffffffffu) != seen; })) {
+        std::unique_lock lock(mutex_);
+        wake_.wait(lock, fresh);
+        if (stop_) return;
+      }
+      std::function<void(int)> job;
+      int chunks;
+      {
+        std::lock_guard lock(mutex_);
+        if (stop_) return;
+        seen = generation_ & 0xffffffffu;
+        job = job_;
+        chunks = chunks_;
+      }
+      work(seen, chunks, job);
     }
   }
 
   std::mutex busy_, mutex_;
-  std::condition_variable wake_, done_;
+  std::condition_variable wake_, finished_;
   std::vector<std::thread> threads_;
   std::function<void(int)> job_;
-  int parts_ = 0, pending_ = 0;
-  std::uint64_t generation_ = 0;
-  bool stop_ = false;
+  int chunks_ = 0;
+  std::atomic<int> done_{0};
+  std::atomic<std::uint64_t> generation_{0}, ticket_{0};
+  bool stop_ = false;     // under mutex_
+  int avoided_cpu_ = -1;  // the caller's core the helpers were last kept off
 };
 
-/// c = a b^T by streaming b: its rows split over `threads` threads (contiguous ranges).
+/// c = a b^T by streaming b: its rows cut into chunks of >= 64 (a multiple of 4) that
+/// `threads` threads take in turn.
 inline void gemm_nt_stream(matrix_view<const float> a, matrix_view<const float> b,
                            matrix_view<float> c, int threads) {
   const index_t N = c.cols;
-  const auto part = [&](int t) {
-    const auto edge = [&](int q) { return q == threads ? N : (N * q / threads) & ~index_t{3}; };
-    gemm_nt_columns(a, b, c, edge(t), edge(t + 1));
+  const int chunks = static_cast<int>(std::clamp<index_t>(N / 64, 1, 4 * threads));
+  const auto chunk = [&](int q) {
+    const auto edge = [&](int e) { return e == chunks ? N : (N * e / chunks) & ~index_t{3}; };
+    gemm_nt_columns(a, b, c, edge(q), edge(q + 1));
   };
-  if (threads <= 1 || !stream_helpers::get().run(threads, part)) gemm_nt_columns(a, b, c, 0, N);
+  if (threads <= 1 || chunks == 1 || !stream_helpers::get().run(threads, chunks, chunk))
+    gemm_nt_columns(a, b, c, 0, N);
 }
 
 }  // namespace detail
 
-/// c[M,N] = a[M,K] * b[N,K]^T, row-major with strides. Few rows (M <= 12): a streaming kernel
+/// c[M,N] = a[M,K] * b[N,K]^T, row-major with strides. Few rows (M <= 32): a streaming kernel
 /// that reads b once; more: BLAS sgemm when the build found one, else the portable loop.
 inline void host_gemm_nt(matrix_view<const float> a, matrix_view<const float> b,
                          matrix_view<float> c) {
