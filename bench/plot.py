@@ -14,11 +14,42 @@ import os
 import sys
 
 
+def print_markdown(r):
+    """The layer table (per shape and T) and the scaling table, as in README.md."""
+    print("| shape | T | epmoe ms | PyTorch ms | speedup | expert GFLOP/s | 1-GEMM / layer "
+          "| layer / its GEMMs | weights GB/s (of read bw) | slowest stages (ms) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for p in r["points"]:
+        e = p["epmoe"]
+        stages = sorted(((v, k) for k, v in e["stage_ms"].items() if k != "total"), reverse=True)
+        top = ", ".join(f"{k} {v:.1f}" for v, k in stages[:3] if v >= 0.05)
+        print(f"| {p['shape']} | {p['tokens']} | {e['layer_ms']:.2f} | {p['torch']['ms']:.2f} | "
+              f"**{p['speedup']:.2f}x** | {e['expert_gflops']:.0f} | {e['efficiency']:.2f} | "
+              f"{e['overhead']:.2f} | {e['weight_gbs']:.1f} ({100 * e['weight_bw_fraction']:.0f}%) "
+              f"| {top} |")
+    if r.get("scaling"):
+        print()
+        print("| shape | comm | global tokens | ranks | dedup | ms | vs 1 rank | rows sent "
+              "(without dedup) |")
+        print("|---|---|---:|---:|---|---:|---:|---:|")
+        for s in r["scaling"]:
+            print(f"| {s['shape']} | {s['comm']} | {s['global_tokens']} | {s['ranks']} | "
+                  f"{'yes' if s['dedup'] else 'no'} | {s['ms']:.1f} | "
+                  f"{s.get('speedup_vs_1_rank') or 0:.2f}x | {s['rows_sent_off_rank']} "
+                  f"({s['assignment_rows_sent_off_rank']}) |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("results")
     p.add_argument("--out-dir", help="default: the results file's folder")
+    p.add_argument("--markdown", action="store_true",
+                   help="only print the results as Markdown tables (the README's)")
     a = p.parse_args()
+    if a.markdown:
+        with open(a.results) as f:
+            print_markdown(json.load(f))
+        return 0
     try:
         import matplotlib
         matplotlib.use("Agg")
