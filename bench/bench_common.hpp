@@ -279,9 +279,9 @@ inline double blas_sgemm_rate(index_t M, index_t N, index_t K) {
   for (int r = 0; r < 4; ++r) {
     const auto start = clock::now();
 #if defined(EPMOE_HAS_CBLAS)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M),
-                static_cast<int>(N), static_cast<int>(K), 1.f, a.data(), static_cast<int>(K),
-                b.data(), static_cast<int>(K), 0.f, c.data(), static_cast<int>(N));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(M), static_cast<int>(N),
+                static_cast<int>(K), 1.f, a.data(), static_cast<int>(K), b.data(),
+                static_cast<int>(K), 0.f, c.data(), static_cast<int>(N));
 #else
     epmoe::space::host_gemm_nt({a.data(), M, K}, {b.data(), N, K}, {c.data(), M, N});
 #endif
@@ -299,13 +299,19 @@ class json {
   static json array() { return json("[", "]"); }
 
   json& add(const std::string& key, const json& v) { return put(quote(key) + ":" + v.str()); }
-  json& add(const std::string& key, const std::string& v) { return put(quote(key) + ":" + quote(v)); }
+  json& add(const std::string& key, const std::string& v) {
+    return put(quote(key) + ":" + quote(v));
+  }
   json& add(const std::string& key, const char* v) { return add(key, std::string(v)); }
   json& add(const std::string& key, double v) { return put(quote(key) + ":" + number(v)); }
-  json& add(const std::string& key, long long v) { return put(quote(key) + ":" + std::to_string(v)); }
+  json& add(const std::string& key, long long v) {
+    return put(quote(key) + ":" + std::to_string(v));
+  }
   json& add(const std::string& key, int v) { return add(key, static_cast<long long>(v)); }
   json& add(const std::string& key, long v) { return add(key, static_cast<long long>(v)); }
-  json& add(const std::string& key, bool v) { return put(quote(key) + ":" + (v ? "true" : "false")); }
+  json& add(const std::string& key, bool v) {
+    return put(quote(key) + ":" + (v ? "true" : "false"));
+  }
   json& push(const json& v) { return put(v.str()); }
   json& push(double v) { return put(number(v)); }
 
@@ -382,15 +388,17 @@ struct machine {
 
   void print(std::FILE* out) const {
     std::fprintf(out, "machine: %s, %d logical CPUs\n", cpu.c_str(), cpus);
-    std::fprintf(out, "GEMM: %s; BLAS core %s, %d BLAS threads (OPENBLAS_CORETYPE=%s, "
-                "OPENBLAS_NUM_THREADS=%s)\n",
-                gemm.c_str(), blas_core.c_str(), blas_threads, coretype_env.c_str(),
-                blas_threads_env.c_str());
+    std::fprintf(out,
+                 "GEMM: %s; BLAS core %s, %d BLAS threads (OPENBLAS_CORETYPE=%s, "
+                 "OPENBLAS_NUM_THREADS=%s)\n",
+                 gemm.c_str(), blas_core.c_str(), blas_threads, coretype_env.c_str(),
+                 blas_threads_env.c_str());
     std::fprintf(out, "BLAS config: %s\n", blas_config.c_str());
     if (given)
       std::fprintf(out, "read bandwidth: %.1f GB/s (given, --read-gbs)\n\n", read_gbs_all);
     else
-      std::fprintf(out, "read bandwidth: %.1f GB/s (1 thread), %.1f GB/s (%d threads); "
+      std::fprintf(out,
+                   "read bandwidth: %.1f GB/s (1 thread), %.1f GB/s (%d threads); "
                    "sgemm 1024x4096x1024: %.1f GFLOP/s\n\n",
                    read_gbs_1, read_gbs_all, cpus, sgemm_gflops);
   }

@@ -6,16 +6,15 @@
 // calls alone (same shapes, inputs already gathered), repetition by repetition.
 #pragma once
 
-#include <epmoe/reference/weights.hpp>
-
 #include "bench_common.hpp"
+#include <epmoe/reference/weights.hpp>
 
 namespace bench {
 
 struct point_options {
   rep_policy reps;
-  int batches = 4;     // distinct token batches, cycled (routing differs pass to pass)
-  bool flush = true;   // evict the caches before every timed call (weights come from memory)
+  int batches = 4;    // distinct token batches, cycled (routing differs pass to pass)
+  bool flush = true;  // evict the caches before every timed call (weights come from memory)
   std::FILE* out = stdout;
 };
 
@@ -99,9 +98,7 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     std::vector<std::vector<float>> xs;
     for (int b = 0; b < B; ++b) xs.push_back(epmoe::reference::random_tokens(T, H, 100 + b));
     std::vector<float> y(T * H);
-    const auto run_layer = [&](int b) {
-      layer.forward({xs[b].data(), T, H}, {y.data(), T, H});
-    };
+    const auto run_layer = [&](int b) { layer.forward({xs[b].data(), T, H}, {y.data(), T, H}); };
 
     // One pass per batch: the rows each expert gets, to replay its GEMMs alone.
     std::vector<std::vector<index_t>> rows(B);
@@ -162,7 +159,8 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     const int reps = repeat(o.reps, [&](int i) {
       const int b = (i + B) % B;
       const bool keep = i >= 0;
-      timed(keep ? &t_gemm : nullptr, [&] { one_gemm(ra.data(), rb.data(), rc.data(), M, 3 * F, H); });
+      timed(keep ? &t_gemm : nullptr,
+            [&] { one_gemm(ra.data(), rb.data(), rc.data(), M, 3 * F, H); });
       timed(keep ? &t_alone : nullptr, [&] { gemms_alone((b + 2) % B); });
       timed(keep ? &t_layer : nullptr, [&] { run_layer(b); });
       if (keep) stages.push_back(layer.stats().time);
@@ -194,7 +192,8 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
                  "combine %.2f reduce %.2f]\n",
                  s.name.c_str(), static_cast<long long>(T), layer_s * 1e3, gemm_s * 1e3,
                  alone_s * 1e3, mean_flops / layer_s * 1e-9, gemm_s / layer_s, layer_s / alone_s,
-                 weight_gbs, 100 * weight_gbs / m.read_gbs(), median_of(stages, &epmoe::stage_times::route),
+                 weight_gbs, 100 * weight_gbs / m.read_gbs(),
+                 median_of(stages, &epmoe::stage_times::route),
                  median_of(stages, &epmoe::stage_times::plan),
                  median_of(stages, &epmoe::stage_times::permute),
                  median_of(stages, &epmoe::stage_times::shared),

@@ -55,21 +55,36 @@ options parse(int argc, char** argv) {
       if (i + 1 >= argc) usage(("missing value after " + a).c_str());
       return argv[++i];
     };
-    if (a == "--shapes") o.shapes = value();
-    else if (a == "--tokens") o.tokens = parse_list(value());
-    else if (a == "--min-reps") o.point.reps.min_reps = std::atoi(value().c_str());
-    else if (a == "--max-reps") o.point.reps.max_reps = std::atoi(value().c_str());
-    else if (a == "--min-seconds") o.point.reps.min_seconds = std::atof(value().c_str());
-    else if (a == "--batches") o.point.batches = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--no-flush") o.point.flush = false;
-    else if (a == "--scaling") o.scaling = true;
-    else if (a == "--scaling-tokens") o.scaling_tokens = parse_list(value());
-    else if (a == "--scaling-reps") o.scaling_reps = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--no-layer") o.layer = false;
-    else if (a == "--quick-machine") o.quick_machine = true;
-    else if (a == "--read-gbs") o.read_gbs = std::atof(value().c_str());
-    else if (a == "--json") o.json_path = value();
-    else usage(("unknown argument " + a).c_str());
+    if (a == "--shapes")
+      o.shapes = value();
+    else if (a == "--tokens")
+      o.tokens = parse_list(value());
+    else if (a == "--min-reps")
+      o.point.reps.min_reps = std::atoi(value().c_str());
+    else if (a == "--max-reps")
+      o.point.reps.max_reps = std::atoi(value().c_str());
+    else if (a == "--min-seconds")
+      o.point.reps.min_seconds = std::atof(value().c_str());
+    else if (a == "--batches")
+      o.point.batches = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--no-flush")
+      o.point.flush = false;
+    else if (a == "--scaling")
+      o.scaling = true;
+    else if (a == "--scaling-tokens")
+      o.scaling_tokens = parse_list(value());
+    else if (a == "--scaling-reps")
+      o.scaling_reps = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--no-layer")
+      o.layer = false;
+    else if (a == "--quick-machine")
+      o.quick_machine = true;
+    else if (a == "--read-gbs")
+      o.read_gbs = std::atof(value().c_str());
+    else if (a == "--json")
+      o.json_path = value();
+    else
+      usage(("unknown argument " + a).c_str());
   }
   if (o.tokens.empty()) usage("--tokens needs at least one value");
   for (index_t t : o.tokens)
@@ -93,13 +108,15 @@ void threads_scaling(const shape& s, const options& o, const machine& m, std::FI
         const auto body = [&]<bool D>() {
           world.run([&](epmoe::comm::threads c) {
             with_policies<epmoe::comm::threads, D>(s, [&]<class P>(auto router) {
-              runs[c.rank()] = scaling_rank<P>(s, router, c, full, G, o.scaling_reps,
-                                               o.point.batches);
+              runs[c.rank()] =
+                  scaling_rank<P>(s, router, c, full, G, o.scaling_reps, o.point.batches);
             });
           });
         };
-        if (dedup) body.template operator()<true>();
-        else body.template operator()<false>();
+        if (dedup)
+          body.template operator()<true>();
+        else
+          body.template operator()<false>();
         set_blas_threads(m.blas_threads);
         print_scaling_row(out, s, "threads", G, R, dedup, threads, runs);
         arr.push(scaling_json(s, "threads", G, dedup, threads, runs));

@@ -9,9 +9,8 @@
 //
 //   epmoe_bench_mpi [--shapes all|tiny|NAME,...] [--scaling-tokens 128,1024]
 //                   [--scaling-reps N] [--batches N] [--json FILE|-]
-#include <epmoe/comm/mpi.hpp>  // brings <mpi.h>
-
 #include "scaling.hpp"
+#include <epmoe/comm/mpi.hpp>  // brings <mpi.h>
 
 namespace {
 
@@ -36,11 +35,16 @@ options parse(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--shapes") o.shapes = value();
-    else if (a == "--scaling-tokens") o.tokens = parse_list(value());
-    else if (a == "--scaling-reps") o.reps = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--batches") o.batches = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--json") o.json_path = value();
+    if (a == "--shapes")
+      o.shapes = value();
+    else if (a == "--scaling-tokens")
+      o.tokens = parse_list(value());
+    else if (a == "--scaling-reps")
+      o.reps = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--batches")
+      o.batches = std::max(1, std::atoi(value().c_str()));
+    else if (a == "--json")
+      o.json_path = value();
     else {
       std::fprintf(stderr,
                    "epmoe_bench_mpi: unknown argument %s\nusage: epmoe_bench_mpi [--shapes ...] "
@@ -104,8 +108,10 @@ int main(int argc, char** argv) {
                                    o.batches);
           });
         };
-        if (dedup) one.template operator()<true>();
-        else one.template operator()<false>();
+        if (dedup)
+          one.template operator()<true>();
+        else
+          one.template operator()<false>();
         const auto runs = gather(mine, R, me);
         if (me == 0) {
           print_scaling_row(out, s, "mpi", G, R, dedup, threads, runs);

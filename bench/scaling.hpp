@@ -6,18 +6,17 @@
 // the same for every comm.
 #pragma once
 
-#include <epmoe/reference/weights.hpp>
-
 #include "bench_common.hpp"
+#include <epmoe/reference/weights.hpp>
 
 namespace bench {
 
 /// What one rank measured: the time of each pass, and the rows it sent to other ranks.
 struct rank_run {
-  std::vector<double> seconds;         // per timed pass (forward's stats().time.total)
-  index_t rows_sent = 0;               // rows that left this rank (dispatch), last pass
-  index_t assignment_rows_sent = 0;    // the same without dedup: (token, expert) rows
-  index_t dispatch_bytes = 0;          // bytes this rank sent in the dispatch, last pass
+  std::vector<double> seconds;       // per timed pass (forward's stats().time.total)
+  index_t rows_sent = 0;             // rows that left this rank (dispatch), last pass
+  index_t assignment_rows_sent = 0;  // the same without dedup: (token, expert) rows
+  index_t dispatch_bytes = 0;        // bytes this rank sent in the dispatch, last pass
   std::vector<epmoe::stage_times> stages;
 };
 

@@ -16,11 +16,11 @@
 
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/capacity/factor.hpp>
+#include <epmoe/epmoe.hpp>
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/block.hpp>
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/placement/table.hpp>
-#include <epmoe/epmoe.hpp>
 #include <epmoe/reference/weights.hpp>
 #include <epmoe/sim/calibrate.hpp>
 #include <epmoe/sim/simulate.hpp>
@@ -224,8 +224,8 @@ sim::calibration calibrate_here(const args& a) {
   o.gemm_calls = std::max(1, a.experts / a.ranks);
   o.gemm_rows = std::max<index_t>(1, index_t{a.ranks} * a.tokens * a.top_k / a.experts);
   // The bandwidth point: about what one rank sends a peer in the layer's dispatch.
-  o.large_bytes = std::max<index_t>(index_t{64} << 10, index_t{a.tokens} * a.top_k * a.hidden * 4 /
-                                                           std::max(a.ranks, 1));
+  o.large_bytes = std::max<index_t>(
+      index_t{64} << 10, index_t{a.tokens} * a.top_k * a.hidden * 4 / std::max(a.ranks, 1));
   const auto c = sim::calibrate(o);
   std::printf(
       "calibration on %d in-process ranks (comm::threads):\n"
@@ -272,8 +272,8 @@ std::vector<std::vector<stage_times>> run_real(const layer_config& cfg, const So
     const int r = c.rank();
     const typename P::placement where(cfg);
     const auto mine = reference::slice(w, where, r);
-    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()},
-                       {}, {}, where);
+    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()}, {},
+                       {}, where);
     const index_t T = src.tokens(r), H = cfg.hidden;
     std::vector<float> y(static_cast<std::size_t>(T * H));
     for (int p = 0; p < passes + 1; ++p) {  // pass 0 warms up
@@ -295,11 +295,20 @@ int validate(const args& a, const sim::topology& topo, const Source& src) {
   if (a.hidden < a.experts) throw std::runtime_error("--validate needs --hidden >= --experts");
   std::vector<std::vector<stage_times>> real;
   switch (a.top_k) {
-    case 1: real = run_real<1>(cfg, src, a.passes); break;
-    case 2: real = run_real<2>(cfg, src, a.passes); break;
-    case 4: real = run_real<4>(cfg, src, a.passes); break;
-    case 8: real = run_real<8>(cfg, src, a.passes); break;
-    default: throw std::runtime_error("--validate supports --top-k 1, 2, 4 or 8");
+    case 1:
+      real = run_real<1>(cfg, src, a.passes);
+      break;
+    case 2:
+      real = run_real<2>(cfg, src, a.passes);
+      break;
+    case 4:
+      real = run_real<4>(cfg, src, a.passes);
+      break;
+    case 8:
+      real = run_real<8>(cfg, src, a.passes);
+      break;
+    default:
+      throw std::runtime_error("--validate supports --top-k 1, 2, 4 or 8");
   }
   const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
   auto med = [&](int r, double stage_times::*f) {
@@ -314,9 +323,10 @@ int validate(const args& a, const sim::topology& topo, const Source& src) {
   const double md = med(busy, &stage_times::dispatch), mx = med(busy, &stage_times::experts),
                mc = med(busy, &stage_times::combine), mt = med(busy, &stage_times::total);
   const double mrest = mt - md - mx - mc;
-  std::printf("validation: real moe_layer on %d comm::threads ranks, %d passes (median), "
-              "busiest rank %d; sim rows/rank max/mean %.2f\n",
-              a.ranks, a.passes, busy, s.rows_imbalance.max_over_mean);
+  std::printf(
+      "validation: real moe_layer on %d comm::threads ranks, %d passes (median), "
+      "busiest rank %d; sim rows/rank max/mean %.2f\n",
+      a.ranks, a.passes, busy, s.rows_imbalance.max_over_mean);
   std::printf("  %-28s %12s %12s %8s\n", "stage", "predicted ms", "measured ms", "error %");
   auto row = [](const char* n, double p, double m) {
     std::printf("  %-28s %12.3f %12.3f %+8.1f\n", n, p * 1e3, m * 1e3,
@@ -351,7 +361,8 @@ int main(int argc, char** argv) try {
     } else {
       topo = calibrate_here(a).topo;
     }
-    if (a.skew > 0) return validate(a, topo, sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
+    if (a.skew > 0)
+      return validate(a, topo, sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
     return validate(a, topo, sim::uniform(a.experts, a.top_k, a.tokens, a.seed));
   }
   const sim::topology topo = make_topology(a);

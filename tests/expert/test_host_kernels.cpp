@@ -38,7 +38,8 @@ void check_gemm(index_t M, index_t N, index_t K, index_t shift, Gemm&& gemm) {
   constexpr float sentinel = -777.f;
   std::vector<float> c(static_cast<std::size_t>(M * ldc), sentinel);
   gemm(matrix_view<const float>(a.data() + shift, M, K, lda),
-       matrix_view<const float>(b.data() + shift, N, K, ldb), matrix_view<float>(c.data(), M, N, ldc));
+       matrix_view<const float>(b.data() + shift, N, K, ldb),
+       matrix_view<float>(c.data(), M, N, ldc));
   for (index_t i = 0; i < M; ++i) {
     for (index_t j = 0; j < N; ++j) {
       double s = 0, mag = 0;

@@ -225,8 +225,8 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   CHECK(t.intra_bandwidth == Approx(c.bandwidth));
   CHECK(t.gemm_flops == Approx(c.gemm_flops));
   // The calibrated machine prices a two-rank pass.
-  const layer_config cfg{.hidden = 16, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2,
-                         .max_tokens = 32};
+  const layer_config cfg{
+      .hidden = 16, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 32};
   const auto s = sim::simulate<sim::policies<>>(cfg, t, sim::uniform(4, 2, 32, 1));
   CHECK(s.latency > 0);
 }

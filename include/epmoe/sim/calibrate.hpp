@@ -20,13 +20,13 @@ namespace epmoe::sim {
 
 struct calibration_options {
   int ranks = 2;
-  int hidden = 512, ffn = 1024;    // expert shape of the GEMM probe
-  index_t gemm_rows = 128;         // rows per expert (about R * T * K / E)
-  int gemm_calls = 4;              // experts per probe (local slots)
-  index_t small_bytes = 4 << 10;   // per peer, the latency point of the exchange fit
-  index_t large_bytes = 1 << 20;   // per peer, the bandwidth point
-  int exchanges = 40;              // per size (median)
-  int reps = 7;                    // GEMM and memory probes (median)
+  int hidden = 512, ffn = 1024;   // expert shape of the GEMM probe
+  index_t gemm_rows = 128;        // rows per expert (about R * T * K / E)
+  int gemm_calls = 4;             // experts per probe (local slots)
+  index_t small_bytes = 4 << 10;  // per peer, the latency point of the exchange fit
+  index_t large_bytes = 1 << 20;  // per peer, the bandwidth point
+  int exchanges = 40;             // per size (median)
+  int reps = 7;                   // GEMM and memory probes (median)
   std::size_t memory_bytes = std::size_t{128} << 20;  // streamed per rank
 };
 
@@ -85,7 +85,8 @@ inline calibration calibrate(const calibration_options& o = {}) {
     }
     // (b) GEMM: the three SwiGLU GEMMs of `gemm_calls` experts, all ranks at once.
     const index_t M = o.gemm_rows, H = o.hidden, F = o.ffn;
-    std::vector<float> a(static_cast<std::size_t>(M * H), 0.01f), h(static_cast<std::size_t>(M * F));
+    std::vector<float> a(static_cast<std::size_t>(M * H), 0.01f),
+        h(static_cast<std::size_t>(M * F));
     std::vector<float> w(static_cast<std::size_t>(o.gemm_calls) * 3 * F * H, 0.001f);
     std::vector<float> y(static_cast<std::size_t>(M * H));
     std::vector<double> mine_gemm, mine_mem;

@@ -31,14 +31,14 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   return _mm256_blendv_ps(y, _mm256_set1_ps(HUGE_VALF), big);
 }
 
 // a[i] = silu(a[i]) * b[i] = a[i] / (1 + exp(-a[i])) * b[i], 8 at a time.
-__attribute__((target("avx2,fma"))) inline void silu_mul_avx2(float* a, const float* b,
-                                                             index_t n) {
+__attribute__((target("avx2,fma"))) inline void silu_mul_avx2(float* a, const float* b, index_t n) {
   index_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 x = _mm256_loadu_ps(a + i);

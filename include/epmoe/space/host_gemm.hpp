@@ -110,7 +110,7 @@ inline bool cpu_has_avx2_fma() {
 
 // The four sums of acc0..acc3 (8 lanes each), as one 4-lane vector.
 __attribute__((target("avx2,fma"))) inline __m128 sum4(__m256 acc0, __m256 acc1, __m256 acc2,
-                                                        __m256 acc3) {
+                                                       __m256 acc3) {
   const __m256 h01 = _mm256_hadd_ps(acc0, acc1), h23 = _mm256_hadd_ps(acc2, acc3);
   const __m256 h = _mm256_hadd_ps(h01, h23);
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -129,15 +129,17 @@ struct dot_2x4 {
 
 template <bool Masked>
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 load8(const float* p, __m256i m) {
-  if constexpr (Masked) return _mm256_maskload_ps(p, m);
-  else return _mm256_loadu_ps(p);
+  if constexpr (Masked)
+    return _mm256_maskload_ps(p, m);
+  else
+    return _mm256_loadu_ps(p);
 }
 
 // One step of 8 columns from k (lanes outside `mask` read as 0 when Masked).
 template <bool Masked, bool Two>
 __attribute__((target("avx2,fma"), always_inline)) inline void dot_step(
-    dot_2x4& d, const float* x0, const float* x1, const float* b0, const float* b1,
-    const float* b2, const float* b3, index_t k, __m256i mask) {
+    dot_2x4& d, const float* x0, const float* x1, const float* b0, const float* b1, const float* b2,
+    const float* b3, index_t k, __m256i mask) {
   const __m256 w0 = load8<Masked>(b0 + k, mask), w1 = load8<Masked>(b1 + k, mask);
   const __m256 w2 = load8<Masked>(b2 + k, mask), w3 = load8<Masked>(b3 + k, mask);
   const __m256 u = load8<Masked>(x0 + k, mask);
@@ -160,10 +162,10 @@ __attribute__((target("avx2,fma"), always_inline)) inline void dot_step(
 // 16 columns: a row is a new page, which the hardware prefetchers do not reach from here.
 template <bool Two, bool Prefetch>
 __attribute__((target("avx2,fma"))) inline void dot_rows(const float* x0, const float* x1,
-                                                        const float* b0, const float* b1,
-                                                        const float* b2, const float* b3,
-                                                        const float* const* next, index_t K,
-                                                        index_t k0, float* c0, float* c1) {
+                                                         const float* b0, const float* b1,
+                                                         const float* b2, const float* b3,
+                                                         const float* const* next, index_t K,
+                                                         index_t k0, float* c0, float* c1) {
   const __m256 z = _mm256_setzero_ps();
   dot_2x4 d{z, z, z, z, z, z, z, z};
   index_t k = 0;
@@ -207,8 +209,8 @@ __attribute__((target("avx2,fma"))) inline void gemm_nt_columns_avx2(matrix_view
         dot_rows<true, true>(a.row(i), a.row(i + 1), b0, b1, b2, b3, next, K, k0, c.row(i) + j,
                              c.row(i + 1) + j);
       else
-        dot_rows<true, false>(a.row(i), a.row(i + 1), b0, b1, b2, b3, next, K, k0,
-                              c.row(i) + j, c.row(i + 1) + j);
+        dot_rows<true, false>(a.row(i), a.row(i + 1), b0, b1, b2, b3, next, K, k0, c.row(i) + j,
+                              c.row(i + 1) + j);
     }
     if (i < M) {
       if (i == 0 && more)
@@ -340,8 +342,7 @@ class stream_helpers {
     for (int i = 0;; ++i) {
       if (ready()) return true;
       std::this_thread::yield();
-      if (i % 16 == 15 &&
-          std::chrono::steady_clock::now() - start > std::chrono::microseconds(100))
+      if (i % 16 == 15 && std::chrono::steady_clock::now() - start > std::chrono::microseconds(100))
         return ready();
     }
   }
@@ -352,7 +353,9 @@ class stream_helpers {
       const auto fresh = [&] {
         return stop_ || (generation_.load(std::memory_order_acquire) & 0xffffffffu) != seen;
       };
-      if (!spin_until([&] { return (generation_.load(std::memory_order_acquire) & 0xffffffffu) != seen; })) {
+      if (!spin_until([&] {
+            return (generation_.load(std::memory_order_acquire) & 0xffffffffu) != seen;
+          })) {
         std::unique_lock lock(mutex_);
         wake_.wait(lock, fresh);
         if (stop_) return;
