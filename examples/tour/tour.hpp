@@ -1,0 +1,863 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The tour of expert parallelism: eight experiments on the real layer, each returning its
+// numbers and a one-line conclusion computed from them. `World` is where the ranks run
+// (ranks.hpp: threads, or MPI processes); every rank returns the same result.
+#include <algorithm>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "ranks.hpp"
+#include <epmoe/comm/throttled.hpp>
+#include <epmoe/epmoe.hpp>
+#include <epmoe/placement/balancer.hpp>
+#include <epmoe/placement/table.hpp>
+#include <epmoe/reference/forward.hpp>
+#include <epmoe/reference/weights.hpp>
+#include <epmoe/schedule/pipelined.hpp>
+
+namespace epmoe::tour {
+
+inline constexpr int experts = 8;  // E: fixed, so that "all E experts" is a compile-time top-k
+inline constexpr int top_k = 2;    // K: each token runs two experts
+
+/// Shapes of the tour. The defaults run the whole tour in well under a minute on 2 cores;
+/// small() is what the tests use.
+struct options {
+  int ranks = 4;  // R: must divide 8 (set by the world: threads, or mpiexec -n)
+  int hidden = 256;
+  int ffn = 512;
+  int tokens = 256;  // per rank and pass
+  int hot_expert = 5;
+  double boost = 3.0;  // skewed inputs: the hot expert's logit raised by this much
+  std::uint64_t seed = 2026;
+
+  static options small(int ranks) {
+    return {.ranks = ranks, .hidden = 32, .ffn = 48, .tokens = 64};
+  }
+  layer_config config(int top = top_k) const {
+    return {.hidden = hidden,
+            .ffn = ffn,
+            .experts = experts,
+            .top_k = top,
+            .ranks = ranks,
+            .max_tokens = tokens};
+  }
+};
+
+/// The tour's policy bundles: softmax top-K routing over the world's communicator.
+template <class Comm, class Capacity = capacity::dropless, class Schedule = schedule::sequential,
+          class Placement = placement::block, int K = top_k, class Expert = expert::swiglu>
+struct policies : default_policies {
+  using router = epmoe::router::topk_softmax<K>;
+  using comm = Comm;
+  using capacity = Capacity;
+  using schedule = Schedule;
+  using placement = Placement;
+  using expert = Expert;
+};
+
+/// The sequential schedule, but only one rank of this process runs its experts at a time.
+/// Thread ranks share this machine's cores, so concurrent expert GEMMs slow each other down
+/// and a rank's expert time would measure the contention; taking turns makes it the rank's
+/// own work, as on a cluster where every rank has its own device. (MPI ranks are processes:
+/// each has its own lock, nothing changes.)
+struct experts_in_turn {
+  static constexpr int default_chunks = 1;
+  static inline std::mutex turn;
+
+  template <class Stages>
+  static void run(Stages& s) {
+    s.route();
+    s.plan();
+    s.permute();
+    s.shared();
+    s.counts();
+    for (int c = 0; c < s.chunks(); ++c) {
+      s.dispatch_start(c);
+      s.dispatch_wait(c);
+      {
+        const std::lock_guard lock(turn);  // outside the experts stage's timer
+        s.experts(c);
+      }
+      s.combine_start(c);
+      s.combine_wait(c);
+    }
+    s.reduce();
+  }
+};
+
+// --- helpers -----------------------------------------------------------------------------
+
+/// printf into a std::string: conclusions are computed, then formatted.
+inline std::string format(const char* fmt, ...) {
+  char buf[512];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof buf, fmt, args);
+  va_end(args);
+  return buf;
+}
+
+/// A rate in bytes/s, in the unit that reads best.
+inline std::string rate(double bytes_per_second) {
+  return bytes_per_second >= 1e9 ? format("%.2f GB/s", bytes_per_second / 1e9)
+                                 : format("%.1f MB/s", bytes_per_second / 1e6);
+}
+
+/// Rank r's tokens [T, H]: the same in every process.
+inline std::vector<float> tokens_of(const options& o, int rank) {
+  return reference::random_tokens(o.tokens, o.hidden, o.seed + 1 + static_cast<unsigned>(rank));
+}
+
+/// The same tokens moved toward the hot expert's gate row, so that its logit rises by
+/// `boost`: data from one domain, the same router.
+inline std::vector<float> skewed(std::vector<float> x, const reference::full_weights& w,
+                                 const options& o) {
+  const index_t H = o.hidden;
+  const float* g = w.gate.data() + o.hot_expert * H;
+  double norm2 = 0;
+  for (index_t i = 0; i < H; ++i) norm2 += double{g[i]} * g[i];
+  const float a = static_cast<float>(o.boost / norm2);
+  for (std::size_t t = 0; t < x.size() / H; ++t)
+    for (index_t i = 0; i < H; ++i) x[t * H + i] += a * g[i];
+  return x;
+}
+
+template <class Layer>
+void forward(Layer& layer, const std::vector<float>& x, std::vector<float>& y) {
+  const index_t H = layer.config().hidden, T = static_cast<index_t>(x.size()) / H;
+  y.resize(x.size());
+  layer.forward({x.data(), T, H}, {y.data(), T, H});
+}
+
+/// A layer of policy bundle P on this rank, holding its slice of `full` under `where`.
+template <class P>
+struct rank_layer {
+  reference::rank_weights mine;
+  moe_layer<P> layer;
+
+  rank_layer(const layer_config& cfg, typename P::comm comm, const reference::full_weights& full,
+             const typename P::placement& where)
+      : mine(reference::slice(full, where, comm.rank())),
+        layer(cfg, std::move(comm), {full.gate_view(), mine.experts()}, {}, {}, where) {}
+  rank_layer(const layer_config& cfg, typename P::comm comm, const reference::full_weights& full)
+      : rank_layer(cfg, std::move(comm), full, typename P::placement(cfg)) {}
+};
+
+inline double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
+inline double max_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
+inline int argmax(const std::vector<double>& v) {
+  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+inline double max_over_mean(const std::vector<double>& v) { return imbalance::of(v).max_over_mean; }
+
+// --- 1. what EP distributes --------------------------------------------------------------
+
+struct distribution_result {
+  int ranks = 0;
+  std::vector<std::vector<int>> experts_of_rank;  // [R][L]: the experts each rank holds
+  std::vector<double> bytes_per_rank;  // weights each rank's layer was built with (expert + gate)
+  double gate_bytes = 0;               // the router's gate: on every rank
+  double replicated_bytes = 0;         // all E experts + gate, on every rank
+  double saving = 0;                   // replicated / the largest rank
+  std::string conclusion;
+};
+
+template <class World>
+distribution_result what_ep_distributes(const World& world, const options& o) {
+  using P = policies<typename World::comm_type>;
+  const layer_config cfg = o.config();
+  const auto full = reference::full_weights::random(cfg, o.seed);
+  const auto views_bytes = [](const expert::swiglu::weights& w) {
+    double b = 0;
+    for (const auto* v : {&w.w1, &w.w3, &w.w2})
+      b += double(v->count) * double(v->rows) * double(v->cols) * sizeof(float);
+    return b;
+  };
+  const auto all = world.run([&](typename P::comm c) {
+    rank_layer<P> l(cfg, std::move(c), full);  // validates: L experts of the right shapes
+    numbers n;
+    n.put(views_bytes(l.mine.experts()));
+    for (int j = 0; j < l.layer.placement().slots_per_rank(); ++j)
+      n.put(l.layer.placement().expert_at(l.layer.rank(), j));
+    return n;
+  });
+  distribution_result r;
+  r.ranks = o.ranks;
+  r.gate_bytes = double(full.gate.size()) * sizeof(float);
+  const expert::swiglu::weights every{full.w1_view(), full.w3_view(), full.w2_view()};
+  r.replicated_bytes = views_bytes(every) + r.gate_bytes;
+  const int L = cfg.experts_per_rank();
+  for (const auto& v : all) {
+    reader in{v};
+    r.bytes_per_rank.push_back(in.get() + r.gate_bytes);
+    r.experts_of_rank.push_back(in.get<int>(static_cast<std::size_t>(L)));
+  }
+  r.saving = r.replicated_bytes / max_of(r.bytes_per_rank);
+  r.conclusion = format(
+      "each rank holds %d of %d experts: %.2f MB of weights instead of %.2f MB replicated "
+      "(%.2fx less; only the %.0f KB gate is on every rank)",
+      L, experts, max_of(r.bytes_per_rank) / 1e6, r.replicated_bytes / 1e6, r.saving,
+      r.gate_bytes / 1e3);
+  return r;
+}
+
+// --- 2. the communication pattern --------------------------------------------------------
+
+struct exchanges_result {
+  int passes = 0;
+  int counts_exchanges_per_pass = 0;  // alltoall of row counts (small, fixed size)
+  int row_exchanges_per_pass = 0;     // alltoallv of token rows: dispatch, combine
+  bool same_on_every_rank_and_pass = false;
+  double counts_bytes = 0;                   // per rank and pass, to other ranks
+  std::vector<double> dispatch_bytes;        // [R]: first row exchange, seen by the comm
+  std::vector<double> combine_bytes;         // [R]: second row exchange
+  std::vector<double> stats_dispatch_bytes;  // [R]: what the layer's stats report
+  std::vector<double> stats_combine_bytes;   // [R]
+  double row_bytes = 0;                      // H * 4
+  bool stats_match = false;
+  std::string conclusion;
+};
+
+template <class World>
+exchanges_result communication_pattern(const World& world, const options& o, int passes = 3) {
+  using P = policies<counting<typename World::comm_type>>;
+  const layer_config cfg = o.config();
+  const auto full = reference::full_weights::random(cfg, o.seed);
+  const auto all = world.run([&](typename World::comm_type c) {
+    exchange_log log;
+    const int r = c.rank();
+    rank_layer<P> l(cfg, {std::move(c), &log}, full);
+    const auto x = tokens_of(o, r);
+    std::vector<float> y;
+    numbers n;
+    for (int p = 0; p < passes; ++p) {
+      log.clear();  // construction agreed on the config through the comm: not a pass
+      forward(l.layer, x, y);
+      const pass_stats& s = l.layer.stats();
+      n.put(log.counts_exchanges);
+      n.put(log.counts_bytes);
+      n.put(static_cast<double>(log.row_bytes.size()));
+      n.put(log.row_bytes.size() > 0 ? log.row_bytes[0] : -1);
+      n.put(log.row_bytes.size() > 1 ? log.row_bytes[1] : -1);
+      n.put(s.dispatch_bytes_sent);
+      n.put(s.combine_bytes_sent);
+    }
+    return n;
+  });
+  exchanges_result r;
+  r.passes = passes;
+  r.row_bytes = double(o.hidden) * sizeof(float);
+  r.same_on_every_rank_and_pass = true;
+  r.stats_match = true;
+  for (const auto& v : all) {
+    reader in{v};
+    for (int p = 0; p < passes; ++p) {
+      const int counts = static_cast<int>(in.get());
+      const double cbytes = in.get();
+      const int rows = static_cast<int>(in.get());
+      const double d = in.get(), c = in.get(), sd = in.get(), sc = in.get();
+      if (&v == &all.front() && p == 0) {
+        r.counts_exchanges_per_pass = counts;
+        r.row_exchanges_per_pass = rows;
+        r.counts_bytes = cbytes;
+      }
+      r.same_on_every_rank_and_pass &=
+          counts == r.counts_exchanges_per_pass && rows == r.row_exchanges_per_pass;
+      r.stats_match &= d == sd && c == sc;
+      if (p == passes - 1) {
+        r.dispatch_bytes.push_back(d);
+        r.combine_bytes.push_back(c);
+        r.stats_dispatch_bytes.push_back(sd);
+        r.stats_combine_bytes.push_back(sc);
+      }
+    }
+  }
+  r.conclusion = format(
+      "%d all-to-alls of rows per pass%s (dispatch %.0f KB, combine %.0f KB per rank on "
+      "average), plus %d small exchange of counts (%.0f B)%s",
+      r.row_exchanges_per_pass, r.same_on_every_rank_and_pass ? " on every rank, every pass" : "",
+      sum(r.dispatch_bytes) / o.ranks / 1e3, sum(r.combine_bytes) / o.ranks / 1e3,
+      r.counts_exchanges_per_pass, r.counts_bytes,
+      r.stats_match ? "; the layer's stats report the same bytes" : "; STATS DISAGREE");
+  return r;
+}
+
+// --- 3. compute per token ------------------------------------------------------------------
+
+struct compute_result {
+  int k = top_k, experts = tour::experts;
+  double flops_per_token_topk = 0;   // measured: expert FLOPs of all ranks / tokens
+  double flops_per_token_dense = 0;  // the same layer with every token on all E experts
+  double flop_ratio = 0;             // = K/E
+  double expert_seconds_topk = 0;    // experts stage, slowest rank, best of the passes
+  double expert_seconds_dense = 0;
+  double pass_seconds_topk = 0;  // whole forward, slowest rank, best of the passes
+  double pass_seconds_dense = 0;
+  std::string conclusion;
+};
+
+template <class World>
+compute_result compute_per_token(const World& world, const options& o, int passes = 3) {
+  using Top = policies<typename World::comm_type>;
+  using Dense = policies<typename World::comm_type, capacity::dropless, schedule::sequential,
+                         placement::block, experts>;
+  const auto full = reference::full_weights::random(o.config(), o.seed);
+  // Best-of-passes time per rank: the first pass also pays for first touches.
+  const auto measure = [&]<class P>(const layer_config& cfg) {
+    return world.run([&](typename P::comm c) {
+      rank_layer<P> l(cfg, std::move(c), full);
+      const auto x = tokens_of(o, l.layer.rank());
+      std::vector<float> y;
+      double experts_s = 1e30, total_s = 1e30;
+      for (int p = 0; p < passes; ++p) {
+        forward(l.layer, x, y);
+        experts_s = std::min(experts_s, l.layer.stats().time.experts);
+        total_s = std::min(total_s, l.layer.stats().time.total);
+      }
+      numbers n;
+      n.put(l.layer.stats().expert_flops);
+      n.put(experts_s);
+      n.put(total_s);
+      return n;
+    });
+  };
+  const auto top = measure.template operator()<Top>(o.config());
+  const auto dense = measure.template operator()<Dense>(o.config(experts));
+  compute_result r;
+  const double tokens = double(o.tokens) * o.ranks;
+  for (int i = 0; i < o.ranks; ++i) {
+    r.flops_per_token_topk += top[i][0] / tokens;
+    r.flops_per_token_dense += dense[i][0] / tokens;
+    r.expert_seconds_topk = std::max(r.expert_seconds_topk, top[i][1]);
+    r.expert_seconds_dense = std::max(r.expert_seconds_dense, dense[i][1]);
+    r.pass_seconds_topk = std::max(r.pass_seconds_topk, top[i][2]);
+    r.pass_seconds_dense = std::max(r.pass_seconds_dense, dense[i][2]);
+  }
+  r.flop_ratio = r.flops_per_token_topk / r.flops_per_token_dense;
+  r.conclusion = format(
+      "top-%d of %d runs %.2f MFLOP per token instead of %.2f: a ratio of %.3f = K/E, and "
+      "the experts took %.1f ms instead of %.1f ms (%.2fx); parameters grow with E, compute "
+      "per token does not",
+      top_k, experts, r.flops_per_token_topk / 1e6, r.flops_per_token_dense / 1e6, r.flop_ratio,
+      r.expert_seconds_topk * 1e3, r.expert_seconds_dense * 1e3,
+      r.expert_seconds_topk / r.expert_seconds_dense);
+  return r;
+}
+
+// --- 4. data-dependent routing -> imbalance ------------------------------------------------
+
+struct routing_result {
+  int hot_expert = 0;
+  std::vector<double> expert_rows_uniform, expert_rows_skewed;  // [E], all ranks' tokens
+  std::vector<double> rank_rows_uniform, rank_rows_skewed;      // [R]: rows each rank computed
+  double expert_max_over_mean_uniform = 0, expert_max_over_mean_skewed = 0;
+  double rank_max_over_mean_uniform = 0, rank_max_over_mean_skewed = 0;
+  int busiest_expert_skewed = 0;
+  std::string conclusion;
+};
+
+template <class World>
+routing_result routing_imbalance(const World& world, const options& o) {
+  using P = policies<typename World::comm_type>;
+  const layer_config cfg = o.config();
+  const auto full = reference::full_weights::random(cfg, o.seed);
+  const auto all = world.run([&](typename P::comm c) {
+    rank_layer<P> l(cfg, std::move(c), full);
+    const auto x = tokens_of(o, l.layer.rank());
+    std::vector<float> y;
+    numbers n;
+    for (const auto& in : {x, skewed(x, full, o)}) {  // the same router, two inputs
+      forward(l.layer, in, y);
+      const auto load = l.layer.gather_load();  // collective: every rank's counts
+      n.put_all(load.per_expert);
+      n.put_all(load.per_rank);
+    }
+    return n;
+  });
+  routing_result r;
+  r.hot_expert = o.hot_expert;
+  reader in{all[0]};  // gather_load gave every rank the same numbers
+  r.expert_rows_uniform = in.get(experts);
+  r.rank_rows_uniform = in.get(static_cast<std::size_t>(o.ranks));
+  r.expert_rows_skewed = in.get(experts);
+  r.rank_rows_skewed = in.get(static_cast<std::size_t>(o.ranks));
+  r.expert_max_over_mean_uniform = max_over_mean(r.expert_rows_uniform);
+  r.expert_max_over_mean_skewed = max_over_mean(r.expert_rows_skewed);
+  r.rank_max_over_mean_uniform = max_over_mean(r.rank_rows_uniform);
+  r.rank_max_over_mean_skewed = max_over_mean(r.rank_rows_skewed);
+  r.busiest_expert_skewed = argmax(r.expert_rows_skewed);
+  r.conclusion = format(
+      "the same router sends expert %d %.0f%% of all rows on skewed inputs (%.0f%% on uniform): "
+      "max/mean per expert %.2f -> %.2f, per rank %.2f -> %.2f",
+      r.busiest_expert_skewed, 100 * max_of(r.expert_rows_skewed) / sum(r.expert_rows_skewed),
+      100 * r.expert_rows_uniform[r.busiest_expert_skewed] / sum(r.expert_rows_uniform),
+      r.expert_max_over_mean_uniform, r.expert_max_over_mean_skewed, r.rank_max_over_mean_uniform,
+      r.rank_max_over_mean_skewed);
+  return r;
+}
+
+// --- 5. capacity and padding ---------------------------------------------------------------
+
+struct capacity_row {
+  double factor = 0;
+  double capacity = 0;      // rows one source rank may send one expert: ceil(cf * T * K / E)
+  double buffer_rows = 0;   // rows each expert's GEMM gets, padding included (all sources)
+  double drop_uniform = 0;  // share of (token, expert) assignments dropped
+  double drop_skewed = 0;
+  bool shapes_fixed = false;  // exchange counts and expert rows equal for both inputs
+};
+
+struct capacity_result {
+  std::vector<capacity_row> padded;  // capacity::factor<true>, one row per factor
+  bool dropless_shapes_fixed = false;
+  std::vector<double> dropless_busiest_rows;  // [uniform, skewed]: the busiest expert's rows
+  std::string conclusion;
+};
+
+template <class World>
+capacity_result capacity_and_padding(const World& world, const options& o,
+                                     std::vector<double> factors = {0.5, 1.0, 1.25, 2.0}) {
+  const auto full = reference::full_weights::random(o.config(), o.seed);
+  // Per rank, for uniform then skewed tokens: dropped, assignments, the shape of the pass
+  // (rows to each rank, padding included, and rows per local expert).
+  const auto run = [&]<class P>(const layer_config& cfg) {
+    return world.run([&](typename P::comm c) {
+      rank_layer<P> l(cfg, std::move(c), full);
+      const auto x = tokens_of(o, l.layer.rank());
+      std::vector<float> y;
+      numbers n;
+      std::vector<std::vector<index_t>> shapes;
+      for (const auto& in : {x, skewed(x, full, o)}) {
+        forward(l.layer, in, y);
+        const pass_stats& s = l.layer.stats();
+        n.put(s.dropped);
+        n.put(s.assignments);
+        std::vector<index_t> shape = s.rows_sent;
+        shape.insert(shape.end(), s.padded_rows_per_local_expert.begin(),
+                     s.padded_rows_per_local_expert.end());
+        shapes.push_back(shape);
+        n.put(*std::max_element(s.padded_rows_per_local_expert.begin(),
+                                s.padded_rows_per_local_expert.end()));
+      }
+      n.put(shapes[0] == shapes[1] ? 1 : 0);
+      return n;
+    });
+  };
+  struct summary {
+    double drop_u = 0, drop_s = 0, rows_u = 0, rows_s = 0;
+    bool fixed = true;
+  };
+  const auto summarize = [&](const std::vector<std::vector<double>>& all) {
+    summary s;
+    double dropped[2] = {}, assigned[2] = {};
+    for (const auto& v : all) {
+      reader in{v};
+      for (int i = 0; i < 2; ++i) {
+        dropped[i] += in.get();
+        assigned[i] += in.get();
+        (i == 0 ? s.rows_u : s.rows_s) = std::max(i == 0 ? s.rows_u : s.rows_s, in.get());
+      }
+      s.fixed &= in.get() == 1;
+    }
+    s.drop_u = dropped[0] / assigned[0];
+    s.drop_s = dropped[1] / assigned[1];
+    return s;
+  };
+  using Padded = policies<typename World::comm_type, capacity::factor<true>>;
+  using Dropless = policies<typename World::comm_type>;
+  capacity_result r;
+  for (double f : factors) {
+    layer_config cfg = o.config();
+    cfg.capacity_factor = f;
+    const summary s = summarize(run.template operator()<Padded>(cfg));
+    capacity_row row{.factor = f};
+    row.capacity = std::ceil(f * o.tokens * top_k / experts);
+    row.buffer_rows = s.rows_u;
+    row.drop_uniform = s.drop_u;
+    row.drop_skewed = s.drop_s;
+    row.shapes_fixed = s.fixed && s.rows_u == s.rows_s;
+    r.padded.push_back(row);
+  }
+  const summary d = summarize(run.template operator()<Dropless>(o.config()));
+  r.dropless_shapes_fixed = d.fixed;
+  r.dropless_busiest_rows = {d.rows_u, d.rows_s};
+  bool all_fixed = true;
+  for (const auto& row : r.padded) all_fixed &= row.shapes_fixed;
+  const capacity_row& lo = r.padded.front();
+  const capacity_row& hi = r.padded.back();
+  r.conclusion = format(
+      "padded to capacity, shapes are %s across inputs; capacity factor %.2f -> %.2f grows "
+      "each expert's buffer %.0f -> %.0f rows and cuts drops on skewed inputs %.1f%% -> %.1f%%; "
+      "dropless keeps every row but its shapes %s (busiest expert %.0f -> %.0f rows)",
+      all_fixed ? "fixed" : "NOT fixed", lo.factor, hi.factor, lo.buffer_rows, hi.buffer_rows,
+      100 * lo.drop_skewed, 100 * hi.drop_skewed,
+      r.dropless_shapes_fixed ? "stay fixed" : "change with the data", d.rows_u, d.rows_s);
+  return r;
+}
+
+// --- 6. hiding all-to-all latency ----------------------------------------------------------
+
+struct overlap_result {
+  int chunks = 4;
+  double bandwidth = 0;        // the modelled link, bytes/s: sized so comm ~ compute
+  double latency = 20e-6;      // seconds per exchange
+  double experts_seconds = 0;  // expert compute of one pass (unthrottled, slowest rank)
+  double comm_sequential = 0;  // all-to-all time of a pass, slowest rank (mean of passes)
+  double exposed_sequential = 0;
+  double total_sequential = 0;
+  double comm_pipelined = 0;
+  double exposed_pipelined = 0;
+  double total_pipelined = 0;
+  double overlap_pipelined = 0;  // share of the all-to-all time hidden behind experts
+  std::string conclusion;
+};
+
+template <class World>
+overlap_result hiding_latency(const World& world, const options& o, int passes = 3) {
+  using Comm = typename World::comm_type;
+  using Free = policies<Comm>;
+  using Seq = policies<comm::throttled<Comm>>;
+  using Pipe = policies<comm::throttled<Comm>, capacity::dropless, schedule::pipelined<4>>;
+  const auto full = reference::full_weights::random(o.config(), o.seed);
+  overlap_result r;
+  // Size the link from a free-running pass: one exchange as long as all the expert compute,
+  // the regime of a cluster where the all-to-alls cost as much as the GEMMs.
+  const auto probe = world.run([&](Comm c) {
+    rank_layer<Free> l(o.config(), std::move(c), full);
+    const auto x = tokens_of(o, l.layer.rank());
+    std::vector<float> y;
+    double experts_s = 1e30;
+    for (int p = 0; p < passes; ++p) {
+      forward(l.layer, x, y);
+      experts_s = std::min(experts_s, l.layer.stats().time.experts);
+    }
+    numbers n;
+    n.put(experts_s);
+    n.put(std::max(l.layer.stats().dispatch_bytes_sent, l.layer.stats().dispatch_bytes_received));
+    return n;
+  });
+  double bytes = 0;
+  for (const auto& v : probe) {
+    r.experts_seconds = std::max(r.experts_seconds, v[0]);
+    bytes = std::max(bytes, v[1]);
+  }
+  r.bandwidth = bytes / r.experts_seconds;
+  const comm::link link{.bandwidth = r.bandwidth, .latency = r.latency};
+  const auto measure = [&]<class P>(layer_config cfg) {
+    const auto all = world.run([&](Comm c) {
+      rank_layer<P> l(cfg, {std::move(c), link}, full);
+      const auto x = tokens_of(o, l.layer.rank());
+      std::vector<float> y;
+      forward(l.layer, x, y);  // warm-up
+      double comm_s = 0, exposed = 0, total = 0;
+      for (int p = 0; p < passes; ++p) {
+        forward(l.layer, x, y);
+        comm_s += l.layer.stats().comm_seconds / passes;
+        exposed += l.layer.stats().exposed_comm_seconds / passes;
+        total += l.layer.stats().time.total / passes;
+      }
+      numbers n;
+      n.put(comm_s);
+      n.put(exposed);
+      n.put(total);
+      return n;
+    });
+    std::vector<double> worst(3, 0.0);
+    for (const auto& v : all)
+      for (int i = 0; i < 3; ++i) worst[i] = std::max(worst[i], v[i]);
+    return worst;
+  };
+  layer_config piped = o.config();
+  piped.chunks = r.chunks;
+  const auto seq = measure.template operator()<Seq>(o.config());
+  const auto pipe = measure.template operator()<Pipe>(piped);
+  r.comm_sequential = seq[0];
+  r.exposed_sequential = seq[1];
+  r.total_sequential = seq[2];
+  r.comm_pipelined = pipe[0];
+  r.exposed_pipelined = pipe[1];
+  r.total_pipelined = pipe[2];
+  r.overlap_pipelined = 1 - r.exposed_pipelined / r.comm_pipelined;
+  r.conclusion = format(
+      "over a link where one all-to-all costs as much as the experts (%s), pipelining %d "
+      "chunks cuts the exposed all-to-all time %.1f -> %.1f ms (%.0f%% of it hidden) and the "
+      "pass %.1f -> %.1f ms",
+      rate(r.bandwidth).c_str(), r.chunks, r.exposed_sequential * 1e3, r.exposed_pipelined * 1e3,
+      100 * r.overlap_pipelined, r.total_sequential * 1e3, r.total_pipelined * 1e3);
+  return r;
+}
+
+// --- 7. one token, two experts on two ranks ------------------------------------------------
+
+/// What to record on one rank: the input and output of one row of one local expert, the row
+/// given as (source rank, position in that source's block), found through the layer's plan.
+struct trace_point {
+  int slot = -1;  // local expert slot; -1: nothing to record
+  int source = 0;
+  index_t position = 0;
+  const dispatch_plan* plan = nullptr;
+  std::vector<float> in, out;
+};
+
+/// SwiGLU that also records one row's input and output: the tour's window into the rows
+/// the layer dispatches and returns (they live in its private workspace).
+struct traced_swiglu : expert::swiglu {
+  struct weights : expert::swiglu::weights {
+    trace_point* trace = nullptr;
+  };
+
+  template <class Space>
+  static void forward(const Space& space, const weights& w, index_t j, matrix_view<float> x,
+                      float* scratch) {
+    trace_point* tp = w.trace;
+    const bool hit = tp && tp->slot == j;
+    index_t row = 0;
+    if (hit) {  // the block (chunk 0, source, j) sits in expert j's rows at regroup_offsets
+      const dispatch_plan& p = *tp->plan;
+      row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position -
+            p.expert_offsets[tp->slot];
+      tp->in.assign(x.row(row), x.row(row) + x.cols);
+    }
+    expert::swiglu::forward(space, w, j, x, scratch);
+    if (hit) tp->out.assign(x.row(row), x.row(row) + x.cols);
+  }
+};
+
+struct trace_result {
+  bool found = false;
+  int home_rank = 0;
+  int token = -1;
+  std::vector<int> experts, ranks, slots;    // [K]: chosen experts, their ranks and local slots
+  std::vector<double> weights;               // [K]: router weights (sum to 1)
+  std::vector<double> send_rows;             // [K]: row of the home rank's send buffer
+  std::vector<double> input_diff;            // [K]: max |row the expert got - x[t]|
+  std::vector<std::vector<double>> outputs;  // [K][H]: what each expert returned
+  std::vector<double> combined;              // [H]: sum_k weight_k * output_k
+  std::vector<double> layer_row;             // [H]: the layer's y[t]
+  std::vector<double> reference_row;         // [H]: the reference forward pass's y[t]
+  double combined_vs_layer = 0;              // max |combined - layer| (float order: 0)
+  double combined_vs_reference = 0;          // max |combined - reference| / max |reference|
+  std::string conclusion;
+};
+
+template <class World>
+trace_result trace_one_token(const World& world, const options& o) {
+  using P = policies<typename World::comm_type, capacity::dropless, schedule::sequential,
+                     placement::block, top_k, traced_swiglu>;
+  const layer_config cfg = o.config();
+  const auto full = reference::full_weights::random(cfg, o.seed);
+  const placement::block where(cfg);
+  const int R = o.ranks, L = cfg.experts_per_rank();
+  trace_result r;
+  // Pass 1 on the home rank: find a token whose experts are on two ranks, neither home if
+  // one exists (both rows then cross the network).
+  const auto choose = world.run([&](typename P::comm c) {
+    const auto mine = reference::slice(full, where, c.rank());
+    moe_layer<P> layer(cfg, std::move(c), {full.gate_view(), {mine.experts(), nullptr}});
+    const auto x = tokens_of(o, layer.rank());
+    std::vector<float> y;
+    forward(layer, x, y);
+    numbers n;
+    if (layer.rank() != r.home_rank) return n;
+    const routing_view rt = layer.last_routing();
+    const dispatch_plan& plan = layer.last_plan();
+    int best = -1, best_score = 0;
+    for (index_t t = 0; t < o.tokens && best_score < 2; ++t) {
+      const int a = where.rank_of(rt.ids(t, 0)), b = where.rank_of(rt.ids(t, 1));
+      const int score = a == b ? 0 : 1 + (a != r.home_rank && b != r.home_rank);
+      if (score > best_score) best = static_cast<int>(t), best_score = score;
+    }
+    n.put(best);
+    for (int k = 0; k < top_k && best >= 0; ++k) {
+      const int e = rt.ids(best, k), s = plan.slot[best * top_k + k];
+      const int b = plan.block(0, where.rank_of(e), where.local_index(e));
+      n.put(e);
+      n.put(rt.weights(best, k));
+      n.put(s);
+      n.put(s - plan.send_offsets[b]);  // position in the block: the receiver's order too
+    }
+    return n;
+  });
+  reader pick{choose[r.home_rank]};
+  r.token = static_cast<int>(pick.get());
+  if (r.token < 0) return r;
+  std::vector<index_t> position;
+  for (int k = 0; k < top_k; ++k) {
+    const int e = static_cast<int>(pick.get());
+    r.experts.push_back(e);
+    r.ranks.push_back(where.rank_of(e));
+    r.slots.push_back(where.local_index(e));
+    r.weights.push_back(pick.get());
+    r.send_rows.push_back(pick.get());
+    position.push_back(static_cast<index_t>(pick.get()));
+  }
+  // Pass 2: the expert ranks record the token's row going in and coming out.
+  const auto traced = world.run([&](typename P::comm c) {
+    const int me = c.rank();
+    trace_point tp;
+    for (int k = 0; k < top_k; ++k)
+      if (r.ranks[k] == me) tp = {r.slots[k], r.home_rank, position[k], nullptr, {}, {}};
+    const auto mine = reference::slice(full, where, me);
+    moe_layer<P> layer(cfg, std::move(c), {full.gate_view(), {mine.experts(), &tp}});
+    tp.plan = &layer.last_plan();  // filled by the pass before the experts run
+    const auto x = tokens_of(o, me);
+    std::vector<float> y;
+    forward(layer, x, y);
+    numbers n;
+    n.put_all(tp.in);
+    n.put_all(tp.out);
+    if (me == r.home_rank)
+      n.put_all(
+          std::vector<float>(y.begin() + r.token * o.hidden, y.begin() + (r.token + 1) * o.hidden));
+    return n;
+  });
+  const auto x = tokens_of(o, r.home_rank);
+  r.combined.assign(static_cast<std::size_t>(o.hidden), 0.0);
+  std::vector<float> acc(static_cast<std::size_t>(o.hidden), 0.f);
+  for (int k = 0; k < top_k; ++k) {
+    reader in{traced[r.ranks[k]]};
+    const auto got = in.get(static_cast<std::size_t>(o.hidden));
+    const auto out = in.get<float>(static_cast<std::size_t>(o.hidden));
+    double diff = 0;
+    for (int h = 0; h < o.hidden; ++h) {
+      diff = std::max(diff, std::abs(got[h] - x[r.token * o.hidden + h]));
+      acc[h] += static_cast<float>(r.weights[k]) * out[h];  // as the layer's reduce: in float
+    }
+    r.input_diff.push_back(diff);
+    r.outputs.emplace_back(out.begin(), out.end());
+  }
+  r.combined.assign(acc.begin(), acc.end());
+  {
+    reader in{traced[r.home_rank]};
+    in.at = traced[r.home_rank].size() - static_cast<std::size_t>(o.hidden);
+    r.layer_row = in.get(static_cast<std::size_t>(o.hidden));
+  }
+  // The reference forward pass over every rank's tokens, all experts in one place.
+  std::vector<float> xs, ys(static_cast<std::size_t>(R) * o.tokens * o.hidden);
+  for (int s = 0; s < R; ++s) {
+    const auto xr = tokens_of(o, s);
+    xs.insert(xs.end(), xr.begin(), xr.end());
+  }
+  const index_t n = static_cast<index_t>(R) * o.tokens;
+  reference::forward(full, typename P::router{}, capacity::dropless{}, {xs.data(), n, o.hidden},
+                     std::vector<index_t>(static_cast<std::size_t>(R), o.tokens),
+                     {ys.data(), n, o.hidden});
+  const index_t row = (r.home_rank * o.tokens + r.token) * o.hidden;
+  r.reference_row.assign(ys.begin() + row, ys.begin() + row + o.hidden);
+  double scale = 0;
+  for (int h = 0; h < o.hidden; ++h) {
+    r.combined_vs_layer = std::max(r.combined_vs_layer, std::abs(r.combined[h] - r.layer_row[h]));
+    r.combined_vs_reference =
+        std::max(r.combined_vs_reference, std::abs(r.combined[h] - r.reference_row[h]));
+    scale = std::max(scale, std::abs(r.reference_row[h]));
+  }
+  r.combined_vs_reference /= std::max(scale, 1e-30);
+  r.found = r.ranks[0] != r.ranks[1];
+  (void)L;
+  r.conclusion = format(
+      "token %d of rank %d went to expert %d on rank %d (weight %.3f) and expert %d on rank %d "
+      "(weight %.3f); the weighted sum of the two returned rows is the layer's output "
+      "(max diff %.1e) and the reference's (relative error %.1e)",
+      r.token, r.home_rank, r.experts[0], r.ranks[0], r.weights[0], r.experts[1], r.ranks[1],
+      r.weights[1], r.combined_vs_layer, r.combined_vs_reference);
+  return r;
+}
+
+// --- 8. the straggler ----------------------------------------------------------------------
+
+struct straggler_result {
+  int hot_expert = 0, hot_rank = 0;
+  std::vector<double> rows_before, rows_after;            // [R]: rows each rank's experts computed
+  std::vector<double> expert_ms_before, expert_ms_after;  // [R]: measured, best of passes
+  std::vector<double> wait_ms_before, wait_ms_after;      // [R]: slowest rank's - own
+  int straggler_before = 0, straggler_after = 0;          // by rows
+  double excess_before = 0, excess_after = 0;             // (max - mean) / mean of rows per rank
+  double predicted_max_over_mean = 0;                     // the balancer's own estimate
+  int extra_slots = 0, hot_copies = 0;
+  std::vector<std::vector<int>> experts_of_rank_after;  // [R][slots]
+  std::string conclusion;
+};
+
+template <class World>
+straggler_result the_straggler(const World& world, const options& o, int passes = 3) {
+  using Comm = typename World::comm_type;
+  using Block = policies<Comm, capacity::dropless, experts_in_turn>;
+  using Table = policies<Comm, capacity::dropless, experts_in_turn, placement::table>;
+  const layer_config cfg = o.config();
+  const auto full = reference::full_weights::random(cfg, o.seed);
+  const int R = o.ranks, extra = R;  // one extra slot per rank for replicas
+  straggler_result r;
+  r.hot_expert = o.hot_expert;
+  r.hot_rank = placement::block(cfg).rank_of(o.hot_expert);
+  r.extra_slots = extra;
+  const auto all = world.run([&](Comm c) {
+    const int me = c.rank();
+    const auto x = skewed(tokens_of(o, me), full, o);
+    std::vector<float> y;
+    numbers n;
+    const auto best_pass = [&](auto& layer) {  // expert seconds: best of the passes
+      double s = 1e30;
+      for (int p = 0; p < passes; ++p) {
+        forward(layer, x, y);
+        s = std::min(s, layer.stats().time.experts);
+      }
+      return s;
+    };
+    rank_layer<Block> before(cfg, another(c), full);
+    n.put(best_pass(before.layer));
+    const auto load = before.layer.gather_load();
+    n.put_all(load.per_rank);
+    n.put(load.ranks.excess);
+    // Balance on the measured load (the same on every rank), then a layer on the new table.
+    const std::vector<double> per_expert(load.per_expert.begin(), load.per_expert.end());
+    const auto plan = placement::balance(per_expert, {.ranks = R, .extra_slots = extra});
+    rank_layer<Table> after(cfg, std::move(c), full, plan.refined);
+    n.put(best_pass(after.layer));
+    const auto load2 = after.layer.gather_load();
+    n.put_all(load2.per_rank);
+    n.put(load2.ranks.excess);
+    n.put(plan.refined_max_over_mean);
+    n.put(plan.refined.copies(o.hot_expert));
+    n.put_all(plan.refined.phy_to_log());
+    return n;
+  });
+  const int S = (experts + extra) / R;
+  for (const auto& v : all) {
+    reader in{v};
+    r.expert_ms_before.push_back(1e3 * in.get());
+    r.rows_before = in.get(static_cast<std::size_t>(R));
+    r.excess_before = in.get();
+    r.expert_ms_after.push_back(1e3 * in.get());
+    r.rows_after = in.get(static_cast<std::size_t>(R));
+    r.excess_after = in.get();
+    r.predicted_max_over_mean = in.get();
+    r.hot_copies = static_cast<int>(in.get());
+    const auto phy = in.get<int>(static_cast<std::size_t>(R * S));
+    r.experts_of_rank_after.clear();
+    for (int s = 0; s < R; ++s)
+      r.experts_of_rank_after.emplace_back(phy.begin() + s * S, phy.begin() + (s + 1) * S);
+  }
+  for (double t : r.expert_ms_before) r.wait_ms_before.push_back(max_of(r.expert_ms_before) - t);
+  for (double t : r.expert_ms_after) r.wait_ms_after.push_back(max_of(r.expert_ms_after) - t);
+  r.straggler_before = argmax(r.rows_before);
+  r.straggler_after = argmax(r.rows_after);
+  r.conclusion = format(
+      "hot expert %d makes rank %d the straggler with %.0f%% more rows than the mean (the others "
+      "wait up to %.1f ms for it); %d replicas from the balancer (expert %d on %d ranks) cut "
+      "the excess to %.0f%% and the wait to %.1f ms",
+      r.hot_expert, r.straggler_before, 100 * r.excess_before, max_of(r.wait_ms_before), extra,
+      r.hot_expert, r.hot_copies, 100 * r.excess_after, max_of(r.wait_ms_after));
+  return r;
+}
+
+}  // namespace epmoe::tour
