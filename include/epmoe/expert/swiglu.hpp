@@ -17,16 +17,20 @@ EPMOE_HD float silu_mul(float a, float b) { return a / (1.f + expf(-a)) * b; }
 /// SwiGLU expert FFN (Mixtral, DeepSeek, Qwen): y = W2 (silu(W1 x) * W3 x).
 /// Each local expert's rows run as one GEMM block per projection.
 struct swiglu {
-  /// This rank's L local experts, stacked; PyTorch [out, in] layout, fp32.
-  struct weights {
-    stacked_view<const float> w1;  // [L, F, H] gate projection
-    stacked_view<const float> w3;  // [L, F, H] up projection
-    stacked_view<const float> w2;  // [L, H, F] down projection
+  /// This rank's L local experts, stacked; PyTorch [out, in] layout, element type T (fp32
+  /// on the host; fp32, bf16 or fp16 in device memory on space::cuda<T>).
+  template <class T>
+  struct weights_of {
+    stacked_view<const T> w1;  // [L, F, H] gate projection
+    stacked_view<const T> w3;  // [L, F, H] up projection
+    stacked_view<const T> w2;  // [L, H, F] down projection
   };
+  using weights = weights_of<float>;
 
   /// Checks `count` stacked experts of width hidden -> ffn -> hidden; `name` prefixes the
   /// field in errors ("weights.experts", "weights.shared").
-  static void validate(const weights& w, index_t count, index_t hidden, index_t ffn,
+  template <class T>
+  static void validate(const weights_of<T>& w, index_t count, index_t hidden, index_t ffn,
                        const std::string& name) {
     detail::require_shape(w.w1, count, ffn, hidden, (name + ".w1").c_str());
     detail::require_shape(w.w3, count, ffn, hidden, (name + ".w3").c_str());
