@@ -229,7 +229,7 @@ struct exchanges_result {
 };
 
 template <class World>
-exchanges_result communication_pattern(const World& world, const options& o, int passes = 3) {
+exchanges_result communication_pattern(const World& world, const options& o, int passes = 5) {
   using P = policies<counting<typename World::comm_type>>;
   const layer_config cfg = o.config();
   const auto full = reference::full_weights::random(cfg, o.seed);
@@ -307,7 +307,7 @@ struct compute_result {
 };
 
 template <class World>
-compute_result compute_per_token(const World& world, const options& o, int passes = 3) {
+compute_result compute_per_token(const World& world, const options& o, int passes = 5) {
   using Top = policies<typename World::comm_type>;
   using Dense = policies<typename World::comm_type, capacity::dropless, schedule::sequential,
                          placement::block, experts>;
@@ -523,7 +523,7 @@ struct overlap_result {
 };
 
 template <class World>
-overlap_result hiding_latency(const World& world, const options& o, int passes = 3) {
+overlap_result hiding_latency(const World& world, const options& o, int passes = 5) {
   using Comm = typename World::comm_type;
   using Free = policies<Comm>;
   using Seq = policies<comm::throttled<Comm>>;
@@ -657,7 +657,6 @@ trace_result trace_one_token(const World& world, const options& o) {
   const layer_config cfg = o.config();
   const auto full = reference::full_weights::random(cfg, o.seed);
   const placement::block where(cfg);
-  const int R = o.ranks, L = cfg.experts_per_rank();
   trace_result r;
   // Pass 1 on the home rank: find a token whose experts are on two ranks, neither home if
   // one exists (both rows then cross the network).
@@ -742,18 +741,13 @@ trace_result trace_one_token(const World& world, const options& o) {
     in.at = traced[r.home_rank].size() - static_cast<std::size_t>(o.hidden);
     r.layer_row = in.get(static_cast<std::size_t>(o.hidden));
   }
-  // The reference forward pass over every rank's tokens, all experts in one place.
-  std::vector<float> xs, ys(static_cast<std::size_t>(R) * o.tokens * o.hidden);
-  for (int s = 0; s < R; ++s) {
-    const auto xr = tokens_of(o, s);
-    xs.insert(xs.end(), xr.begin(), xr.end());
-  }
-  const index_t n = static_cast<index_t>(R) * o.tokens;
-  reference::forward(full, typename P::router{}, capacity::dropless{}, {xs.data(), n, o.hidden},
-                     std::vector<index_t>(static_cast<std::size_t>(R), o.tokens),
-                     {ys.data(), n, o.hidden});
-  const index_t row = (r.home_rank * o.tokens + r.token) * o.hidden;
-  r.reference_row.assign(ys.begin() + row, ys.begin() + row + o.hidden);
+  // The reference forward pass on this token alone: dropless, a token's output depends on
+  // nothing but its own row.
+  std::vector<float> ref(static_cast<std::size_t>(o.hidden));
+  reference::forward(full, typename P::router{}, capacity::dropless{},
+                     {x.data() + r.token * o.hidden, 1, o.hidden}, std::vector<index_t>{1},
+                     {ref.data(), 1, o.hidden});
+  r.reference_row.assign(ref.begin(), ref.end());
   double scale = 0;
   for (int h = 0; h < o.hidden; ++h) {
     r.combined_vs_layer = std::max(r.combined_vs_layer, std::abs(r.combined[h] - r.layer_row[h]));
@@ -763,7 +757,6 @@ trace_result trace_one_token(const World& world, const options& o) {
   }
   r.combined_vs_reference /= std::max(scale, 1e-30);
   r.found = r.ranks[0] != r.ranks[1];
-  (void)L;
   r.conclusion = format(
       "token %d of rank %d went to expert %d on rank %d (weight %.3f) and expert %d on rank %d "
       "(weight %.3f); the weighted sum of the two returned rows is the layer's output "
@@ -789,7 +782,7 @@ struct straggler_result {
 };
 
 template <class World>
-straggler_result the_straggler(const World& world, const options& o, int passes = 3) {
+straggler_result the_straggler(const World& world, const options& o, int passes = 5) {
   using Comm = typename World::comm_type;
   using Block = policies<Comm, capacity::dropless, experts_in_turn>;
   using Table = policies<Comm, capacity::dropless, experts_in_turn, placement::table>;
