@@ -1,9 +1,10 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 // Plans a deployment before renting it: runs the real planner for every simulated rank and
-// prices the pass on a cluster model. For example, 256 experts, top-8, 64 GPUs in 8 nodes,
-// Zipf 1.2, and how much replication and overlap recover:
-//   epmoe_simulate --ranks 64 --nodes 8 --experts 256 --top-k 8 --skew 1.2 --compare
+// prices the pass on a cluster model. With no flags it answers: 256 experts, top-8, 64 GPUs
+// in 8 nodes, Zipf 1.2: which rank straggles, by how much, and how much replication and
+// overlap recover (the flags spelled out):
+//   epmoe_simulate --ranks 64 --nodes 8 --experts 256 --top-k 8 --skew 1.2
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -38,6 +39,7 @@ struct args {
   std::string topology = "h100_nvlink_ib", trace, stats, calibrate;
   double skew = 1.2;
   bool dedup = false, compare = false, validate = false, topology_set = false;
+  bool compare_set = false, single = false;  // --compare / --no-compare; --placement/--schedule
   int passes = 8;
   std::uint64_t seed = 1;
 };
@@ -50,7 +52,9 @@ struct args {
       "  [--schedule sequential|pipelined] [--chunks C] [--skew ZIPF (0: uniform)]\n"
       "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
       "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
-      "  [--compare (block vs balanced x sequential vs pipelined)]\n"
+      "  [--compare | --no-compare]: block vs balanced x sequential vs pipelined, and the\n"
+      "      answer (who straggles, by how much, what replication and overlap recover); the\n"
+      "      default unless --placement or --schedule names one configuration\n"
       "  --calibrate FILE [--ranks R (2)] [--tokens T (256)] [--hidden H] [--ffn F] [--experts E]\n"
       "      [--top-k K]: measure comm::threads, host GEMM and memory rates; write a topology\n"
       "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P] ...:\n"
@@ -87,11 +91,11 @@ args parse(int argc, char** argv) {
     else if (k == "--show")
       a.show = std::stoi(next());
     else if (k == "--placement")
-      a.placement = next();
+      a.placement = next(), a.single = true;
     else if (k == "--capacity")
       a.capacity = next();
     else if (k == "--schedule")
-      a.schedule = next();
+      a.schedule = next(), a.single = true;
     else if (k == "--topology")
       a.topology = next(), a.topology_set = true;
     else if (k == "--calibrate")
@@ -111,7 +115,9 @@ args parse(int argc, char** argv) {
     else if (k == "--dedup")
       a.dedup = true;
     else if (k == "--compare")
-      a.compare = true;
+      a.compare = a.compare_set = true;
+    else if (k == "--no-compare")
+      a.compare = false, a.compare_set = true;
     else
       usage();
   }
@@ -130,6 +136,9 @@ args parse(int argc, char** argv) {
     if (!given("--tokens")) a.tokens = 256;
     if (!given("--skew")) a.skew = 0;
   }
+  // Without --placement or --schedule the tool answers the comparison (block vs balanced x
+  // sequential vs pipelined); naming one runs just that configuration.
+  if (!a.compare_set) a.compare = !a.single;
   if (a.extra_slots < 0) a.extra_slots = a.ranks;  // one spare slot per rank
   return a;
 }
@@ -189,12 +198,15 @@ void print(const sim::result& r, int show) {
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return r.per_rank[x].total() > r.per_rank[y].total(); });
   if (static_cast<int>(order.size()) > show) order.resize(static_cast<std::size_t>(show));
-  std::printf("  %5s %9s %9s %9s %9s %8s %9s %9s\n", "rank", "disp_us", "expert_us", "comb_us",
-              "total_us", "rows", "intra_MB", "inter_MB");
+  std::printf("  own stage times per rank, us (busiest first; counts = the counts all-to-all)\n");
+  std::printf("  %5s %7s %7s %7s %7s %9s %9s %9s %7s %9s %8s %8s %8s\n", "rank", "route", "permute",
+              "shared", "counts", "dispatch", "experts", "combine", "reduce", "total", "rows",
+              "intra_MB", "inter_MB");
   for (int q : order) {
     const auto& m = r.per_rank[q];
-    std::printf("  %5d %9.1f %9.1f %9.1f %9.1f %8lld %9.2f %9.2f\n", q, m.dispatch * 1e6,
-                m.experts * 1e6, m.combine * 1e6, m.total() * 1e6,
+    std::printf("  %5d %7.1f %7.1f %7.1f %7.1f %9.1f %9.1f %9.1f %7.1f %9.1f %8lld %8.1f %8.1f\n",
+                q, m.route * 1e6, m.permute * 1e6, m.shared * 1e6, m.counts * 1e6, m.dispatch * 1e6,
+                m.experts * 1e6, m.combine * 1e6, m.reduce * 1e6, m.total() * 1e6,
                 static_cast<long long>(m.padded_rows_computed),
                 (m.dispatch_bytes.out[0] + m.dispatch_bytes.in[0]) / 1e6,
                 (m.dispatch_bytes.out[1] + m.dispatch_bytes.in[1]) / 1e6);
@@ -212,6 +224,14 @@ void print(const sim::result& r, int show) {
               r.dispatch_bytes[0] / 1e6, r.dispatch_bytes[1] / 1e6);
   std::printf("layer latency: %.1f us (%.1f us if every rank did the mean rank's work)\n",
               r.latency * 1e6, r.balanced_latency * 1e6);
+}
+
+void write_trace(const std::string& path, const sim::result& r) {
+  if (path.empty()) return;
+  std::ofstream f(path);
+  if (!f) throw config_error("--trace", path, "cannot be written");
+  sim::write_trace(f, r);
+  std::printf("trace: %s (open in ui.perfetto.dev)\n", path.c_str());
 }
 
 // ---- calibration and validation on this machine (comm::threads) ----
@@ -377,23 +397,37 @@ int main(int argc, char** argv) try {
     std::printf("%d experts, top-%d, H=%d F=%d, %d tokens/rank on %d ranks in %d nodes (%s)\n",
                 a.experts, a.top_k, a.hidden, a.ffn, a.tokens, a.ranks, a.nodes, topo.name.c_str());
     if (a.compare) {
+      // The question of issue 9 in one run: who straggles, by how much, and what replication
+      // (balanced table) and overlap (pipelined) recover.
       double lat[2][2];
+      sim::result base;
       const char* places[2] = {"block", "balanced"};
       for (int p = 0; p < 2; ++p)
         for (int s = 0; s < 2; ++s) {
-          const auto r = run(a, places[p], s ? a.chunks : 1, cfg, topo, src);
+          auto r = run(a, places[p], s ? a.chunks : 1, cfg, topo, src);
           lat[p][s] = r.latency;
-          if (p == 0 && s == 0) print(r, a.show);
+          if (p == 0 && s == 0) base = std::move(r);
         }
+      std::printf("placement block, capacity %s%s, sequential:\n", a.capacity.c_str(),
+                  a.dedup ? ", dedup" : "");
+      print(base, a.show);
+      write_trace(a.trace, base);
+      const std::string bal = "balanced +" + std::to_string(a.extra_slots) + " slots";
       std::printf("\n%-28s %14s %14s\n", "latency (us)", "sequential",
                   ("pipelined C=" + std::to_string(a.chunks)).c_str());
       for (int p = 0; p < 2; ++p)
-        std::printf("%-28s %14.1f %14.1f\n",
-                    p ? ("balanced +" + std::to_string(a.extra_slots) + " slots").c_str() : "block",
-                    lat[p][0] * 1e6, lat[p][1] * 1e6);
-      std::printf("replication recovers %.0f%%, overlap %.0f%%, both %.0f%% of block sequential\n",
-                  100 * (1 - lat[1][0] / lat[0][0]), 100 * (1 - lat[0][1] / lat[0][0]),
-                  100 * (1 - lat[1][1] / lat[0][0]));
+        std::printf("%-28s %14.1f %14.1f\n", p ? bal.c_str() : "block", lat[p][0] * 1e6,
+                    lat[p][1] * 1e6);
+      auto pct = [&](double x) { return 100 * (1 - x / lat[0][0]); };
+      std::printf(
+          "\nanswer: rank %d is the straggler, %.0f%% above the mean rank: %s;\n"
+          "  the layer takes %.2f ms, %.1fx the %.2f ms of perfect balance.\n"
+          "  replication (%s) recovers %.0f%% (-> %.2f ms), overlap (pipelined C=%d) %.0f%% "
+          "(-> %.2f ms), both %.0f%% (-> %.2f ms).\n",
+          base.straggler, 100 * base.straggler_excess, base.straggler_reason.c_str(),
+          base.latency * 1e3, base.latency / base.balanced_latency, base.balanced_latency * 1e3,
+          bal.c_str(), pct(lat[1][0]), lat[1][0] * 1e3, a.chunks, pct(lat[0][1]), lat[0][1] * 1e3,
+          pct(lat[1][1]), lat[1][1] * 1e3);
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -405,11 +439,7 @@ int main(int argc, char** argv) try {
                 a.placement.c_str(), a.capacity.c_str(), a.dedup ? ", dedup" : "",
                 a.schedule.c_str(), chunks, secs);
     print(r, a.show);
-    if (!a.trace.empty()) {
-      std::ofstream f(a.trace);
-      sim::write_trace(f, r);
-      std::printf("trace: %s (open in ui.perfetto.dev)\n", a.trace.c_str());
-    }
+    write_trace(a.trace, r);
   };
   if (!a.stats.empty()) {
     std::ifstream f(a.stats);

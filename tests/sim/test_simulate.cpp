@@ -120,24 +120,41 @@ TEST_CASE("sim: counts equal a real layer pass on threads, rank by rank", "[sim]
 }
 
 TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]") {
-  // Two nodes of one rank: every transfer is inter-node.
+  // Two nodes of one rank: every transfer is inter-node. No copy or top-k rate given: copies
+  // run at memory / 2 = 5e10 B/s, top-k reads 4-byte logits at 1e11 B/s (2.5e10 logits/s).
   sim::topology topo{"hand", 2, 1, 0, 0, 1e9, 1e-5, 1e12, 1e11, 2, 2};
   layer_config cfg{
       .hidden = 100, .ffn = 50, .experts = 2, .top_k = 1, .ranks = 2, .max_tokens = 40};
   // Rank 0: 10 tokens to expert 0 (its own), 30 to expert 1; rank 1: 20 to expert 1.
   const sim::recorded_source src({{0, 0, 40, 1, {10, 30}}, {0, 1, 20, 1, {0, 20}}});
   const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
+  const double copy = 200 / 5e10;  // one 100 x 2-byte row
   // Rows are 100 * 2 bytes: rank 0 sends 30 rows = 6000 B, rank 1 receives them.
   const double comm = 1e-5 + 6000 / 1e9;
-  CHECK(s.per_rank[0].dispatch == Approx(comm).epsilon(1e-12));
-  CHECK(s.per_rank[1].dispatch == Approx(comm).epsilon(1e-12));
-  CHECK(s.per_rank[1].combine == Approx(comm).epsilon(1e-12));
+  // Dispatch = the exchange + local copies: rank 0 keeps 10 rows and regroups the 10 it
+  // receives (its own); rank 1 keeps 20 and regroups 50. Combine copies the same back.
+  CHECK(s.per_rank[0].dispatch == Approx(comm + 20 * copy).epsilon(1e-12));
+  CHECK(s.per_rank[1].dispatch == Approx(comm + 70 * copy).epsilon(1e-12));
+  CHECK(s.per_rank[1].combine == Approx(comm + 70 * copy).epsilon(1e-12));
   CHECK(s.dispatch_bytes[1] == 6000);
   // Rank 0: 10 rows = 3e5 FLOP / 1e12 = 3e-7 s, weights 3*100*50*2 = 3e4 B / 1e11 = 3e-7 s.
   CHECK(s.per_rank[0].experts == Approx(3e-7).epsilon(1e-12));
   // Rank 1: 50 rows = 1.5e6 FLOP -> 1.5e-6 s (compute bound).
   CHECK(s.per_rank[1].experts == Approx(1.5e-6).epsilon(1e-12));
-  CHECK(s.latency == Approx(2 * comm + 1.5e-6).epsilon(1e-12));
+  // Home stages of rank 0 (40 tokens): the gate GEMM 2*40*100*2 FLOP at 1e12 and top-k over
+  // 40*2 logits at 2.5e10/s; permute gathers its 40 rows; reduce reads the 40 back.
+  CHECK(s.per_rank[0].route == Approx(16000 / 1e12 + 80 / 2.5e10).epsilon(1e-12));
+  CHECK(s.per_rank[0].permute == Approx(40 * copy).epsilon(1e-12));
+  CHECK(s.per_rank[0].reduce == Approx(40 * copy).epsilon(1e-12));
+  CHECK(s.per_rank[0].shared == 0);
+  // Counts: one chunk of (2L + 1) = 3 eight-byte counts to the other node.
+  const double counts = 1e-5 + 24 / 1e9;
+  CHECK(s.per_rank[0].counts == Approx(counts).epsilon(1e-12));
+  // Sequential: the slowest rank's route + permute, counts, then dispatch, experts, combine
+  // (each the slowest rank's), reduce.
+  const double before = 16000 / 1e12 + 80 / 2.5e10 + 40 * copy;
+  CHECK(s.latency ==
+        Approx(before + counts + 2 * (comm + 70 * copy) + 1.5e-6 + 40 * copy).epsilon(1e-12));
   CHECK(s.straggler == 1);
   CHECK(s.straggler_reason.find("compute") == 0);
 
@@ -146,6 +163,15 @@ TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]")
         sim::simulate<sim::policies<placement::block, capacity::dropless, true>>(cfg, topo, src);
     CHECK(d.per_rank[0].dispatch_bytes.out[1] == 30 * 200 + 30 * 8);
     CHECK(d.per_rank[0].combine_bytes.in[1] == 30 * 200);
+  }
+  SECTION("a shared expert runs every home token and adds them to the reduce") {
+    cfg.shared_experts = 1;
+    const auto d = sim::simulate<sim::policies<>>(cfg, topo, src);
+    // 40 rows through one H x F FFN: 40 * 6 * 100 * 50 = 1.2e6 FLOP (compute bound), plus
+    // copying the 40 tokens in; reduce reads 40 more rows.
+    CHECK(d.per_rank[0].shared == Approx(1.2e6 / 1e12 + 40 * copy).epsilon(1e-12));
+    CHECK(d.per_rank[0].reduce == Approx(80 * copy).epsilon(1e-12));
+    CHECK(d.latency == Approx(s.latency + d.per_rank[0].shared + 40 * copy).epsilon(1e-12));
   }
 }
 
@@ -156,9 +182,71 @@ TEST_CASE("sim: the pipelined schedule by hand", "[sim][cost]") {
   CHECK(t.experts_start[1] == 3);
   CHECK(t.combine_start[0] == 3);
   CHECK(sim::schedule({{2}, {4}, {2}}).latency == 8);  // sequential: the sum
+
+  SECTION("home stages: shared overlaps the first dispatch only when pipelined") {
+    // before 1, counts 0.5, shared 3, reduce 0.25.
+    sim::chunk_times p{{1, 1}, {2, 2}, {1, 1}, 1, 3, 0.5, 0.25};
+    const auto q = sim::schedule(p);
+    // Counts [1, 1.5]; D0 [1.5, 2.5]; shared [1.5, 4.5]; X0 [4.5, 6.5]; D1 [4.5, 5.5];
+    // M0 [6.5, 7.5]; X1 [6.5, 8.5]; M1 [8.5, 9.5]; reduce [9.5, 9.75].
+    CHECK(q.counts_start == 1);
+    CHECK(q.shared_start == 1.5);
+    CHECK(q.experts_start[0] == 4.5);
+    CHECK(q.reduce_start == 9.5);
+    CHECK(q.latency == 9.75);
+    sim::chunk_times s{{2}, {4}, {2}, 1, 3, 0.5, 0.25};
+    const auto r = sim::schedule(s);
+    CHECK(r.shared_start == 1);
+    CHECK(r.counts_start == 4);
+    CHECK(r.latency == 1 + 3 + 0.5 + 8 + 0.25);
+  }
 }
 
-TEST_CASE("sim: 128 ranks x 256 experts x 256 tokens completes; trace is well formed",
+TEST_CASE("sim: the table lookup answers as placement::table::slot_for", "[sim]") {
+  // 16 experts on 8 ranks in 4 nodes, 3 slots per rank: hot experts with copies on the
+  // token's own rank, its node only, other nodes only, or both.
+  const auto load = sim::zipf_load(16, 1.5, 3);
+  const auto t = placement::balance(load, {.ranks = 8, .nodes = 4, .extra_slots = 8}).refined;
+  REQUIRE(t.max_copies() > 2);
+  sim::detail::table_lookup look(t);
+  std::uint64_t token = 0;
+  for (int home = 0; home < 8; ++home) {
+    look.set_home(home);
+    for (int n = 0; n < 500; ++n, token += 7919)
+      for (int e = 0; e < 16; ++e) {
+        INFO("home " << home << " expert " << e << " token " << token);
+        REQUIRE(look.slot_for(e, home, token) == t.slot_for(e, home, token));
+      }
+  }
+  for (std::uint64_t n : {1ull, 3ull, 7ull, 1000ull, 65537ull})  // the divide-free h % n
+    for (std::uint64_t h : {0ull, 1ull, 12345678901234567ull, ~0ull, ~0ull - 1})
+      CHECK(sim::detail::table_lookup::mod(h, n, ~0ull / n) == h % n);
+}
+
+TEST_CASE("sim: results do not depend on the planner thread count", "[sim]") {
+  const layer_config cfg{.hidden = 256,
+                         .ffn = 128,
+                         .experts = 64,
+                         .top_k = 4,
+                         .ranks = 64,
+                         .max_tokens = 64,
+                         .capacity_factor = 1.0};
+  const auto src = sim::zipf(64, 1.2, 4, 64, 11);
+  const auto t =
+      placement::balance(src.expected_load(), {.ranks = 64, .nodes = 8, .extra_slots = 64}).refined;
+  using P = sim::policies<placement::table, capacity::factor<false>, true>;
+  const auto topo = sim::h100_nvlink_ib(8);
+  const auto one = sim::simulate<P>(cfg, topo, src, {.chunks = 2, .threads = 1}, t);
+  const auto three = sim::simulate<P>(cfg, topo, src, {.chunks = 2, .threads = 3}, t);
+  CHECK(one.latency == three.latency);
+  CHECK(one.rows_per_slot == three.rows_per_slot);
+  CHECK(one.rank_dispatch == three.rank_dispatch);
+  CHECK(one.dropped == three.dropped);
+  CHECK(one.dropped > 0);
+  CHECK(one.straggler == three.straggler);
+}
+
+TEST_CASE("sim: 128 ranks x 256 experts x 256 tokens completes and its trace is well formed",
           "[sim][scale]") {
   const layer_config cfg{
       .hidden = 1024, .ffn = 512, .experts = 256, .top_k = 8, .ranks = 128, .max_tokens = 256};
@@ -178,7 +266,12 @@ TEST_CASE("sim: 128 ranks x 256 experts x 256 tokens completes; trace is well fo
   std::size_t slices = 0;
   for (auto p = j.find("\"ph\":\"X\""); p != std::string::npos; p = j.find("\"ph\":\"X\"", p + 1))
     ++slices;
-  CHECK(slices == std::size_t{128} * 2 * 3);
+  // Per rank: 2 chunks x (dispatch, experts, combine), then route, permute, counts, reduce
+  // (no shared experts: no slice).
+  CHECK(slices == std::size_t{128} * (2 * 3 + 4));
+  for (const char* stage : {"\"route\"", "\"permute\"", "\"counts\"", "\"reduce\""})
+    CHECK(j.find(stage) != std::string::npos);
+  CHECK(j.find("\"shared\"") == std::string::npos);
   int depth = 0, min_depth = 0;  // brackets balance (no string holds one)
   for (char c : j) {
     depth += (c == '{' || c == '[') - (c == '}' || c == ']');

@@ -54,34 +54,78 @@ inline double slot_seconds(const topology& topo, int hidden, int ffn, double row
                   expert_weight_bytes(topo, hidden, ffn) / topo.memory_bandwidth);
 }
 
-/// The stages of one pass, per chunk, for the whole layer: each all-to-all is bulk
-/// synchronous, so chunk c's dispatch takes the slowest rank's exchange (dispatch[c] = max
-/// over ranks), likewise experts[c] and combine[c]. All vectors have C entries.
+/// Routing T tokens: the gate GEMM ([T, H] x [H, E], 2 FLOPs a multiply-add) at the GEMM
+/// rate, then softmax and top-k over each token's E logits.
+inline double route_seconds(const topology& topo, double tokens, int hidden, int experts) {
+  if (tokens <= 0) return 0;
+  return 2.0 * tokens * hidden * experts / topo.gemm_flops + tokens * experts / topo.select_rate();
+}
+/// Copying `rows` rows of `row_bytes` on one rank (permute's gather, the regroup by expert,
+/// a rank's rows to itself, the weighted reduce reading each expert output once).
+inline double copy_seconds(const topology& topo, double rows, double row_bytes) {
+  return rows * row_bytes / topo.copy_rate();
+}
+/// The counts all-to-all before the rows move: `bytes_per_peer` to every other rank, one
+/// exchange on each link class the cluster has (latency bound: a few hundred bytes a peer).
+inline double counts_seconds(const topology& topo, double bytes_per_peer) {
+  traffic x;
+  const double intra = bytes_per_peer * (topo.ranks_per_node - 1);
+  const double inter = bytes_per_peer * (topo.ranks() - topo.ranks_per_node);
+  x.add_out(link::intra, intra), x.add_in(link::intra, intra);
+  x.add_out(link::inter, inter), x.add_in(link::inter, inter);
+  return exchange_seconds(topo, x);
+}
+
+/// The stages of one pass for the whole layer. Each all-to-all is bulk synchronous, so
+/// chunk c's dispatch takes the slowest rank's exchange (dispatch[c] = max over ranks),
+/// likewise experts[c] and combine[c] (C entries each). The home-rank stages are the slowest
+/// rank's too: route + permute before the counts exchange, shared experts, reduce after the
+/// last combine.
 struct chunk_times {
   std::vector<double> dispatch, experts, combine;
+  double before = 0;  // route + permute
+  double shared = 0;  // shared experts
+  double counts = 0;  // the counts all-to-all
+  double after = 0;   // reduce
 };
 
 /// When each stage of each chunk starts and ends.
 struct schedule_times {
   std::vector<double> dispatch_start, dispatch_end, experts_start, experts_end, combine_start,
       combine_end;
-  double latency = 0;  // end of the last combine
+  double shared_start = 0, counts_start = 0, reduce_start = 0;
+  double latency = 0;  // end of the reduce
 };
 
-/// The layer's order (schedule::pipelined; with C = 1 it is schedule::sequential): one
-/// compute stream runs experts(c) once dispatch(c) has arrived; one comm stream runs the
-/// exchanges one at a time in the order they are started: dispatch(c+1) when experts(c)
-/// starts, combine(c) when experts(c) ends. Sequential = dispatch + experts + combine.
+/// The layer's order. C = 1 is schedule::sequential: route, permute, shared, counts, then
+/// dispatch + experts + combine, reduce. C > 1 is schedule::pipelined<C>: route, permute,
+/// counts; shared runs on the compute stream while dispatch(0) is in flight; one compute
+/// stream runs experts(c) once dispatch(c) has arrived; one comm stream runs the exchanges
+/// one at a time in the order they are started: dispatch(c+1) when experts(c) starts,
+/// combine(c) when experts(c) ends; reduce after the last combine.
 inline schedule_times schedule(const chunk_times& s) {
   const std::size_t C = s.dispatch.size();
   schedule_times o;
   for (auto* v : {&o.dispatch_start, &o.dispatch_end, &o.experts_start, &o.experts_end,
                   &o.combine_start, &o.combine_end})
     v->assign(C, 0.0);
-  if (C == 0) return o;
   double comm_free = 0, compute_free = 0;
-  o.dispatch_start[0] = 0;
-  o.dispatch_end[0] = comm_free = s.dispatch[0];
+  if (C > 1) {
+    o.counts_start = s.before;
+    o.shared_start = comm_free = o.counts_start + s.counts;
+    compute_free = o.shared_start + s.shared;
+  } else {
+    o.shared_start = s.before;
+    o.counts_start = o.shared_start + s.shared;
+    compute_free = comm_free = o.counts_start + s.counts;
+  }
+  if (C == 0) {
+    o.reduce_start = comm_free;
+    o.latency = o.reduce_start + s.after;
+    return o;
+  }
+  o.dispatch_start[0] = comm_free;
+  o.dispatch_end[0] = comm_free = o.dispatch_start[0] + s.dispatch[0];
   for (std::size_t c = 0; c < C; ++c) {
     o.experts_start[c] = std::max(o.dispatch_end[c], compute_free);
     if (c + 1 < C) {
@@ -92,7 +136,8 @@ inline schedule_times schedule(const chunk_times& s) {
     o.combine_start[c] = std::max(o.experts_end[c], comm_free);
     o.combine_end[c] = comm_free = o.combine_start[c] + s.combine[c];
   }
-  o.latency = o.combine_end[C - 1];
+  o.reduce_start = o.combine_end[C - 1];
+  o.latency = o.reduce_start + s.after;
   return o;
 }
 

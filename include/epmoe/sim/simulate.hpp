@@ -3,10 +3,13 @@
 #pragma once
 
 #include <algorithm>
+#include <concepts>
 #include <cstdint>
+#include <exception>
 #include <numeric>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "epmoe/capacity/dropless.hpp"
@@ -14,8 +17,10 @@
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/plan.hpp"
+#include "epmoe/core/random.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/placement/block.hpp"
+#include "epmoe/placement/table.hpp"
 #include "epmoe/sim/cost.hpp"
 #include "epmoe/sim/topology.hpp"
 
@@ -36,16 +41,35 @@ struct policies {
 struct options {
   int chunks = 1;                 // C: 1 = schedule::sequential, > 1 = schedule::pipelined<C>
   bool keep_peer_counts = false;  // keep [R, R] rows sent (tests; R*R numbers)
+  int threads = 0;  // planner threads over ranks (0: the hardware's, at most one per 16 ranks)
 };
 
+/// The stages of one rank's pass, in the layer's order (stage_times without plan).
+enum class stage { route, permute, shared, counts, dispatch, experts, combine, reduce };
+inline constexpr int stage_count = 8;
+inline constexpr const char* stage_names[stage_count] = {
+    "route", "permute", "shared", "counts", "dispatch", "experts", "combine", "reduce"};
+
 /// One rank's pass: its own stage times (summed over chunks, waits excluded) and counts.
+/// dispatch and combine are the row exchanges plus the rank's local row copies (its rows to
+/// itself, the regroup by expert and back); counts is the counts all-to-all before them.
 struct rank_result {
-  double dispatch = 0, experts = 0, combine = 0;  // seconds
+  double route = 0, permute = 0, shared = 0, counts = 0;  // seconds
+  double dispatch = 0, experts = 0, combine = 0, reduce = 0;
   index_t tokens = 0, assignments = 0, dropped = 0, padding = 0;
+  index_t send_rows = 0;                  // rows permute gathers (unique with dedup), padding in
+  index_t self_rows = 0;                  // of them, rows for its own slots: copied, never sent
   index_t rows_computed = 0;              // real rows its expert slots computed
   index_t padded_rows_computed = 0;       // padding included (what the GEMMs cost)
   traffic dispatch_bytes, combine_bytes;  // to and from other ranks, per link class
-  double total() const { return dispatch + experts + combine; }
+  double time(stage s) const {
+    const double t[stage_count] = {route,    permute, shared,  counts,
+                                   dispatch, experts, combine, reduce};
+    return t[static_cast<int>(s)];
+  }
+  double total() const {
+    return route + permute + shared + counts + dispatch + experts + combine + reduce;
+  }
 };
 
 struct result {
@@ -56,7 +80,7 @@ struct result {
   std::vector<double> rank_dispatch, rank_experts, rank_combine;  // [R, C] per chunk
   std::vector<index_t> rows_sent;             // [R, R] (keep_peer_counts): sender-major
   std::vector<index_t> assignment_rows_sent;  // [R, R]: the rows without dedup
-  chunk_times stages;                         // per chunk, slowest rank
+  chunk_times stages;                         // per chunk (and home stages), slowest rank
   schedule_times timeline;
   double latency = 0;           // predicted layer latency, seconds
   double balanced_latency = 0;  // the same schedule if every rank did the mean rank's work
@@ -117,9 +141,92 @@ struct plan_workspace {
   }
 };
 
-// Rows and metadata entries crossing each link class, per (rank, chunk).
+// Rows and metadata entries crossing each link class, per (rank, chunk), and rows a rank
+// sends itself.
 struct rank_chunk_counts {
   double rows_out[2] = {0, 0}, rows_in[2] = {0, 0}, meta_out[2] = {0, 0}, meta_in[2] = {0, 0};
+  double self_rows = 0;
+};
+
+// What one planner thread accumulates over its ranks; summed after the threads join (sums
+// of whole numbers: exact, whatever the thread count).
+struct partial_counts {
+  std::vector<rank_chunk_counts> counts;  // [R * C]
+  std::vector<index_t> slot_chunk_rows;   // [C * P]: padded rows per (chunk, physical slot)
+  std::vector<index_t> rows_per_slot, padded_rows_per_slot;  // [P]
+  partial_counts(int R, int C, int P)
+      : counts(static_cast<std::size_t>(R) * C),
+        slot_chunk_rows(static_cast<std::size_t>(C) * P, 0),
+        rows_per_slot(static_cast<std::size_t>(P), 0),
+        padded_rows_per_slot(static_cast<std::size_t>(P), 0) {}
+};
+
+// placement::table's slot_for with the per-(home rank, expert) search done once per rank
+// and the token's half of the replica hash once per token: the same answers (a test checks
+// them against table::slot_for) without three binary searches per assignment.
+class table_lookup {
+ public:
+  explicit table_lookup(const placement::table& t)
+      : v_(t.view()),
+        first_(static_cast<std::size_t>(t.experts())),
+        count_(static_cast<std::size_t>(t.experts())),
+        inverse_(static_cast<std::size_t>(t.experts())),
+        seed_(math::mix64(0x706c6163ull)) {}
+
+  /// Resolves every expert's candidate copies for tokens living on rank `home`.
+  void set_home(int home) {
+    using tv = placement::table_view;
+    const int spr = v_.slots_per_rank, rpn = v_.ranks_per_node;
+    for (std::size_t e = 0; e < first_.size(); ++e) {
+      const int* c = v_.log_to_phy + e * static_cast<std::size_t>(v_.max_copies);
+      const int n = v_.copies[e];
+      first_[e] = 0, count_[e] = n;
+      if (n == 1) continue;
+      const int rank_lo = home * spr, i = tv::first_at_least(c, n, rank_lo);
+      if (i < n && c[i] < rank_lo + spr) {
+        first_[e] = i, count_[e] = 1;
+        continue;
+      }
+      const int node_lo = home / rpn * rpn * spr;
+      const int a = tv::first_at_least(c, n, node_lo);
+      const int b = tv::first_at_least(c, n, node_lo + rpn * spr);
+      if (b > a) first_[e] = a, count_[e] = b - a;
+    }
+    for (std::size_t e = 0; e < first_.size(); ++e)
+      inverse_[e] = ~std::uint64_t{0} / static_cast<std::uint64_t>(count_[e]);
+    last_token_ = ~std::uint64_t{0};
+  }
+
+  /// `home` must be the rank given to set_home.
+  int slot_for(int e, int /*home*/, std::uint64_t token) const {
+    const int* c = v_.log_to_phy + e * static_cast<std::size_t>(v_.max_copies) + first_[e];
+    const int n = count_[e];
+    if (n == 1) return c[0];
+    if (token != last_token_) last_token_ = token, token_mix_ = math::mix64(seed_ ^ token);
+    const std::uint64_t h = math::mix64(math::mix64(token_mix_ ^ static_cast<std::uint64_t>(e)));
+    return c[mod(h, static_cast<std::uint64_t>(n), inverse_[e])];
+  }
+
+  static std::uint64_t mulhi(std::uint64_t a, std::uint64_t b) {  // (a * b) >> 64, portably
+    const std::uint64_t al = a & 0xffffffffu, ah = a >> 32, bl = b & 0xffffffffu, bh = b >> 32;
+    const std::uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+    const std::uint64_t mid = (ll >> 32) + (lh & 0xffffffffu) + (hl & 0xffffffffu);
+    return hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+  }
+  /// h % n without a 64-bit divide: q = mulhi(h, floor((2^64-1)/n)) is q_true - {0, 1, 2}.
+  static std::uint64_t mod(std::uint64_t h, std::uint64_t n, std::uint64_t inverse) {
+    const std::uint64_t q = mulhi(h, inverse);
+    std::uint64_t r = h - q * n;
+    while (r >= n) r -= n;
+    return r;
+  }
+
+ private:
+  placement::table_view v_;
+  std::vector<int> first_, count_;      // [E]: candidate copies log_to_phy[e][first, first+count)
+  std::vector<std::uint64_t> inverse_;  // [E]: floor((2^64 - 1) / count)
+  std::uint64_t seed_;
+  mutable std::uint64_t last_token_ = ~std::uint64_t{0}, token_mix_ = 0;
 };
 
 inline std::string format_bytes(double b) {
@@ -138,8 +245,9 @@ inline std::string format_bytes(double b) {
 
 /// Simulates one forward pass of moe_layer<Policies> on `topo`: every rank routes its
 /// source tokens, plans with `where` and `cap` as the layer does, and the counts are priced.
-/// A Source provides tokens(rank) and route(rank, mutable_routing_view) (see source.hpp).
-/// Memory is O(R * C + P * C + T * K) (plus R * R with keep_peer_counts), whatever R.
+/// A Source provides tokens(rank) and route(rank, mutable_routing_view) (see source.hpp) and
+/// must be safe to call from several threads at once (the sources here are: const, stateless).
+/// Memory is O(threads * (R * C + P * C + T * K)) (plus R * R with keep_peer_counts).
 template <class Policies, class Source>
 result simulate(const layer_config& cfg, const topology& topo, const Source& src,
                 const options& opt, const typename Policies::placement& where,
@@ -157,6 +265,8 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                          "nodes * ranks_per_node must equal config ranks");
   epmoe::detail::require(opt.chunks >= 1 && opt.chunks <= 1024, "chunks", opt.chunks,
                          "must be in [1, 1024]");
+  epmoe::detail::require(opt.threads >= 0, "threads", opt.threads,
+                         "must be >= 0 (0: the hardware's)");
   const int R = cfg.ranks, K = cfg.top_k, E = cfg.experts, C = opt.chunks;
   const int L = where.slots_per_rank(), P = R * L;
   const double row_bytes = double(cfg.hidden) * topo.activation_bytes;
@@ -165,59 +275,122 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   result out;
   out.ranks = R, out.chunks = C, out.slots_per_rank = L;
   out.per_rank.resize(static_cast<std::size_t>(R));
-  out.rows_per_slot.assign(static_cast<std::size_t>(P), 0);
-  out.padded_rows_per_slot.assign(static_cast<std::size_t>(P), 0);
   if (opt.keep_peer_counts) {
     out.rows_sent.assign(static_cast<std::size_t>(R) * R, 0);
     out.assignment_rows_sent.assign(static_cast<std::size_t>(R) * R, 0);
   }
-  std::vector<detail::rank_chunk_counts> counts(static_cast<std::size_t>(R) * C);
-  std::vector<index_t> slot_chunk_rows(static_cast<std::size_t>(C) * P, 0);  // padded
 
-  detail::plan_workspace ws(R, L, K, C, E);
-  std::vector<std::int32_t> ids;
-  std::vector<float> weights;
-  for (int r = 0; r < R; ++r) {
-    const index_t T = src.tokens(r);
-    epmoe::detail::require(T <= cfg.max_tokens, "source tokens", T, "must be <= config max_tokens");
-    ids.resize(static_cast<std::size_t>(T * K));
-    weights.resize(static_cast<std::size_t>(T * K));
-    src.route(r, {{ids.data(), T, K}, {weights.data(), T, K}});
-    const index_t limit = cap.limit(cfg, T);
-    ws.reserve(T, K, std::max(T * K, capacity_type::pads ? limit * P : 0));
-    dispatch_plan& p = ws.plan;
-    const routing_view routing{{ids.data(), T, K}, {weights.data(), T, K}};
-    // Token ids as the layer numbers them without given ids: rank * max_tokens + t.
-    build_send_plan(routing, where, E, limit, capacity_type::pads,
-                    token_origin{r, nullptr, std::int64_t{r} * cfg.max_tokens}, p);
-    if constexpr (dedup) build_dedup_plan(routing, p);
+  // Plan every rank with the layer's planner; threads take contiguous ranges of ranks.
+  int W = opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
+  W = std::clamp(std::min(W, R / 16), 1, R);
+  std::vector<detail::partial_counts> parts;
+  parts.reserve(static_cast<std::size_t>(W));
+  for (int w = 0; w < W; ++w) parts.emplace_back(R, C, P);
+  auto plan_ranks = [&](int r0, int r1, detail::partial_counts& part, auto& look) {
+    detail::plan_workspace ws(R, L, K, C, E);
+    std::vector<std::int32_t> ids;
+    std::vector<float> weights;
+    for (int r = r0; r < r1; ++r) {
+      const index_t T = src.tokens(r);
+      epmoe::detail::require(T <= cfg.max_tokens, "source tokens", T,
+                             "must be <= config max_tokens");
+      ids.resize(static_cast<std::size_t>(T * K));
+      weights.resize(static_cast<std::size_t>(T * K));
+      src.route(r, {{ids.data(), T, K}, {weights.data(), T, K}});
+      const index_t limit = cap.limit(cfg, T);
+      ws.reserve(T, K, std::max(T * K, capacity_type::pads ? limit * P : 0));
+      dispatch_plan& p = ws.plan;
+      const routing_view routing{{ids.data(), T, K}, {weights.data(), T, K}};
+      if constexpr (requires { look.set_home(r); }) look.set_home(r);
+      // Token ids as the layer numbers them without given ids: rank * max_tokens + t.
+      build_send_plan(routing, look, E, limit, capacity_type::pads,
+                      token_origin{r, nullptr, std::int64_t{r} * cfg.max_tokens}, p);
+      if constexpr (dedup) build_dedup_plan(routing, p);
 
-    rank_result& me = out.per_rank[r];
-    me.tokens = T, me.assignments = p.assignments, me.dropped = p.dropped, me.padding = p.padding;
-    out.assignments += p.assignments;
-    out.dropped += p.dropped;
-    for (int c = 0; c < C; ++c)
-      for (int s = 0; s < R; ++s) {
-        const index_t assigned = p.send_rows_to(c, s);
-        const index_t rows = dedup ? p.unique_counts[c * R + s] : assigned;
-        for (int j = 0; j < L; ++j) {
-          const int b = p.block(c, s, j);
-          out.rows_per_slot[s * L + j] += p.send_valid[b];
-          out.padded_rows_per_slot[s * L + j] += p.send_counts[b];
-          slot_chunk_rows[static_cast<std::size_t>(c) * P + s * L + j] += p.send_counts[b];
+      rank_result& me = out.per_rank[r];
+      me.tokens = T, me.assignments = p.assignments, me.dropped = p.dropped;
+      me.padding = p.padding;
+      for (int c = 0; c < C; ++c)
+        for (int s = 0; s < R; ++s) {
+          const index_t assigned = p.send_rows_to(c, s);
+          const index_t rows = dedup ? p.unique_counts[c * R + s] : assigned;
+          for (int j = 0; j < L; ++j) {
+            const int b = p.block(c, s, j);
+            part.rows_per_slot[s * L + j] += p.send_valid[b];
+            part.padded_rows_per_slot[s * L + j] += p.send_counts[b];
+            part.slot_chunk_rows[static_cast<std::size_t>(c) * P + s * L + j] += p.send_counts[b];
+          }
+          if (opt.keep_peer_counts) {
+            out.rows_sent[static_cast<std::size_t>(r) * R + s] += rows;
+            out.assignment_rows_sent[static_cast<std::size_t>(r) * R + s] += assigned;
+          }
+          me.send_rows += rows;
+          auto& mine = part.counts[static_cast<std::size_t>(r) * C + c];
+          if (s == r) {  // rows for its own experts stay in memory: a copy, not the link
+            mine.self_rows += double(rows);
+            me.self_rows += rows;
+            continue;
+          }
+          const int l = static_cast<int>(topo.between(r, s));
+          auto& theirs = part.counts[static_cast<std::size_t>(s) * C + c];
+          mine.rows_out[l] += double(rows), mine.meta_out[l] += double(assigned);
+          theirs.rows_in[l] += double(rows), theirs.meta_in[l] += double(assigned);
         }
-        if (opt.keep_peer_counts) {
-          out.rows_sent[static_cast<std::size_t>(r) * R + s] += rows;
-          out.assignment_rows_sent[static_cast<std::size_t>(r) * R + s] += assigned;
-        }
-        if (s == r) continue;  // rows for its own experts stay in memory
-        const int l = static_cast<int>(topo.between(r, s));
-        auto& mine = counts[static_cast<std::size_t>(r) * C + c];
-        auto& theirs = counts[static_cast<std::size_t>(s) * C + c];
-        mine.rows_out[l] += double(rows), mine.meta_out[l] += double(assigned);
-        theirs.rows_in[l] += double(rows), theirs.meta_in[l] += double(assigned);
-      }
+    }
+  };
+  auto plan_part = [&](int w) {
+    const int r0 = static_cast<int>(std::int64_t{R} * w / W);
+    const int r1 = static_cast<int>(std::int64_t{R} * (w + 1) / W);
+    if constexpr (std::same_as<placement_type, placement::table>) {
+      detail::table_lookup look(where);
+      plan_ranks(r0, r1, parts[w], look);
+    } else {
+      plan_ranks(r0, r1, parts[w], where);
+    }
+  };
+  if (W == 1) {
+    plan_part(0);
+  } else {
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(W));
+    {
+      std::vector<std::jthread> pool;
+      pool.reserve(static_cast<std::size_t>(W));
+      for (int w = 0; w < W; ++w)
+        pool.emplace_back([&, w] {
+          try {
+            plan_part(w);
+          } catch (...) {
+            errors[w] = std::current_exception();
+          }
+        });
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);
   }
+  // Sum the threads' counts into the first.
+  detail::partial_counts& all = parts[0];
+  for (int w = 1; w < W; ++w) {
+    const detail::partial_counts& q = parts[w];
+    for (std::size_t i = 0; i < all.counts.size(); ++i) {
+      auto& a = all.counts[i];
+      const auto& b = q.counts[i];
+      for (int l = 0; l < 2; ++l) {
+        a.rows_out[l] += b.rows_out[l], a.rows_in[l] += b.rows_in[l];
+        a.meta_out[l] += b.meta_out[l], a.meta_in[l] += b.meta_in[l];
+      }
+      a.self_rows += b.self_rows;
+    }
+    for (std::size_t i = 0; i < all.slot_chunk_rows.size(); ++i)
+      all.slot_chunk_rows[i] += q.slot_chunk_rows[i];
+    for (std::size_t i = 0; i < all.rows_per_slot.size(); ++i) {
+      all.rows_per_slot[i] += q.rows_per_slot[i];
+      all.padded_rows_per_slot[i] += q.padded_rows_per_slot[i];
+    }
+  }
+  out.rows_per_slot = std::move(all.rows_per_slot);
+  out.padded_rows_per_slot = std::move(all.padded_rows_per_slot);
+  const auto& counts = all.counts;
+  const auto& slot_chunk_rows = all.slot_chunk_rows;
 
   // Price every (rank, chunk); a chunk's stage lasts as long as its slowest rank.
   out.rank_dispatch.assign(static_cast<std::size_t>(R) * C, 0);
@@ -227,8 +400,27 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   for (auto* v : {&out.stages.dispatch, &out.stages.experts, &out.stages.combine, &mean.dispatch,
                   &mean.experts, &mean.combine})
     v->assign(static_cast<std::size_t>(C), 0.0);
+  // The counts all-to-all: per chunk, L padded counts, L real counts and a unique count, as
+  // index_t, to every rank.
+  const double counts_time =
+      counts_seconds(topo, double(C) * (2 * L + 1) * double(sizeof(index_t)));
+  const int N = cfg.shared_experts;
   for (int r = 0; r < R; ++r) {
     rank_result& me = out.per_rank[r];
+    out.assignments += me.assignments;
+    out.dropped += me.dropped;
+    const double T = double(me.tokens);
+    me.route = route_seconds(topo, T, cfg.hidden, E);
+    me.permute = copy_seconds(topo, double(me.send_rows), row_bytes);
+    if (N > 0 && T > 0)  // per shared expert: copy the tokens in, one [T, H] x [H, F'] FFN
+      me.shared = N * (slot_seconds(topo, cfg.hidden, cfg.shared_width(), T) +
+                       copy_seconds(topo, T, row_bytes));
+    me.counts = counts_time;
+    // Reduce reads each expert output row once (one per kept assignment, or per unique row
+    // with dedup), plus the shared experts' sum.
+    const double back =
+        dedup ? double(me.send_rows - me.padding) : double(me.assignments - me.dropped);
+    me.reduce = copy_seconds(topo, back + (N > 0 ? T : 0.0), row_bytes);
     for (int c = 0; c < C; ++c) {
       const auto i = static_cast<std::size_t>(r) * C + c;
       const auto& n = counts[i];
@@ -242,13 +434,18 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
         me.combine_bytes.out[l] += m.out[l], me.combine_bytes.in[l] += m.in[l];
         out.dispatch_bytes[l] += d.out[l], out.combine_bytes[l] += m.out[l];
       }
-      double x = 0;
-      for (int j = 0; j < L; ++j)
-        x += slot_seconds(topo, cfg.hidden, cfg.ffn,
-                          double(slot_chunk_rows[static_cast<std::size_t>(c) * P + r * L + j]));
-      out.rank_dispatch[i] = exchange_seconds(topo, d);
+      double x = 0, received = 0;  // received: assignment rows of this chunk, padding in
+      for (int j = 0; j < L; ++j) {
+        const double rows = double(slot_chunk_rows[static_cast<std::size_t>(c) * P + r * L + j]);
+        x += slot_seconds(topo, cfg.hidden, cfg.ffn, rows);
+        received += rows;
+      }
+      // Local copies: its rows to itself, and every received row regrouped by expert (and
+      // back before the combine).
+      const double local = copy_seconds(topo, n.self_rows + received, row_bytes);
+      out.rank_dispatch[i] = exchange_seconds(topo, d) + local;
       out.rank_experts[i] = x;
-      out.rank_combine[i] = exchange_seconds(topo, m);
+      out.rank_combine[i] = exchange_seconds(topo, m) + local;
       me.dispatch += out.rank_dispatch[i], me.experts += x, me.combine += out.rank_combine[i];
       out.stages.dispatch[c] = std::max(out.stages.dispatch[c], out.rank_dispatch[i]);
       out.stages.experts[c] = std::max(out.stages.experts[c], x);
@@ -257,6 +454,14 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       mean.experts[c] += x / R;
       mean.combine[c] += out.rank_combine[i] / R;
     }
+    out.stages.before = std::max(out.stages.before, me.route + me.permute);
+    out.stages.shared = std::max(out.stages.shared, me.shared);
+    out.stages.counts = std::max(out.stages.counts, me.counts);
+    out.stages.after = std::max(out.stages.after, me.reduce);
+    mean.before += (me.route + me.permute) / R;
+    mean.shared += me.shared / R;
+    mean.counts += me.counts / R;
+    mean.after += me.reduce / R;
     for (int j = 0; j < L; ++j) {
       me.rows_computed += out.rows_per_slot[r * L + j];
       me.padded_rows_computed += out.padded_rows_per_slot[r * L + j];
@@ -268,40 +473,40 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
 
   // The straggler and why: the stage where it exceeds the mean rank the most.
   std::vector<index_t> rows(static_cast<std::size_t>(R));
-  double mean_total = 0, mean_stage[3] = {0, 0, 0};
+  double mean_total = 0, mean_stage[stage_count] = {};
   for (int r = 0; r < R; ++r) {
     const rank_result& me = out.per_rank[r];
     rows[r] = me.rows_computed;
     mean_total += me.total() / R;
-    mean_stage[0] += me.dispatch / R, mean_stage[1] += me.experts / R;
-    mean_stage[2] += me.combine / R;
+    for (int k = 0; k < stage_count; ++k) mean_stage[k] += me.time(stage(k)) / R;
     if (me.total() > out.per_rank[out.straggler].total()) out.straggler = r;
   }
   out.rows_imbalance = imbalance::of(rows);
   const rank_result& s = out.per_rank[out.straggler];
   out.straggler_excess = mean_total > 0 ? s.total() / mean_total - 1 : 0;
-  const double own[3] = {s.dispatch, s.experts, s.combine};
-  int worst = 0;
-  for (int k = 1; k < 3; ++k)
-    if (own[k] - mean_stage[k] > own[worst] - mean_stage[worst]) worst = k;
+  int worst = static_cast<int>(stage::experts);
+  for (int k = 0; k < stage_count; ++k)
+    if (s.time(stage(k)) - mean_stage[k] > s.time(stage(worst)) - mean_stage[worst]) worst = k;
   std::ostringstream why;
-  why.precision(3);
-  if (worst == 1) {
-    const double mean_rows = double(out.rows_imbalance.max_over_mean > 0
-                                        ? std::accumulate(rows.begin(), rows.end(), index_t{0})
-                                        : 0) /
-                             R;
+  why << std::fixed;
+  why.precision(1);
+  const double own = s.time(stage(worst)), avg = mean_stage[worst];
+  if (stage(worst) == stage::experts) {
+    const double mean_rows = double(std::accumulate(rows.begin(), rows.end(), index_t{0})) / R;
     why << "compute: " << s.padded_rows_computed << " rows on its " << L << " slots vs "
-        << mean_rows << " on the mean rank (" << s.experts * 1e6 << " us vs " << mean_stage[1] * 1e6
-        << " us)";
-  } else {
-    const traffic& t = worst == 0 ? s.dispatch_bytes : s.combine_bytes;
+        << mean_rows << " on the mean rank (" << own * 1e6 << " us vs " << avg * 1e6 << " us)";
+  } else if (stage(worst) == stage::dispatch || stage(worst) == stage::combine) {
+    const bool disp = stage(worst) == stage::dispatch;
+    const traffic& t = disp ? s.dispatch_bytes : s.combine_bytes;
     const link l = bottleneck(topo, t);
     const int i = static_cast<int>(l);
-    why << (worst == 0 ? "dispatch" : "combine") << " on the "
+    why << (disp ? "dispatch" : "combine") << " on the "
         << (l == link::inter ? "inter-node link (NIC)" : "intra-node link") << ": "
         << detail::format_bytes(t.out[i]) << " out, " << detail::format_bytes(t.in[i]) << " in ("
-        << own[worst] * 1e6 << " us vs " << mean_stage[worst] * 1e6 << " us on the mean rank)";
+        << own * 1e6 << " us vs " << avg * 1e6 << " us on the mean rank)";
+  } else {
+    why << stage_names[worst] << ": " << s.tokens << " tokens, " << s.send_rows << " send rows ("
+        << own * 1e6 << " us vs " << avg * 1e6 << " us on the mean rank)";
   }
   out.straggler_reason = why.str();
   return out;

@@ -64,7 +64,7 @@ class weighted_source {
   /// Fills ids and weights [tokens(rank), K] for `rank`.
   void route(int rank, mutable_routing_view out) const {
     // Counter-based: splitmix64 from (seed, rank); one draw picks a column of the alias table
-    // (high bits) and a coin against its threshold (low bits): O(1) per pick.
+    // (high bits) and a coin against its integer threshold (low bits): O(1) per pick.
     std::uint64_t state =
         math::hash4(seed_, static_cast<std::uint64_t>(rank), 0x736f75726365ull, 0);
     const auto E = static_cast<std::uint64_t>(experts());
@@ -76,7 +76,7 @@ class weighted_source {
         do {  // rejection of repeats: cheap while K is small next to the experts that carry load
           const std::uint64_t u = splitmix64(state);
           const auto i = static_cast<int>(((u >> 32) * E) >> 32);
-          e = static_cast<double>(u & 0xffffffffu) * 0x1p-32 < prob_[i] ? i : alias_[i];
+          e = (u & 0xffffffffu) < threshold_[i] ? i : alias_[i];
         } while (std::find(ids, ids + k, e) != ids + k);
         ids[k] = e;
         out.weights(t, k) = 1.f / static_cast<float>(K);
@@ -121,8 +121,13 @@ class weighted_source {
       prob_[e] = load_[e] > 0 ? 1 : 0;
       alias_[e] = load_[e] > 0 ? e : heaviest;
     }
+    // Keep column i when the low 32 bits x satisfy x * 2^-32 < prob, i.e. x < ceil(prob * 2^32).
+    threshold_.resize(prob_.size());
+    for (std::size_t e = 0; e < prob_.size(); ++e)
+      threshold_[e] = static_cast<std::uint64_t>(std::ceil(prob_[e] * 0x1p32));
   }
   std::vector<double> prob_;
+  std::vector<std::uint64_t> threshold_;
   std::vector<int> alias_;
   std::vector<double> load_, cdf_;
   int top_k_;

@@ -32,6 +32,12 @@ struct topology {
   double memory_bandwidth = 0;  // bytes/s of the rank's memory (expert weights are read once)
   int activation_bytes = 2;     // bytes per element of a token row on the wire (bf16: 2)
   int weight_bytes = 2;         // bytes per expert weight element
+  double copy_bandwidth = 0;    // bytes/s a rank copies rows (gather, regroup; 0: memory / 2)
+  double topk_rate = 0;         // logits/s of softmax + top-k (0: reading them, 4 B each)
+
+  /// Row copies on one rank: permute's gather, the regroup by expert, rows to itself.
+  double copy_rate() const { return copy_bandwidth > 0 ? copy_bandwidth : memory_bandwidth / 2; }
+  double select_rate() const { return topk_rate > 0 ? topk_rate : memory_bandwidth / 4; }
 
   int ranks() const { return nodes * ranks_per_node; }
   int node_of(int rank) const { return rank / ranks_per_node; }
@@ -53,6 +59,10 @@ struct topology {
     require(memory_bandwidth > 0, "topology.memory_bandwidth", memory_bandwidth, "must be > 0");
     require(activation_bytes >= 1, "topology.activation_bytes", activation_bytes, "must be >= 1");
     require(weight_bytes >= 1, "topology.weight_bytes", weight_bytes, "must be >= 1");
+    require(copy_bandwidth >= 0, "topology.copy_bandwidth", copy_bandwidth,
+            "must be >= 0 (0: half the memory bandwidth)");
+    require(topk_rate >= 0, "topology.topk_rate", topk_rate,
+            "must be >= 0 (0: a read of the logits at memory bandwidth)");
   }
 };
 
@@ -60,22 +70,33 @@ struct topology {
 /// ways); one 400 Gb/s ConnectX-7 per GPU gives 50 GB/s. Latencies are what NCCL/DeepEP
 /// all-to-alls start with (a few us in a node, ~10 us over IB). GEMM rate: 600 TFLOP/s,
 /// about 60% of the 989 TFLOP/s dense bf16 peak, what grouped GEMMs of MoE shapes
-/// (a few hundred rows per expert) sustain in practice. HBM3: 3.35 TB/s.
+/// (a few hundred rows per expert) sustain in practice. HBM3: 3.35 TB/s; a row gather moves
+/// ~1.3 TB/s (read + write); a fused softmax/top-k kernel ~50 G logits/s.
 inline topology h100_nvlink_ib(int nodes = 1) {
-  return {"h100_nvlink_ib", nodes, 8, 450e9, 3e-6, 50e9, 10e-6, 600e12, 3.35e12, 2, 2};
+  topology t{"h100_nvlink_ib", nodes, 8, 450e9, 3e-6, 50e9, 10e-6, 600e12, 3.35e12, 2, 2};
+  t.copy_bandwidth = 1.3e12;
+  t.topk_rate = 50e9;
+  return t;
 }
 
 /// 8x H200 per node: the H100's compute and links, HBM3e at 4.8 TB/s (the weight-read
-/// bound of small experts falls by 30%).
+/// bound of small experts and the row copies fall by 30%).
 inline topology h200(int nodes = 1) {
-  return {"h200", nodes, 8, 450e9, 3e-6, 50e9, 10e-6, 600e12, 4.8e12, 2, 2};
+  topology t = h100_nvlink_ib(nodes);
+  t.name = "h200";
+  t.memory_bandwidth = 4.8e12;
+  t.copy_bandwidth = 1.9e12;
+  return t;
 }
 
 /// A CPU cluster: 2 ranks (sockets) per node over shared memory (~20 GB/s a copy), 100 Gb/s
 /// Ethernet/IB shared by the two (6.25 GB/s each), fp32 rows as the host layer sends them;
-/// ~1.5 TFLOP/s of fp32 GEMM and ~150 GB/s of DRAM per socket.
+/// ~1.5 TFLOP/s of fp32 GEMM, ~150 GB/s of DRAM and ~50 GB/s of row copies per socket.
 inline topology cpu_cluster(int nodes = 1) {
-  return {"cpu_cluster", nodes, 2, 20e9, 2e-6, 6.25e9, 15e-6, 1.5e12, 150e9, 4, 4};
+  topology t{"cpu_cluster", nodes, 2, 20e9, 2e-6, 6.25e9, 15e-6, 1.5e12, 150e9, 4, 4};
+  t.copy_bandwidth = 50e9;
+  t.topk_rate = 20e9;
+  return t;
 }
 
 /// A preset by name: h100_nvlink_ib, h200 or cpu_cluster.
@@ -96,7 +117,7 @@ inline void save(std::ostream& os, const topology& t) {
      << "\ninter_bandwidth = " << t.inter_bandwidth << "\ninter_latency = " << t.inter_latency
      << "\ngemm_flops = " << t.gemm_flops << "\nmemory_bandwidth = " << t.memory_bandwidth
      << "\nactivation_bytes = " << t.activation_bytes << "\nweight_bytes = " << t.weight_bytes
-     << "\n";
+     << "\ncopy_bandwidth = " << t.copy_bandwidth << "\ntopk_rate = " << t.topk_rate << "\n";
 }
 
 inline topology load(std::istream& is, topology base = {}) {
@@ -135,6 +156,10 @@ inline topology load(std::istream& is, topology base = {}) {
       ok = bool(v >> base.activation_bytes);
     else if (key == "weight_bytes")
       ok = bool(v >> base.weight_bytes);
+    else if (key == "copy_bandwidth")
+      ok = bool(v >> base.copy_bandwidth);
+    else if (key == "topk_rate")
+      ok = bool(v >> base.topk_rate);
     else
       throw config_error("topology file", key, "unknown key");
     if (!ok) throw config_error("topology." + key, value, "not a number");

@@ -7,8 +7,9 @@
 #include "epmoe/sim/simulate.hpp"
 
 // A simulated pass as a Chrome trace (chrome://tracing, ui.perfetto.dev): one process per
-// rank, one slice per stage of each chunk, placed on the layer's schedule with the rank's own
-// duration (the gap to the next slice is the time it waits for the slowest rank).
+// rank, one slice per home stage (route, permute, shared, counts, reduce) and per stage of
+// each chunk, placed on the layer's schedule with the rank's own duration (the gap to the
+// next slice is the time it waits for the slowest rank). Home stages have chunk -1.
 namespace epmoe::sim {
 
 inline void write_trace(std::ostream& os, const result& r) {
@@ -16,6 +17,7 @@ inline void write_trace(std::ostream& os, const result& r) {
   os << "{\"displayTimeUnit\":\"ns\",\"traceEvents\":[";
   bool first = true;
   auto slice = [&](int rank, const char* name, int chunk, double start, double dur) {
+    if (chunk < 0 && dur <= 0) return;  // a home stage with no work (e.g. no shared experts)
     os << (first ? "\n" : ",\n") << "{\"name\":\"" << name << "\",\"cat\":\"moe\",\"ph\":\"X\","
        << "\"pid\":" << rank << ",\"tid\":" << rank << ",\"ts\":" << start * 1e6
        << ",\"dur\":" << dur * 1e6 << ",\"args\":{\"chunk\":" << chunk << "}}";
@@ -25,12 +27,19 @@ inline void write_trace(std::ostream& os, const result& r) {
     os << (first ? "\n" : ",\n") << "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":" << rank
        << ",\"tid\":" << rank << ",\"args\":{\"name\":\"rank " << rank << "\"}}";
     first = false;
+    const rank_result& me = r.per_rank[rank];
+    const schedule_times& t = r.timeline;
+    slice(rank, "route", -1, 0, me.route);
+    slice(rank, "permute", -1, me.route, me.permute);
+    slice(rank, "shared", -1, t.shared_start, me.shared);
+    slice(rank, "counts", -1, t.counts_start, me.counts);
     for (int c = 0; c < r.chunks; ++c) {
       const auto i = static_cast<std::size_t>(rank) * r.chunks + c;
       slice(rank, "dispatch", c, r.timeline.dispatch_start[c], r.rank_dispatch[i]);
       slice(rank, "experts", c, r.timeline.experts_start[c], r.rank_experts[i]);
       slice(rank, "combine", c, r.timeline.combine_start[c], r.rank_combine[i]);
     }
+    slice(rank, "reduce", -1, t.reduce_start, me.reduce);
   }
   os << "\n]}\n";
   os.precision(old);
