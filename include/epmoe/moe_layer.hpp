@@ -20,6 +20,7 @@
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
+#include "epmoe/core/exchange.hpp"
 #include "epmoe/core/losses.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/routing.hpp"
@@ -35,20 +36,6 @@
 #include "epmoe/space/host.hpp"
 
 namespace epmoe {
-
-namespace detail {
-/// The request type of a comm's ialltoallv (int for a comm without one).
-template <class Comm, bool Async>
-struct request_of {
-  using type = int;
-};
-template <class Comm>
-struct request_of<Comm, true> {
-  using type = decltype(std::declval<Comm&>().ialltoallv(
-      std::declval<const float*>(), std::declval<const index_t*>(), std::declval<const index_t*>(),
-      std::declval<float*>(), std::declval<const index_t*>(), std::declval<const index_t*>()));
-};
-}  // namespace detail
 
 /// The policy bundle a layer starts from; derive and override the slots you change:
 ///   struct my_policies : epmoe::default_policies { using comm = epmoe::comm::threads; };
@@ -105,15 +92,22 @@ class moe_layer {
                 "expert/swiglu.hpp)");
   /// Whether the comm can start an exchange and wait for it later (ialltoallv); without it
   /// every exchange blocks and a pipelined schedule has nothing to overlap.
-  static constexpr bool async_comm =
-      requires(comm_type & c, const float* s, float* r, const index_t* n) {
-    c.ialltoallv(s, n, n, r, n, n).wait();
-  };
+  static constexpr bool async_comm = detail::exchange<comm_type, space_type, false>::async;
   using request_type = typename detail::request_of<comm_type, async_comm>::type;
 
   /// Per-rank dedup (Policies::dedup = true): a token sends one row to each rank that holds
   /// any of its experts, that rank returns one weighted sum (as DeepEP and Tutel do).
   static constexpr bool dedup = requires { requires Policies::dedup; };
+
+  /// Exchange units a schedule keeps in flight: with config max_recv_rows the receive buffer
+  /// holds this many rounds at once (sequential: one; pipelined: dispatch of i+1, experts of
+  /// i, combine of i-1). A schedule may declare `static constexpr int units_in_flight`.
+  static constexpr int units_in_flight = [] {
+    if constexpr (requires { schedule_type::units_in_flight; })
+      return static_cast<int>(schedule_type::units_in_flight);
+    else
+      return std::is_same_v<schedule_type, schedule::sequential> ? 1 : 3;
+  }();
   static_assert(!(dedup && capacity_type::pads),
                 "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
                 "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
@@ -151,7 +145,7 @@ class moe_layer {
         stats_(cfg_.experts, placement_.slots_per_rank(), cfg_.ranks),
         width_(router_type::top_k > 0 ? router_type::top_k : cfg_.experts) {
     chunks_max_ = chunks_ = cfg_.chunks > 0 ? cfg_.chunks : default_chunks();
-    event_start_.resize(static_cast<std::size_t>(3 * chunks_max_));
+    ex_.bind(&comm_, &space_, &plan_, &stats_, &pass_start_);
     allocate_workspace();
   }
 
@@ -172,38 +166,43 @@ class moe_layer {
   /// y [T, H] = MoE(x [T, H]), T <= max_tokens, row-major with row strides. Collective:
   /// every rank calls it, each with its own T (0 is fine). token_ids [T] are the tokens'
   /// vocabulary ids, needed by routers that hash them (router::hash); other routers use
-  /// them, when given, as the token's identity for seeded training noise.
+  /// them, when given, as the token's identity for seeded training noise. Invalid inputs
+  /// throw config_error on this rank and input_error on every peer, before any row moves
+  /// and with y untouched.
   void forward(matrix_view<const float> x, matrix_view<float> y,
                std::span<const std::int64_t> token_ids = {}) {
-    detail::require(x.rows <= cfg_.max_tokens, "x.rows", x.rows,
-                    "tokens per pass must be <= config max_tokens");
-    detail::require_shape(x, x.rows, cfg_.hidden, "x");
-    detail::require_shape(y, x.rows, cfg_.hidden, "y");
-    if constexpr (router_needs_token_ids<router_type>)
-      detail::require(token_ids.size() == static_cast<std::size_t>(x.rows), "token_ids",
-                      token_ids.size(), "this router hashes token ids: pass one per token");
-    else
-      detail::require(token_ids.empty() || token_ids.size() == static_cast<std::size_t>(x.rows),
-                      "token_ids", token_ids.size(), "must be empty or one id per token");
-    if constexpr (router_with_noise_gate<router_type>)
-      if (router_.training)
-        detail::require_shape(w_.noise_gate, cfg_.experts, cfg_.hidden, "weights.noise_gate");
-    x_ = x;
-    y_ = y;
-    token_ids_ = token_ids;
-    plan_.chunks = chunks_;
-    stats_.time = {};
-    stats_.expert_flops = stats_.comm_seconds = stats_.exposed_comm_seconds = stats_.overlap = 0;
-    stats_.timeline.clear();  // keeps its capacity: no allocation
-    stats_.chunks = chunks_;
-    pass_start_ = clock::now();
-    if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
-    const auto start = clock::now();
-    stage_runner stages{*this};
-    schedule_type::run(stages);
-    space_.synchronize();
-    stats_.time.total = seconds_since(start);
-    ++pass_;
+    std::exception_ptr bad;
+    try {
+      check_inputs(x, y);
+      if constexpr (router_needs_token_ids<router_type>)
+        detail::require(token_ids.size() == static_cast<std::size_t>(x.rows), "token_ids",
+                        token_ids.size(), "this router hashes token ids: pass one per token");
+      else
+        detail::require(token_ids.empty() || token_ids.size() == static_cast<std::size_t>(x.rows),
+                        "token_ids", token_ids.size(), "must be empty or one id per token");
+      if constexpr (router_with_noise_gate<router_type>)
+        if (router_.training)
+          detail::require_shape(w_.noise_gate, cfg_.experts, cfg_.hidden, "weights.noise_gate");
+    } catch (const config_error&) {
+      bad = std::current_exception();
+    }
+    run_pass(x, y, token_ids, nullptr, bad);
+  }
+
+  /// The same with the routing given instead of computed: ids [T, K] in [0, E) (or
+  /// no_expert = -1 for an empty slot), weights [T, K] finite and >= 0, K = the router's
+  /// top_k (E for expert choice). The router and its gate are not used; losses are zero.
+  /// A bad entry throws input_error naming it ("routing.ids[5][1] = 99: must be in [0,
+  /// 64)") on this rank and input_error on every peer, before any row moves; y is untouched.
+  void forward(matrix_view<const float> x, routing_view routing, matrix_view<float> y) {
+    std::exception_ptr bad;
+    try {
+      check_inputs(x, y);
+      check_routing(routing, x.rows);
+    } catch (const config_error&) {
+      bad = std::current_exception();
+    }
+    run_pass(x, y, {}, &routing, bad);
   }
 
   const layer_config& config() const { return cfg_; }
@@ -216,6 +215,8 @@ class moe_layer {
   const router_type& router() const { return router_; }
   /// Expert ids and weights of the last pass, [T, slots]; empty slots hold no_expert.
   routing_view last_routing() const { return {ids_view(tokens_), weights_view(tokens_)}; }
+  /// Rows of the receive buffer: with config max_recv_rows at most that, else R*T*min(K, L).
+  index_t receive_buffer_rows() const { return ex_.receive_buffer_rows(); }
   /// Where each assignment of the last pass went.
   const dispatch_plan& last_plan() const { return plan_; }
   /// Passes run so far (the counter behind seeded training noise).
@@ -311,6 +312,61 @@ class moe_layer {
     return std::chrono::duration<double>(clock::now() - t).count();
   }
 
+  void check_inputs(matrix_view<const float> x, matrix_view<float> y) const {
+    detail::require(x.rows <= cfg_.max_tokens, "x.rows", x.rows,
+                    "tokens per pass must be <= config max_tokens");
+    detail::require_shape(x, x.rows, cfg_.hidden, "x");
+    detail::require_shape(y, x.rows, cfg_.hidden, "y");
+  }
+
+  // Every entry of a user-supplied routing, before anything is written.
+  void check_routing(routing_view r, index_t T) const {
+    detail::require_shape(r.ids, T, width_, "routing.ids");
+    detail::require_shape(r.weights, T, width_, "routing.weights");
+    const auto at = [](const char* field, index_t t, int k) {
+      return std::string(field) + "[" + std::to_string(t) + "][" + std::to_string(k) + "]";
+    };
+    for (index_t t = 0; t < T; ++t)
+      for (int k = 0; k < width_; ++k) {
+        const std::int32_t e = r.ids(t, k);
+        if (e != no_expert && (e < 0 || e >= cfg_.experts))
+          throw input_error(
+              at("routing.ids", t, k), std::to_string(e),
+              "must be in [0, " + std::to_string(cfg_.experts) + ") or -1 (an empty slot)");
+        const float w = r.weights(t, k);
+        if (!(std::isfinite(w) && w >= 0))
+          throw input_error(at("routing.weights", t, k), detail::to_text(w),
+                            "must be finite and >= 0");
+      }
+  }
+
+  // One pass. `bad` holds this rank's input error, if any: the rank then runs an empty pass
+  // up to the counts exchange, which tells every rank, and all throw before a row moves.
+  void run_pass(matrix_view<const float> x, matrix_view<float> y,
+                std::span<const std::int64_t> token_ids, const routing_view* routing,
+                std::exception_ptr bad) {
+    input_error_ = bad;
+    x_ = bad ? matrix_view<const float>{x.data, 0, cfg_.hidden, x.stride} : x;
+    y_ = y;
+    token_ids_ = bad ? std::span<const std::int64_t>{} : token_ids;
+    given_ = bad ? nullptr : routing;
+    plan_.chunks = chunks_;
+    stats_.time = {};
+    stats_.began = {};
+    stats_.expert_flops = stats_.comm_seconds = stats_.exposed_comm_seconds = stats_.overlap = 0;
+    stats_.timeline.clear();  // keeps its capacity: no allocation
+    stats_.chunks = chunks_;
+    pass_start_ = clock::now();
+    stats_.started = std::chrono::duration<double>(pass_start_ - built_).count();
+    if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
+    const auto start = clock::now();
+    stage_runner stages{*this};
+    schedule_type::run(stages);
+    space_.synchronize();
+    stats_.time.total = seconds_since(start);
+    ++pass_;
+  }
+
   static const layer_config& checked(const layer_config& cfg, const comm_type& comm,
                                      const weights& w, const router_type& router,
                                      const placement_type& placement) {
@@ -331,6 +387,19 @@ class moe_layer {
     if (cfg.shared_experts > 0)
       expert_type::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
                             "weights.shared");
+    if (cfg.max_recv_rows > 0) {
+      detail::require(!capacity_type::pads, "max_recv_rows", cfg.max_recv_rows,
+                      "must be 0 with padded capacity (its blocks are fixed): use "
+                      "capacity::dropless or capacity::factor<false> for a receive bound");
+      detail::require(!dedup, "max_recv_rows", cfg.max_recv_rows,
+                      "must be 0 with per-rank dedup (rounds split assignment rows, not unique "
+                      "rows): use dedup = false for a receive bound");
+      detail::require(cfg.max_recv_rows >= cfg.ranks * units_in_flight, "max_recv_rows",
+                      cfg.max_recv_rows,
+                      ("must be >= ranks * " + std::to_string(units_in_flight) +
+                       " (rounds this schedule keeps in flight): every pair moves a row per round")
+                          .c_str());
+    }
     return cfg;
   }
 
@@ -362,6 +431,7 @@ class moe_layer {
         {"shared_ffn", cfg.shared_ffn},
         {"seq_len", cfg.seq_len},
         {"chunks", cfg.chunks},
+        {"max_recv_rows", cfg.max_recv_rows},
         {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
         {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
         {"policies (hash of the policy bundle type)", type_hash<Policies>()},
@@ -408,7 +478,10 @@ class moe_layer {
     const index_t from_one_rank =
         capacity_type::pads ? L * per_expert_buf : std::min(T * std::min(K, L), L * per_expert);
     const index_t recv_rows = R * from_one_rank;
-    const index_t expert_rows = R * per_expert_buf;
+    index_t expert_rows = R * per_expert_buf;
+    const index_t M = cfg_.max_recv_rows;
+    const index_t quota = M > 0 ? std::max<index_t>(1, M / (R * units_in_flight)) : 0;
+    if (M > 0) expert_rows = std::min(expert_rows, R * std::min(quota, from_one_rank));
     const index_t N = cfg_.shared_experts;
 
     const bool gate = router_type::uses_gate;
@@ -438,24 +511,12 @@ class moe_layer {
     row_token_ = space_.template allocate<std::int32_t>(send_rows);
     const index_t C = chunks_max_, B = C * R * L;
     counts_ = space_.template allocate<index_t>(7 * B + 2 + R * L + C * L + 1 + E);
-    exchange_ = space_.template allocate<index_t>(2 * R * C * (2 * L + 1) + 8 * R * C);
-    ex_.resize(static_cast<std::size_t>(C));
-    for (index_t c = 0; c < C; ++c) {
-      index_t* x = exchange_.data() + 2 * R * C * (2 * L + 1) + 8 * R * c;
-      ex_[c] = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
-    }
-    if constexpr (async_comm) {
-      dispatch_req_.resize(static_cast<std::size_t>(C));
-      meta_req_.resize(static_cast<std::size_t>(C));
-      combine_req_.resize(static_cast<std::size_t>(C));
-    }
-    stats_.timeline.reserve(static_cast<std::size_t>(3 * C));
     if constexpr (dedup) {
       unique_slot_ = space_.template allocate<std::int32_t>(T * K);
       unique_token_ = space_.template allocate<std::int32_t>(T * std::min(K, R));
       unique_counts_ = space_.template allocate<index_t>(4 * C * R + 2);
       meta_ = space_.template allocate<std::int64_t>(send_rows);
-      meta_recv_ = space_.template allocate<std::int64_t>(recv_rows);
+      meta_recv_ = space_.template allocate<std::int64_t>(M > 0 ? 0 : recv_rows);
       plan_.unique_slot = unique_slot_.data();
       plan_.unique_token = unique_token_.data();
       plan_.unique_counts = unique_counts_.data();
@@ -465,9 +526,18 @@ class moe_layer {
       plan_.meta = meta_.data();
       plan_.meta_recv = meta_recv_.data();
     }
-    x_send_ = space_.template allocate<float>(send_rows * H);
-    x_recv_ = space_.template allocate<float>(recv_rows * H);
-    x_expert_ = space_.template allocate<float>(recv_rows * H);
+    typename exchange_type::shape shape;
+    shape.ranks = cfg_.ranks;
+    shape.local_experts = static_cast<int>(L);
+    shape.chunks_max = chunks_max_;
+    shape.hidden = H;
+    shape.send_rows = send_rows;
+    shape.recv_rows = recv_rows;
+    shape.from_one_rank = from_one_rank;
+    shape.bound = M;
+    shape.live_units = units_in_flight;
+    shape.max_rounds = M > 0 ? (from_one_rank + quota - 1) / quota : 1;
+    ex_.allocate(shape, dedup ? meta_recv_.data() : nullptr);
     const index_t shared_scratch =
         N > 0 ? T * expert_type::scratch_per_row(cfg_.shared_width()) : 0;
     scratch_ = space_.template allocate<float>(
@@ -476,7 +546,6 @@ class moe_layer {
       shared_in_ = space_.template allocate<float>(T * H);
       shared_out_ = space_.template allocate<float>(T * H);
     }
-    recv_capacity_ = recv_rows;
 
     index_t* c = counts_.data();
     plan_.ranks = cfg_.ranks;
@@ -502,53 +571,56 @@ class moe_layer {
   matrix_view<float> weights_view(index_t T) const { return {weights_.data(), T, width_}; }
 
   // The stages a schedule drives, in the order route, plan, permute, shared, counts, then per
-  // chunk c: dispatch_start(c), dispatch_wait(c), experts(c), combine_start(c),
-  // combine_wait(c); then reduce. A schedule may interleave chunks and run shared while a
-  // dispatch is in flight. Each stage adds its time into stats().time.
+  // unit u (a chunk, or with max_recv_rows one round of a chunk): dispatch_start(u),
+  // dispatch_wait(u), experts(u), combine_start(u), combine_wait(u); then reduce. A schedule
+  // may interleave units and run shared while a dispatch is in flight. Each stage adds its
+  // time into stats().time.
   struct stage_runner {
     moe_layer& l;
-    int chunks() const { return l.plan_.chunks; }
+    int chunks() const { return l.ex_.units(); }
     void route() {
-      l.timed(l.stats_.time.route, [&] { l.do_route(); });
+      l.timed(&stage_times::route, [&] { l.do_route(); });
     }
     void plan() {
-      l.timed(l.stats_.time.plan, [&] { l.do_plan(); });
+      l.timed(&stage_times::plan, [&] { l.do_plan(); });
     }
     void permute() {
-      l.timed(l.stats_.time.permute, [&] { l.do_permute(); });
+      l.timed(&stage_times::permute, [&] { l.do_permute(); });
     }
     void shared() {
-      l.timed(l.stats_.time.shared, [&] { l.do_shared(); });
+      l.timed(&stage_times::shared, [&] { l.do_shared(); });
     }
     void counts() {
-      l.timed(l.stats_.time.dispatch, [&] { l.do_counts(); });
+      l.timed(&stage_times::dispatch, [&] { l.do_counts(); });
     }
-    void dispatch_start(int c) {
-      l.timed(l.stats_.time.dispatch, [&] { l.start_dispatch(c); });
+    void dispatch_start(int u) {
+      l.timed(&stage_times::dispatch, [&] { l.ex_.start_dispatch(u); });
     }
-    void dispatch_wait(int c) {
-      l.timed(l.stats_.time.dispatch, [&] { l.wait_dispatch(c); });
+    void dispatch_wait(int u) {
+      l.timed(&stage_times::dispatch, [&] { l.ex_.wait_dispatch(u); });
     }
-    void experts(int c) {
-      l.timed(l.stats_.time.experts, [&] { l.do_experts(c); });
+    void experts(int u) {
+      l.timed(&stage_times::experts, [&] { l.do_experts(u); });
     }
-    void combine_start(int c) {
-      l.timed(l.stats_.time.combine, [&] { l.start_combine(c); });
+    void combine_start(int u) {
+      l.timed(&stage_times::combine, [&] { l.ex_.start_combine(u); });
     }
-    void combine_wait(int c) {
-      l.timed(l.stats_.time.combine, [&] { l.wait_combine(c); });
+    void combine_wait(int u) {
+      l.timed(&stage_times::combine, [&] { l.ex_.wait_combine(u); });
     }
     void reduce() {
-      l.timed(l.stats_.time.reduce, [&] { l.do_reduce(); });
+      l.timed(&stage_times::reduce, [&] { l.do_reduce(); });
     }
   };
 
+  // Runs one stage, adds its time to stats().time and notes when it first began.
   template <class F>
-  void timed(double& into, F&& f) {
+  void timed(double stage_times::*stage, F&& f) {
     const auto start = clock::now();
+    if (stats_.time.*stage == 0) stats_.began.*stage = now();
     f();
     space_.synchronize();
-    into += seconds_since(start);
+    stats_.time.*stage += seconds_since(start);
   }
 
   double now() const { return seconds_since(pass_start_); }
@@ -556,6 +628,17 @@ class moe_layer {
   void do_route() {
     const index_t T = x_.rows, E = cfg_.experts, H = cfg_.hidden;
     tokens_ = T;
+    if (given_) {  // a user-supplied routing, checked by forward
+      const matrix_view<std::int32_t> ids = ids_view(T);
+      const matrix_view<float> w = weights_view(T);
+      for (index_t t = 0; t < T; ++t)
+        for (int k = 0; k < width_; ++k) {
+          ids(t, k) = given_->ids(t, k);
+          w(t, k) = given_->weights(t, k);
+        }
+      stats_.losses = {};
+      return;
+    }
     // Without ids, a token's identity for noise is its global position.
     const std::int64_t first = std::int64_t{rank()} * cfg_.max_tokens;
     const std::int64_t* tid = token_ids_.empty() ? nullptr : token_ids_.data();
@@ -639,172 +722,30 @@ class moe_layer {
     EPMOE_HD void operator()(index_t i) const { into[i] = first ? add[i] : into[i] + add[i]; }
   };
 
-  // Counts for every chunk, per destination: L padded counts, L real counts, the unique rows
-  // (dedup), then the receive layout of the whole pass.
+  // The counts exchange; it also tells every rank whether all accepted their inputs.
   void do_counts() {
-    const int R = cfg_.ranks, L = plan_.local_experts, C = plan_.chunks, P = C * (2 * L + 1);
-    const auto t0 = clock::now();
-    index_t* send_counts = exchange_.data();
-    index_t* recv_counts = send_counts + R * P;
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) {
-        index_t* out = send_counts + r * P + c * (2 * L + 1);
-        for (int j = 0; j < L; ++j) {
-          out[j] = plan_.send_counts[plan_.block(c, r, j)];
-          out[L + j] = plan_.send_valid[plan_.block(c, r, j)];
-        }
-        out[2 * L] = dedup ? plan_.unique_counts[c * R + r] : 0;
-      }
-    comm_.alltoall(send_counts, recv_counts, P);
-    for (int s = 0; s < R; ++s)
-      for (int c = 0; c < C; ++c) {
-        const index_t* in = recv_counts + s * P + c * (2 * L + 1);
-        for (int j = 0; j < L; ++j) {
-          plan_.recv_counts[plan_.block(c, s, j)] = in[j];
-          plan_.recv_valid[plan_.block(c, s, j)] = in[L + j];
-        }
-        if constexpr (dedup) plan_.recv_unique_counts[c * R + s] = in[2 * L];
-      }
-    build_recv_plan(plan_);
-    if constexpr (dedup) {
-      plan_.recv_unique_offsets[0] = 0;
-      for (int b = 0; b < C * R; ++b)
-        plan_.recv_unique_offsets[b + 1] =
-            plan_.recv_unique_offsets[b] + plan_.recv_unique_counts[b];
-    }
-    if (plan_.recv_rows() > recv_capacity_)
-      throw comm_error("epmoe: rank " + std::to_string(rank()) + " would receive " +
-                       std::to_string(plan_.recv_rows()) + " rows, more than its workspace (" +
-                       std::to_string(recv_capacity_) +
-                       "); a peer passed more tokens than max_tokens?");
-    for (int c = 0; c < C; ++c) set_rank_counts(c);
-    fill_comm_stats();
-    const double t = seconds_since(t0);
-    stats_.comm_seconds += t;  // a blocking exchange: all of it exposed
-    stats_.exposed_comm_seconds += t;
+    const int rejected = ex_.counts(!input_error_);
+    if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
+    if (rejected >= 0)
+      throw input_error("forward inputs of rank " + std::to_string(rejected), "rejected",
+                        "every rank must pass valid inputs; no rank ran this pass (rank " +
+                            std::to_string(rejected) + " threw the reason)");
   }
 
-  // One exchange: non-blocking when the comm can, else blocking; requests live per chunk.
-  template <class T, class Req>
-  void start_exchange(std::optional<Req>* req, const T* send, const index_t* sn, const index_t* sd,
-                      T* recv, const index_t* rn, const index_t* rd) {
-    if constexpr (async_comm)
-      req->emplace(comm_.ialltoallv(send, sn, sd, recv, rn, rd));
-    else
-      comm_.alltoallv(send, sn, sd, recv, rn, rd);
-  }
-
-  template <class Req>
-  void finish_exchange(std::optional<Req>* req) {
-    if constexpr (async_comm) {
-      const auto t0 = clock::now();
-      (*req)->wait();
-      const double blocked = seconds_since(t0);
-      double wire = blocked;
-      if constexpr (requires { (*req)->modeled_seconds(); })
-        wire = std::max(blocked, (*req)->modeled_seconds());
-      req->reset();
-      stats_.comm_seconds += wire;
-      stats_.exposed_comm_seconds += blocked;
-    }
-  }
-
-  // Lets the comm progress pending exchanges (MPI moves data inside its calls).
-  void progress() {
-    if constexpr (async_comm)
-      for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
-        for (auto& r : *reqs)
-          if (r) r->test();
-  }
-
-  void start_dispatch(int c) {
-    event_start_[c * 3 + 0] = now();
-    rank_counts& x = ex_[c];
-    start_exchange(&dispatch_req_[c], x_send_.data(), x.send_n, x.send_d, x_recv_.data(), x.recv_n,
-                   x.recv_d);
-    if constexpr (dedup)
-      start_exchange(&meta_req_[c], plan_.meta, x.meta_send_n, x.meta_send_d, plan_.meta_recv,
-                     x.meta_recv_n, x.meta_recv_d);
-  }
-
-  void wait_dispatch(int c) {
-    finish_exchange(&dispatch_req_[c]);
-    if constexpr (dedup) {
-      finish_exchange(&meta_req_[c]);
-      expand_unique_rows(c);
-    } else {
-      const int B = cfg_.ranks * plan_.local_experts, b = c * B;
-      space_.copy_blocks(recv_view(), expert_view(), B, plan_.recv_offsets + b,
-                         plan_.regroup_offsets + b, plan_.recv_counts + b);
-    }
-    stats_.timeline.push_back({c, stage_kind::dispatch, event_start_[c * 3 + 0], now()});
-  }
-
-  // Dedup: expert-major row of each received assignment of chunk c <- its unique row.
-  void expand_unique_rows(int c) {
-    const int R = cfg_.ranks, L = plan_.local_experts;
-    const matrix_view<float> in = unique_recv_view(), out = expert_view();
-    for (int s = 0; s < R; ++s)
-      for (int j = 0; j < L; ++j) {
-        const int b = plan_.block(c, s, j);
-        for (index_t i = 0; i < plan_.recv_counts[b]; ++i) {
-          const index_t u = plan_.recv_unique_offsets[c * R + s] +
-                            meta_index(plan_.meta_recv[plan_.recv_offsets[b] + i]);
-          std::copy_n(in.row(u), cfg_.hidden, out.row(plan_.regroup_offsets[b] + i));
-        }
-      }
-  }
-
-  void do_experts(int c) {
+  void do_experts(int u) {
     const int L = plan_.local_experts;
     const double t0 = now();
-    double rows = 0;
+    index_t rows = 0;
     for (int j = 0; j < L; ++j) {
-      const index_t begin = plan_.expert_offsets[c * L + j];
-      const index_t n = plan_.expert_offsets[c * L + j + 1] - begin;
-      expert_type::forward(space_, w_.experts, j, expert_view().rows_slice(begin, n),
-                           scratch_.data());
-      rows += static_cast<double>(n);
-      progress();
+      const matrix_view<float> in = ex_.expert_rows(u, j);
+      expert_type::forward(space_, w_.experts, j, in, scratch_.data());
+      rows += in.rows;
+      ex_.progress();
     }
-    stats_.expert_flops += rows * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
-    stats_.timeline.push_back({c, stage_kind::experts, t0, now()});
-  }
-
-  void start_combine(int c) {
-    event_start_[c * 3 + 2] = now();
-    const int R = cfg_.ranks, L = plan_.local_experts;
-    if constexpr (dedup) {
-      // The expert rank sums each token's weighted outputs: one row per (token, rank) goes home.
-      const matrix_view<float> out = unique_recv_view(), in = expert_view();
-      for (index_t u = plan_.recv_unique_offsets[c * R]; u < plan_.recv_unique_offsets[(c + 1) * R];
-           ++u)
-        std::fill_n(out.row(u), cfg_.hidden, 0.f);
-      for (int s = 0; s < R; ++s)
-        for (int j = 0; j < L; ++j) {
-          const int b = plan_.block(c, s, j);
-          for (index_t i = 0; i < plan_.recv_counts[b]; ++i) {
-            const std::int64_t m = plan_.meta_recv[plan_.recv_offsets[b] + i];
-            const float w = meta_weight(m);
-            const float* src = in.row(plan_.regroup_offsets[b] + i);
-            float* dst = out.row(plan_.recv_unique_offsets[c * R + s] + meta_index(m));
-            for (index_t h = 0; h < cfg_.hidden; ++h) dst[h] += w * src[h];
-          }
-        }
-    } else {
-      const int B = R * L, b = c * B;
-      space_.copy_blocks(expert_view(), recv_view(), B, plan_.regroup_offsets + b,
-                         plan_.recv_offsets + b, plan_.recv_counts + b);
-    }
-    // The reverse exchange: what came from rank s goes back to rank s.
-    rank_counts& x = ex_[c];
-    start_exchange(&combine_req_[c], x_recv_.data(), x.recv_n, x.recv_d, x_send_.data(), x.send_n,
-                   x.send_d);
-  }
-
-  void wait_combine(int c) {
-    finish_exchange(&combine_req_[c]);
-    stats_.timeline.push_back({c, stage_kind::combine, event_start_[c * 3 + 2], now()});
+    stats_.expert_flops +=
+        static_cast<double>(rows) * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
+    ex_.record(
+        {ex_.chunk_of_unit(u), stage_kind::experts, t0, now(), ex_.round_of_unit(u), rows, 0});
   }
 
   void do_reduce() {
@@ -822,77 +763,8 @@ class moe_layer {
     stats_.overlap = comm > 0 ? 1.0 - stats_.exposed_comm_seconds / comm : 0.0;
   }
 
-  // Per-rank element counts and displacements of chunk c's exchanges: rows (per assignment,
-  // or unique with dedup) and, with dedup, the per-assignment metadata.
-  void set_rank_counts(int c) {
-    const int R = cfg_.ranks;
-    const index_t H = cfg_.hidden;
-    rank_counts& x = ex_[c];
-    for (int r = 0; r < R; ++r) {
-      const int b = plan_.block(c, r, 0);
-      const index_t rows_to = dedup ? plan_.unique_counts[c * R + r] : plan_.send_rows_to(c, r);
-      const index_t rows_at = dedup ? plan_.unique_offsets[c * R + r] : plan_.send_offsets[b];
-      const index_t rows_from =
-          dedup ? plan_.recv_unique_counts[c * R + r] : plan_.recv_rows_from(c, r);
-      const index_t rows_in = dedup ? plan_.recv_unique_offsets[c * R + r] : plan_.recv_offsets[b];
-      x.send_n[r] = rows_to * H;
-      x.send_d[r] = rows_at * H;
-      x.recv_n[r] = rows_from * H;
-      x.recv_d[r] = rows_in * H;
-      x.meta_send_n[r] = plan_.send_rows_to(c, r);
-      x.meta_send_d[r] = plan_.send_offsets[b];
-      x.meta_recv_n[r] = plan_.recv_rows_from(c, r);
-      x.meta_recv_d[r] = plan_.recv_offsets[b];
-    }
-  }
-
-  void fill_comm_stats() {
-    const int R = cfg_.ranks, L = plan_.local_experts, C = plan_.chunks, me = rank();
-    const index_t H = cfg_.hidden;
-    const index_t row_bytes = H * static_cast<index_t>(sizeof(float));
-    const index_t meta_bytes = dedup ? static_cast<index_t>(sizeof(std::int64_t)) : 0;
-    index_t sent = 0, received = 0, meta_sent = 0, meta_received = 0;
-    for (int r = 0; r < R; ++r) {
-      stats_.assignment_rows_sent[r] = plan_.send_rows_to(r);
-      stats_.assignment_rows_received[r] = plan_.recv_rows_from(r);
-      stats_.rows_sent[r] = stats_.rows_received[r] = 0;
-      for (int c = 0; c < C; ++c) {
-        stats_.rows_sent[r] += ex_[c].send_n[r] / H;
-        stats_.rows_received[r] += ex_[c].recv_n[r] / H;
-      }
-      if (r != me) {
-        sent += stats_.rows_sent[r];
-        received += stats_.rows_received[r];
-        meta_sent += stats_.assignment_rows_sent[r];
-        meta_received += stats_.assignment_rows_received[r];
-      }
-    }
-    stats_.dispatch_bytes_sent = sent * row_bytes + meta_sent * meta_bytes;
-    stats_.dispatch_bytes_received = received * row_bytes + meta_received * meta_bytes;
-    stats_.rank_imbalance = imbalance::of(stats_.rows_sent);
-    stats_.combine_bytes_sent = received * row_bytes;
-    stats_.combine_bytes_received = sent * row_bytes;
-    for (int j = 0; j < L; ++j) {
-      index_t real = 0, padded = 0;
-      for (int c = 0; c < C; ++c)
-        for (int s = 0; s < R; ++s) {
-          real += plan_.recv_valid[plan_.block(c, s, j)];
-          padded += plan_.recv_counts[plan_.block(c, s, j)];
-        }
-      stats_.rows_per_local_expert[j] = real;
-      stats_.padded_rows_per_local_expert[j] = padded;
-    }
-  }
-
-  index_t unique_send_rows() const { return plan_.unique_offsets[plan_.chunks * cfg_.ranks]; }
-  matrix_view<float> unique_recv_view() const {
-    return {x_recv_.data(), plan_.recv_unique_offsets[plan_.chunks * cfg_.ranks], cfg_.hidden};
-  }
-  matrix_view<float> send_view(index_t rows) const { return {x_send_.data(), rows, cfg_.hidden}; }
-  matrix_view<float> recv_view() const { return {x_recv_.data(), plan_.recv_rows(), cfg_.hidden}; }
-  matrix_view<float> expert_view() const {
-    return {x_expert_.data(), plan_.recv_rows(), cfg_.hidden};
-  }
+  index_t unique_send_rows() const { return ex_.unique_send_rows(); }
+  matrix_view<float> send_view(index_t rows) const { return ex_.send_view(rows); }
 
   layer_config cfg_;
   comm_type comm_;
@@ -905,24 +777,18 @@ class moe_layer {
   dispatch_plan plan_;
   int width_;  // routing slots per token
 
-  buffer<float> logits_, noise_logits_, gate_input_, batch_floats_, weights_, x_send_, x_recv_,
-      x_expert_, scratch_, shared_in_, shared_out_, bias_;
+  buffer<float> logits_, noise_logits_, gate_input_, batch_floats_, weights_, scratch_, shared_in_,
+      shared_out_, bias_;
   buffer<std::int32_t> ids_, slot_, phys_, row_token_, batch_ints_;
-  buffer<index_t> counts_, exchange_;
+  buffer<index_t> counts_;
   std::vector<float> loss_probs_;  // host: losses are computed on the host for now
   std::vector<double> loss_acc_;
   std::vector<index_t> load_send_, load_recv_, global_load_;
   std::vector<buffer<float>> owned_experts_;  // expert weights after a live re-placement
-  index_t recv_capacity_ = 0;
-  struct rank_counts {  // per-rank counts/displacements (elements) of one chunk's exchanges
-    index_t *send_n, *send_d, *recv_n, *recv_d;
-    index_t *meta_send_n, *meta_send_d, *meta_recv_n, *meta_recv_d;
-  };
-  std::vector<rank_counts> ex_;                                                     // [chunks]
-  std::vector<std::optional<request_type>> dispatch_req_, meta_req_, combine_req_;  // [chunks]
-  std::vector<double> event_start_;  // [3 * chunks]: when each chunk's stages began
+  using exchange_type = detail::exchange<comm_type, space_type, dedup>;
+  exchange_type ex_;  // the exchanges: counts, then per unit dispatch/combine (core/exchange.hpp)
   int chunks_max_ = 1, chunks_ = 1;
-  clock::time_point pass_start_{};
+  clock::time_point built_ = clock::now(), pass_start_{};
   buffer<std::int32_t> unique_slot_, unique_token_;
   buffer<index_t> unique_counts_;
   buffer<std::int64_t> meta_, meta_recv_;
@@ -930,6 +796,8 @@ class moe_layer {
   matrix_view<const float> x_;
   matrix_view<float> y_;
   std::span<const std::int64_t> token_ids_;
+  const routing_view* given_ = nullptr;  // a user-supplied routing for this pass, else null
+  std::exception_ptr input_error_;       // this rank's rejected input, thrown at counts
   index_t tokens_ = 0;
   std::uint64_t pass_ = 0;
 };

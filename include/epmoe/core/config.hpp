@@ -24,6 +24,8 @@ struct layer_config {
   double aux_loss_coef = 0.01;   // alpha of the load-balancing loss reported in stats
   int seq_len = 0;               // tokens per sequence for the sequence-level loss (0: whole pass)
   int chunks = 0;                // pass split into chunks of tokens (0: the schedule's default)
+  int max_recv_rows = 0;         // rows a rank may hold in its receive buffer (0: unbounded,
+                                 // sized R*T*K); past it a pass exchanges in rounds
 
   int experts_per_rank() const { return experts / ranks; }
   int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }
@@ -48,6 +50,10 @@ struct layer_config {
     require(seq_len >= 0, "seq_len", seq_len, "must be >= 0 (0: the whole pass)");
     require(chunks >= 0 && chunks <= 1024, "chunks", chunks,
             "must be in [0, 1024] (0: the schedule's default)");
+    require(max_recv_rows >= 0, "max_recv_rows", max_recv_rows, "must be >= 0 (0: unbounded)");
+    require(max_recv_rows == 0 || max_recv_rows >= ranks, "max_recv_rows", max_recv_rows,
+            "must be 0 (unbounded) or >= ranks: every (source, destination) pair moves at "
+            "least one row per round");
     // Row offsets are 32-bit on the device side: keep every buffer's row count in range.
     require(static_cast<std::int64_t>(max_tokens) * top_k * ranks < (std::int64_t{1} << 31),
             "max_tokens", max_tokens, "max_tokens * top_k * ranks must be < 2^31");

@@ -25,6 +25,14 @@ class config_error : public std::invalid_argument {
   std::string field_, value_, rule_;
 };
 
+/// Invalid input to a forward pass (e.g. a user-supplied routing): names the element, the
+/// value and the rule, e.g. "epmoe: routing.ids[5][1] = 99: must be in [0, 64)". A
+/// config_error, so code that catches config_error catches it too.
+class input_error : public config_error {
+ public:
+  using config_error::config_error;
+};
+
 /// A communication failure: a peer disagreed on sizes, or another rank failed mid-exchange.
 class comm_error : public std::runtime_error {
  public:

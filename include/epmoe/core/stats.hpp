@@ -27,13 +27,16 @@ struct stage_times {
 /// A stage of one chunk on a rank's timeline.
 enum class stage_kind : std::uint8_t { dispatch, experts, combine };
 
-/// One stage of one chunk: seconds since the pass began. A dispatch or combine runs from
-/// its start to the end of its wait; experts is compute.
+/// One stage of one chunk (and round, with a receive bound): seconds since the pass began.
+/// A dispatch or combine runs from its start to the end of its wait; experts is compute.
 struct timeline_event {
   int chunk = 0;
   stage_kind stage = stage_kind::experts;
   double start = 0;
   double end = 0;
+  int round = 0;      // round of the chunk (config max_recv_rows splits a chunk in rounds)
+  index_t rows = 0;   // rows received (dispatch), computed (experts) or sent back (combine)
+  index_t bytes = 0;  // of them, bytes that crossed to or from another rank
 };
 
 /// How uneven a load vector is: max/mean (1 = balanced) and (max - mean)/mean, the share by
@@ -80,12 +83,17 @@ struct pass_stats {
   imbalance rank_imbalance;    // of rows_sent: how unevenly this rank's rows spread over ranks
   router_losses losses;        // of this rank's tokens (valid when the router has a gate)
   int chunks = 1;              // chunks the pass was cut into
-  std::vector<timeline_event> timeline;  // per chunk: dispatch, experts, combine (in order)
+  std::vector<timeline_event> timeline;  // per chunk (and round): dispatch, experts, combine
   double comm_seconds = 0;               // all-to-all time: counts + every chunk's exchanges
                                          // (the link model's time where throttled)
   double exposed_comm_seconds = 0;       // of it, time this rank waited (not hidden by compute)
   double overlap = 0;                    // 1 - exposed / comm: the share hidden
   stage_times time;
+  stage_times began;           // when each stage first began, seconds since the pass began
+  double started = 0;          // when the pass began, seconds since the layer was built
+  int rounds = 1;              // most exchange rounds of one chunk (> 1 when max_recv_rows splits)
+  index_t peak_recv_rows = 0;  // most rows one exchange round put in the receive buffer
+  index_t recv_buffer_rows = 0;  // rows of the receive buffer (<= max_recv_rows when set)
 
   pass_stats() = default;
   pass_stats(int experts, int local_experts, int ranks)
