@@ -59,6 +59,9 @@ device_buffer<T> upload(const std::vector<float>& v) {
   device_buffer<T> d(static_cast<index_t>(v.size()));
   if (!v.empty())
     EPMOE_CUDA_CHECK(cudaMemcpy(d.data(), h.data(), sizeof(T) * h.size(), cudaMemcpyHostToDevice));
+  // From pageable memory cudaMemcpy may return before the data lands; the layer's stream
+  // does not wait for the legacy stream.
+  EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
   return d;
 }
 
@@ -129,6 +132,7 @@ cuda_result run_cuda(const layer_config& cfg, const reference::full_weights& w,
     if (!opt.token_ids.empty()) {
       EPMOE_CUDA_CHECK(cudaMemcpy(ids.data(), opt.token_ids.data() + g.offset(r),
                                   sizeof(std::int64_t) * Tn, cudaMemcpyHostToDevice));
+      EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
       id_span = {ids.data(), static_cast<std::size_t>(Tn)};
     }
     for (int p = 0; p < opt.passes; ++p) layer.forward({x.data(), Tn, H}, {y.data(), Tn, H}, id_span);

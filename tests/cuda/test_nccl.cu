@@ -30,6 +30,7 @@ template <class T>
 device_buffer<T> upload(const float* p, index_t n) {
   device_buffer<T> d(n);
   EPMOE_CUDA_CHECK(cudaMemcpy(d.data(), p, sizeof(float) * n, cudaMemcpyHostToDevice));
+  EPMOE_CUDA_CHECK(cudaDeviceSynchronize());  // the layer's non-blocking stream won't wait
   return d;
 }
 

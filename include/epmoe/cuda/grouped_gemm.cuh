@@ -69,21 +69,35 @@ class grouped_gemm {
   }
 
   /// Runs the problems of the last set() with beta (0: overwrite, 1: accumulate into c).
+  /// Where this cuBLAS lacks the grouped call for these types (CUBLAS_STATUS_NOT_SUPPORTED),
+  /// falls back, from then on, to one cublasGemmEx per problem (same math, more launches).
   void run(cublasHandle_t h, cudaDataType_t ab, cudaDataType_t c, float beta) {
     if (n_problems_ == 0) return;
     std::fill_n(beta_.begin(), n_problems_, beta);
-    void** d = dev_ptrs_.data();
-    EPMOE_CUDA_CHECK(cublasGemmGroupedBatchedEx(
-        h, ta_.data(), tb_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
-        const_cast<const void* const*>(d), ab, lda_.data(), const_cast<const void* const*>(d + cap_),
-        ab, ldb_.data(), beta_.data(), d + 2 * cap_, c, ldc_.data(), n_problems_, size_.data(),
-        CUBLAS_COMPUTE_32F));
+    if (grouped_) {
+      void** d = dev_ptrs_.data();
+      const cublasStatus_t st = cublasGemmGroupedBatchedEx(
+          h, ta_.data(), tb_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
+          const_cast<const void* const*>(d), ab, lda_.data(),
+          const_cast<const void* const*>(d + cap_), ab, ldb_.data(), beta_.data(), d + 2 * cap_,
+          c, ldc_.data(), n_problems_, size_.data(), CUBLAS_COMPUTE_32F);
+      if (st != CUBLAS_STATUS_NOT_SUPPORTED) return check(st, "cublasGemmGroupedBatchedEx");
+      grouped_ = false;
+    }
+    for (int q = 0; q < n_problems_; ++q)
+      EPMOE_CUDA_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m_[q], n_[q], k_[q], &alpha_[q],
+                                    host_ptrs_[q], ab, lda_[q], host_ptrs_[cap_ + q], ab, ldb_[q],
+                                    &beta_[q], host_ptrs_[2 * cap_ + q], c, ldc_[q],
+                                    CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   }
 
+  /// Whether the last run used the grouped call (false: the per-problem fallback).
+  bool grouped() const { return grouped_; }
   int problems() const { return n_problems_; }
 
  private:
   int cap_ = 0, n_problems_ = 0;
+  bool grouped_ = true;
   pinned_buffer<void*> host_ptrs_;  // [3 * cap]: A, B, C per problem
   device_buffer<void*> dev_ptrs_;
   std::vector<cublasOperation_t> ta_, tb_;

@@ -68,6 +68,9 @@ struct device_placement<placement::table> {
     upload(log, t.log_to_phy().data());
     EPMOE_CUDA_CHECK(
         cudaMemcpy(copies.data(), h.copies, sizeof(int) * E, cudaMemcpyHostToDevice));
+    // cudaMemcpy from pageable memory may return before the copy lands; the layer's own
+    // (non-blocking) stream would not wait for it.
+    EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
     view = h;
     view.phy_to_log = phy.data();
     view.log_to_phy = log.data();
@@ -164,6 +167,8 @@ class moe_layer<Policies> {
     EPMOE_CUDA_CHECK(cublasCreate(&blas_));
     EPMOE_CUDA_CHECK(cublasSetStream(blas_, stream_));
     allocate_workspace();
+    // cuBLAS's workspace is ours, so a captured pass allocates nothing inside the graph.
+    EPMOE_CUDA_CHECK(cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()));
     xc_ = exchange_type(&comm_, x_send_.data(), x_expert_.data());
     for (auto& e : events_) EPMOE_CUDA_CHECK(cudaEventCreate(&e));
   }
@@ -317,7 +322,7 @@ class moe_layer<Policies> {
     logits_ = buffer<float>(router_type::uses_gate ? Tm * E : 0);
     if constexpr (router_with_bias<router_type>) {
       bias_ = buffer<float>(E);
-      EPMOE_CUDA_CHECK(cudaMemset(bias_.data(), 0, sizeof(float) * E));
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(bias_.data(), 0, sizeof(float) * E, stream_));
     }
     ids_ = buffer<std::int32_t>(N);
     weights_ = buffer<float>(N);
@@ -349,6 +354,7 @@ class moe_layer<Policies> {
                                                    ints_.data(), static_cast<int>(P + 1)));
     cub_temp_ = buffer<char>(static_cast<index_t>(std::max(sort_bytes, scan_bytes)) + 1);
     cub_bytes_ = cub_temp_.size();
+    blas_workspace_ = buffer<char>(32 << 20);  // NVIDIA's recommendation for Hopper
   }
 
   // The stages a schedule drives (sequential order; one chunk).
@@ -769,7 +775,7 @@ class moe_layer<Policies> {
   buffer<std::int32_t> ids_, slot_, row_token_;
   buffer<int> keys_, order_, ints_, send_offset_;
   buffer<index_t> msg_;
-  buffer<char> cub_temp_;
+  buffer<char> cub_temp_, blas_workspace_;
   index_t cub_bytes_ = 0;
   buffer<T> x_send_, x_expert_, h13_;
   pinned_buffer<index_t> h_msg_;
