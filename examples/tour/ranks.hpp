@@ -88,15 +88,17 @@ struct mpi_ranks {
     const int R = size();
     int n = static_cast<int>(mine.size());
     std::vector<int> counts(static_cast<std::size_t>(R)), displs(counts.size());
-    MPI_Allgather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    comm::detail::mpi_check(
+        MPI_Allgather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather");
     int total = 0;
     for (int r = 0; r < R; ++r) {
       displs[r] = total;
       total += counts[r];
     }
     std::vector<double> all(static_cast<std::size_t>(total));
-    MPI_Allgatherv(mine.data(), n, MPI_DOUBLE, all.data(), counts.data(), displs.data(), MPI_DOUBLE,
-                   MPI_COMM_WORLD);
+    comm::detail::mpi_check(MPI_Allgatherv(mine.data(), n, MPI_DOUBLE, all.data(), counts.data(),
+                                           displs.data(), MPI_DOUBLE, MPI_COMM_WORLD),
+                            "MPI_Allgatherv");
     std::vector<std::vector<double>> out(static_cast<std::size_t>(R));
     for (int r = 0; r < R; ++r)
       out[r].assign(all.begin() + displs[r], all.begin() + displs[r] + counts[r]);

@@ -387,20 +387,26 @@ int main(int argc, char** argv) {
                  r, experts);
     return false;
   };
-  try {
-    if (under_mpiexec()) {
+  if (under_mpiexec()) {
 #ifdef EPMOE_HAS_MPI
-      comm::mpi_session session(argc, argv);
-      const mpi_ranks world;
-      if (!check(world.size())) return 2;
+    comm::mpi_session session(argc, argv);
+    const mpi_ranks world;
+    if (!check(world.size())) return 2;
+    try {
       return run_tour(world, opts(world.size()), only, json_path);
-#else
-      std::fprintf(stderr,
-                   "epmoe_tour: built without MPI; run it without mpiexec (threads are ranks)\n");
-      return 2;
-#endif
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "epmoe_tour: %s\n", e.what());
+      MPI_Abort(MPI_COMM_WORLD, 1);  // the other ranks may wait in a collective
+      return 1;
     }
-    if (!check(ranks)) return 2;
+#else
+    std::fprintf(stderr,
+                 "epmoe_tour: built without MPI; run it without mpiexec (threads are ranks)\n");
+    return 2;
+#endif
+  }
+  if (!check(ranks)) return 2;
+  try {
     return run_tour(thread_ranks{ranks}, opts(ranks), only, json_path);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epmoe_tour: %s\n", e.what());

@@ -158,6 +158,11 @@ inline double max_of(const std::vector<double>& v) { return *std::max_element(v.
 inline int argmax(const std::vector<double>& v) {
   return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
 }
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
 inline double max_over_mean(const std::vector<double>& v) { return imbalance::of(v).max_over_mean; }
 
 // --- 1. what EP distributes --------------------------------------------------------------
@@ -512,7 +517,7 @@ struct overlap_result {
   double bandwidth = 0;        // the modelled link, bytes/s: sized so comm ~ compute
   double latency = 20e-6;      // seconds per exchange
   double experts_seconds = 0;  // expert compute of one pass (unthrottled, slowest rank)
-  double comm_sequential = 0;  // all-to-all time of a pass, slowest rank (mean of passes)
+  double comm_sequential = 0;  // all-to-all time of a pass, slowest rank (median pass)
   double exposed_sequential = 0;
   double total_sequential = 0;
   double comm_pipelined = 0;
@@ -559,17 +564,18 @@ overlap_result hiding_latency(const World& world, const options& o, int passes =
       const auto x = tokens_of(o, l.layer.rank());
       std::vector<float> y;
       forward(l.layer, x, y);  // warm-up
-      double comm_s = 0, exposed = 0, total = 0;
+      std::vector<double> comm_s, exposed, total;
       for (int p = 0; p < passes; ++p) {
         forward(l.layer, x, y);
-        comm_s += l.layer.stats().comm_seconds / passes;
-        exposed += l.layer.stats().exposed_comm_seconds / passes;
-        total += l.layer.stats().time.total / passes;
+        comm_s.push_back(l.layer.stats().comm_seconds);
+        exposed.push_back(l.layer.stats().exposed_comm_seconds);
+        total.push_back(l.layer.stats().time.total);
       }
+      // Medians: on a shared machine one pass may stall for tens of ms.
       numbers n;
-      n.put(comm_s);
-      n.put(exposed);
-      n.put(total);
+      n.put(median(comm_s));
+      n.put(median(exposed));
+      n.put(median(total));
       return n;
     });
     std::vector<double> worst(3, 0.0);
