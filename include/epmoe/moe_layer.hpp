@@ -190,10 +190,10 @@ class moe_layer {
   }
 
   /// The same with the routing given instead of computed: ids [T, K] in [0, E) (or
-  /// no_expert = -1 for an empty slot), weights [T, K] finite and >= 0, K = the router's
-  /// top_k (E for expert choice). The router and its gate are not used; losses are zero.
-  /// A bad entry throws input_error naming it ("routing.ids[5][1] = 99: must be in [0,
-  /// 64)") on this rank and input_error on every peer, before any row moves; y is untouched.
+  /// no_expert = -1 for an empty slot), distinct within a token, weights [T, K] finite and >= 0, K
+  /// = the router's top_k (E for expert choice). The router and its gate are not used; losses are
+  /// zero. A bad entry throws input_error naming it ("routing.ids[5][1] = 99: must be in [0, 64)")
+  /// on this rank and input_error on every peer, before any row moves; y is untouched.
   void forward(matrix_view<const float> x, routing_view routing, matrix_view<float> y) {
     std::exception_ptr bad;
     try {
@@ -333,6 +333,11 @@ class moe_layer {
           throw input_error(
               at("routing.ids", t, k), std::to_string(e),
               "must be in [0, " + std::to_string(cfg_.experts) + ") or -1 (an empty slot)");
+        for (int q = 0; q < k; ++q)  // buffers hold at most one row per (token, expert)
+          if (e != no_expert && r.ids(t, q) == e)
+            throw input_error(
+                at("routing.ids", t, k), std::to_string(e),
+                "repeats " + at("routing.ids", t, q) + ": a token's experts must be distinct");
         const float w = r.weights(t, k);
         if (!(std::isfinite(w) && w >= 0))
           throw input_error(at("routing.weights", t, k), detail::to_text(w),

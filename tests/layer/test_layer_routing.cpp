@@ -44,6 +44,8 @@ given_routing random_routing(const layer_config& cfg, std::uint64_t seed) {
     g.ids[i] = u % 11 == 0 ? no_expert : static_cast<std::int32_t>(u % cfg.experts);
     g.weights[i] = static_cast<float>((u >> 8) % 17) / 16.f;
   }
+  for (std::size_t i = 1; i < n; i += 2)  // a token's experts are distinct
+    if (g.ids[i] != no_expert && g.ids[i] == g.ids[i - 1]) g.ids[i] = (g.ids[i] + 1) % cfg.experts;
   return g;
 }
 
@@ -181,4 +183,16 @@ TEST_CASE("forward: a rank with too many tokens makes every rank throw, none han
   CHECK(what[1].find("x.rows = 13") != std::string::npos);
   CHECK(what[0].find("rank 1") != std::string::npos);
   for (float v : y) CHECK(v == sentinel);
+}
+
+TEST_CASE("routing: a token that repeats an expert is rejected", "[layer][routing][error]") {
+  const auto w = reference::full_weights::random(cfg, 115);
+  const auto g = test::make_tokens({12, 7}, cfg.hidden, 116);
+  auto routing = random_routing(cfg, 117);
+  const auto got = run_given(cfg, w, g, routing, [](int r, auto& ids, auto&) {
+    if (r == 0) ids[4 * 2 + 0] = ids[4 * 2 + 1] = 3;  // buffers hold one row per (token, expert)
+  });
+  CHECK(got.field[0] == "routing.ids[4][1]");
+  CHECK(got.what[0].find("repeats routing.ids[4][0]") != std::string::npos);
+  for (float v : got.y) CHECK(v == sentinel);
 }
