@@ -94,7 +94,8 @@ void print(const capacity_result& r) {
                 c.shapes_fixed ? "yes" : "no");
   std::printf("  %-16s %9s %12s %12.1f%% %11.1f%% %14s\n", "dropless", "-",
               format("%.0f / %.0f", r.dropless_busiest_rows[0], r.dropless_busiest_rows[1]).c_str(),
-              0.0, 0.0, r.dropless_shapes_fixed ? "yes" : "no");
+              100 * r.dropless_drop[0], 100 * r.dropless_drop[1],
+              r.dropless_shapes_fixed ? "yes" : "no");
   std::printf(
       "  capacity: rows per (source rank, expert); buffer rows: the busiest expert's GEMM rows\n"
       "  (padded: every expert's), uniform / skewed for dropless\n");
@@ -247,7 +248,7 @@ std::string to_json(const capacity_result& r) {
   std::vector<int> fixed_int(fixed.begin(), fixed.end());
   j("factor", f)("capacity", cap)("buffer_rows", buf)("drop_uniform", du)("drop_skewed", ds)(
       "shapes_fixed", fixed_int)("dropless_shapes_fixed", r.dropless_shapes_fixed)(
-      "dropless_busiest_rows", r.dropless_busiest_rows);
+      "dropless_busiest_rows", r.dropless_busiest_rows)("dropless_drop", r.dropless_drop);
   return j.s;
 }
 std::string to_json(const overlap_result& r) {

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <mutex>
 #include <numeric>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -426,6 +427,7 @@ struct capacity_result {
   std::vector<capacity_row> padded;  // capacity::factor<true>, one row per factor
   bool dropless_shapes_fixed = false;
   std::vector<double> dropless_busiest_rows;  // [uniform, skewed]: the busiest expert's rows
+  std::vector<double> dropless_drop;          // [uniform, skewed]: share dropped (none)
   std::string conclusion;
 };
 
@@ -458,24 +460,24 @@ capacity_result capacity_and_padding(const World& world, const options& o,
       return n;
     });
   };
-  struct summary {
-    double drop_u = 0, drop_s = 0, rows_u = 0, rows_s = 0;
-    bool fixed = true;
+  struct summary {        // over all ranks; [0] uniform, [1] skewed tokens
+    double drop[2] = {};  // share of assignments dropped
+    double rows[2] = {};  // the busiest expert's rows, padding included
+    bool fixed = true;    // every rank's shapes equal for both inputs
   };
   const auto summarize = [&](const std::vector<std::vector<double>>& all) {
     summary s;
-    double dropped[2] = {}, assigned[2] = {};
+    double assigned[2] = {};
     for (const auto& v : all) {
       reader in{v};
       for (int i = 0; i < 2; ++i) {
-        dropped[i] += in.get();
+        s.drop[i] += in.get();
         assigned[i] += in.get();
-        (i == 0 ? s.rows_u : s.rows_s) = std::max(i == 0 ? s.rows_u : s.rows_s, in.get());
+        s.rows[i] = std::max(s.rows[i], in.get());
       }
       s.fixed &= in.get() == 1;
     }
-    s.drop_u = dropped[0] / assigned[0];
-    s.drop_s = dropped[1] / assigned[1];
+    for (int i = 0; i < 2; ++i) s.drop[i] /= assigned[i];
     return s;
   };
   using Padded = policies<typename World::comm_type, capacity::factor<true>>;
@@ -486,16 +488,17 @@ capacity_result capacity_and_padding(const World& world, const options& o,
     cfg.capacity_factor = f;
     const summary s = summarize(run.template operator()<Padded>(cfg));
     capacity_row row{.factor = f};
-    row.capacity = std::ceil(f * o.tokens * top_k / experts);
-    row.buffer_rows = s.rows_u;
-    row.drop_uniform = s.drop_u;
-    row.drop_skewed = s.drop_s;
-    row.shapes_fixed = s.fixed && s.rows_u == s.rows_s;
+    row.capacity = static_cast<double>(capacity::factor<true>{}.limit(cfg, o.tokens));
+    row.buffer_rows = s.rows[0];
+    row.drop_uniform = s.drop[0];
+    row.drop_skewed = s.drop[1];
+    row.shapes_fixed = s.fixed && s.rows[0] == s.rows[1];
     r.padded.push_back(row);
   }
   const summary d = summarize(run.template operator()<Dropless>(o.config()));
   r.dropless_shapes_fixed = d.fixed;
-  r.dropless_busiest_rows = {d.rows_u, d.rows_s};
+  r.dropless_busiest_rows = {d.rows[0], d.rows[1]};
+  r.dropless_drop = {d.drop[0], d.drop[1]};
   bool all_fixed = true;
   for (const auto& row : r.padded) all_fixed &= row.shapes_fixed;
   const capacity_row& lo = r.padded.front();
@@ -506,7 +509,7 @@ capacity_result capacity_and_padding(const World& world, const options& o,
       "dropless keeps every row but its shapes %s (busiest expert %.0f -> %.0f rows)",
       all_fixed ? "fixed" : "NOT fixed", lo.factor, hi.factor, lo.buffer_rows, hi.buffer_rows,
       100 * lo.drop_skewed, 100 * hi.drop_skewed,
-      r.dropless_shapes_fixed ? "stay fixed" : "change with the data", d.rows_u, d.rows_s);
+      r.dropless_shapes_fixed ? "stay fixed" : "change with the data", d.rows[0], d.rows[1]);
   return r;
 }
 
@@ -626,13 +629,14 @@ struct traced_swiglu : expert::swiglu {
   static void forward(const Space& space, const weights& w, index_t j, matrix_view<float> x,
                       float* scratch) {
     trace_point* tp = w.trace;
-    const bool hit = tp && tp->slot == j;
+    bool hit = tp && tp->slot == j;
     index_t row = 0;
     if (hit) {  // the block (chunk 0, source, j) sits in expert j's rows at regroup_offsets
       const dispatch_plan& p = *tp->plan;
       row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position -
             p.expert_offsets[tp->slot];
-      tp->in.assign(x.row(row), x.row(row) + x.cols);
+      hit = row >= 0 && row < x.rows;  // else nothing is recorded and the step reports it
+      if (hit) tp->in.assign(x.row(row), x.row(row) + x.cols);
     }
     expert::swiglu::forward(space, w, j, x, scratch);
     if (hit) tp->out.assign(x.row(row), x.row(row) + x.cols);
@@ -731,6 +735,11 @@ trace_result trace_one_token(const World& world, const options& o) {
   std::vector<float> acc(static_cast<std::size_t>(o.hidden), 0.f);
   for (int k = 0; k < top_k; ++k) {
     reader in{traced[r.ranks[k]]};
+    if (in.v.size() < 2 * static_cast<std::size_t>(o.hidden))
+      throw std::runtime_error(
+          format("tour step 7: rank %d recorded no row for expert %d (has "
+                 "the layer's dispatch_plan layout changed?)",
+                 r.ranks[k], r.experts[k]));
     const auto got = in.get(static_cast<std::size_t>(o.hidden));
     const auto out = in.get<float>(static_cast<std::size_t>(o.hidden));
     double diff = 0;

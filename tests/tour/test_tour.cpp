@@ -81,6 +81,7 @@ TEST_CASE("tour 5: padded capacity fixes shapes, a larger factor drops less", "[
   }
   CHECK(r.padded.front().drop_skewed > r.padded.back().drop_skewed);
   CHECK_FALSE(r.dropless_shapes_fixed);
+  CHECK(r.dropless_drop == std::vector<double>{0, 0});
   CHECK(r.dropless_busiest_rows[1] > r.dropless_busiest_rows[0]);
 }
 
