@@ -78,7 +78,7 @@ std::vector<float> download(const T* d, index_t n) {
 template <class P>
 struct cuda_rank {
   using T = typename P::space::value_type;
-  device_buffer<T> gate, w1, w3, w2, s1, s3, s2;
+  device_buffer<T> gate, w1, w3, w2, s1, s3, s2, noise;
 
   cuda_rank(const layer_config& cfg, const reference::full_weights& w,
             const typename P::placement& where, int rank) {
@@ -90,6 +90,7 @@ struct cuda_rank {
     s1 = upload<T>(w.shared_w1);
     s3 = upload<T>(w.shared_w3);
     s2 = upload<T>(w.shared_w2);
+    noise = upload<T>(w.noise_gate);
     (void)cfg;
   }
 
@@ -97,7 +98,8 @@ struct cuda_rank {
     const index_t H = cfg.hidden, F = cfg.ffn, N = cfg.shared_experts, Fs = cfg.shared_width();
     return {{gate.data(), cfg.experts, H},
             {{w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}},
-            {{s1.data(), N, Fs, H}, {s3.data(), N, Fs, H}, {s2.data(), N, H, Fs}}};
+            {{s1.data(), N, Fs, H}, {s3.data(), N, Fs, H}, {s2.data(), N, H, Fs}},
+            {noise.data(), cfg.experts, H}};
   }
 };
 

@@ -6,7 +6,11 @@
 #include <catch2/catch.hpp>
 
 #include <epmoe/placement/round_robin.hpp>
+#include <epmoe/router/expert_choice.hpp>
 #include <epmoe/router/hash.hpp>
+#include <epmoe/router/jitter.hpp>
+#include <epmoe/router/noisy_topk.hpp>
+#include <epmoe/router/sinkhorn.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
 
 #include "harness.cuh"
@@ -62,6 +66,42 @@ TEST_CASE("cuda routers equal the reference", "[cuda]") {
     run_options<P> opt;
     for (int i = 0; i < 4 * 80; ++i) opt.token_ids.push_back((i * 7919) % 1000);
     same_as_reference(config(4, 8, 2), opt);
+  }
+}
+
+TEST_CASE("cuda batch and training-noise routers equal the reference", "[cuda]") {
+  SECTION("expert choice (routed on the host)") {
+    auto cfg = config(4, 8, 2);
+    cfg.capacity_factor = 1.0;
+    same_as_reference<cuda_policies<float, router::expert_choice>>(cfg);
+  }
+  SECTION("sinkhorn top-2 (routed on the host)") {
+    same_as_reference<cuda_policies<float, router::sinkhorn<2>>>(config(4, 8, 2));
+  }
+  SECTION("noisy top-2 while training") {
+    using P = cuda_policies<float, router::noisy_topk<2>>;
+    run_options<P> opt;
+    opt.router.training = true;
+    same_as_reference(config(4, 8, 2), opt);
+  }
+  SECTION("switch jitter while training") {
+    using P = cuda_policies<float, router::jitter<router::switch_top1>>;
+    run_options<P> opt;
+    opt.router.training = true;
+    same_as_reference(config(4, 8, 1), opt);
+  }
+}
+
+TEST_CASE("cuda router losses equal the host layer's", "[cuda]") {
+  auto cfg = config(4, 8, 2);
+  cfg.aux_loss_coef = 0.01;
+  const auto w = reference::full_weights::random(cfg, 61);
+  const global_tokens g = make_tokens(std::vector<index_t>(4, 80), cfg.hidden, 62);
+  const cuda_result dev = run_cuda<cuda_policies<float, router::topk_softmax<2>>>(cfg, w, g);
+  const run_result host = run_layer<threads_policies<2>>(cfg, w, g);
+  for (int r = 0; r < 4; ++r) {
+    CHECK(dev.stats[r].losses.aux == Approx(host.stats[r][0].losses.aux).epsilon(1e-5));
+    CHECK(dev.stats[r].losses.z == Approx(host.stats[r][0].losses.z).epsilon(1e-5));
   }
 }
 

@@ -21,9 +21,11 @@
 //   combine the reverse exchange into the sender's send buffer
 //   reduce  y[t] = sum_k w[t,k] out[t,k] (+ shared experts), fp32 accumulate
 //
-// Not on the device yet (each a static_assert or config_error that says so): batch routers
-// (expert choice, Sinkhorn), noisy top-k and jitter, per-rank dedup, more than one chunk,
-// router losses (stats().losses stays zero), live re-placement.
+// Batch routers (expert choice, Sinkhorn) decide over the whole batch on the host: the
+// logits come down, route_batch runs, the routing goes back up (a sync per pass). Router
+// losses are computed on the host when stats() is read. Not on the device yet (a
+// static_assert or config_error says so): per-rank dedup, more than one chunk, live
+// re-placement.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -95,6 +97,22 @@ inline void gemm_nt(cublasHandle_t h, cudaDataType_t ab, const void* a, index_t 
                                 static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/// Switch jitter on the device: the gate reads x * U(1-eps, 1+eps) (the router's factor).
+/// (A kernel's functor may not be a private member type, hence here.)
+template <class Router, class T>
+struct jitter_input {
+  Router router;
+  matrix_view<const T> x;
+  T* out;
+  const std::int64_t* ids;
+  std::int64_t first;
+  std::uint64_t pass;
+  EPMOE_HD void operator()(index_t i) const {
+    const index_t t = i / x.cols, h = i % x.cols;
+    out[i] = from_float<T>(to_float(x(t, h)) * router.factor(pass, ids ? ids[t] : first + t, h));
+  }
+};
+
 }  // namespace cuda_detail
 
 template <class Policies>
@@ -111,12 +129,11 @@ class moe_layer<Policies> {
   using schedule_type = typename Policies::schedule;
   using T = value_type;
 
-  static_assert(router_policy<router_type> && token_router<router_type> &&
-                    router_type::top_k > 0 && !router_with_noise_gate<router_type> &&
-                    !router_with_jitter<router_type>,
-                "epmoe: on space::cuda the router must decide per token with a fixed top_k "
-                "(route_token: router::topk_softmax, sigmoid_bias, hash, group-limited); "
-                "expert_choice, sinkhorn, noisy_topk and jitter run on space::host for now");
+  static_assert(router_policy<router_type>,
+                "epmoe: the router policy must provide `static constexpr int top_k`, "
+                "`static constexpr bool uses_gate` and either an EPMOE_HD route_token(const "
+                "token_input&, int* ids, float* weights) const (see router/topk_softmax.hpp) or "
+                "route_batch(...) with scratch_floats/scratch_ints (see router/expert_choice.hpp)");
   static_assert(placement_policy<placement_type>,
                 "epmoe: the placement policy must be constructible from layer_config and "
                 "provide slots_per_rank(), expert_at(rank, j) and an EPMOE_HD slot_for");
@@ -141,6 +158,7 @@ class moe_layer<Policies> {
     matrix_view<const T> gate;                           // [E, H]
     expert::swiglu::weights_of<T> experts;               // this rank's slots, slot order
     expert::swiglu::weights_of<T> shared{};              // [N] shared experts
+    matrix_view<const T> noise_gate{};                   // [E, H] noisy top-k's projection
   };
 
   moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router = {},
@@ -156,7 +174,8 @@ class moe_layer<Policies> {
         capacity_(capacity),
         placement_(std::move(placement)),
         where_(placement_),
-        stats_(cfg_.experts, placement_.slots_per_rank(), cfg_.ranks) {
+        stats_(cfg_.experts, placement_.slots_per_rank(), cfg_.ranks),
+        width_(router_type::top_k > 0 ? router_type::top_k : cfg_.experts) {
     stream_ = space.stream;
     if constexpr (requires { comm_.stream(); })
       if (!stream_) stream_ = comm_.stream();
@@ -201,6 +220,9 @@ class moe_layer<Policies> {
     else
       detail::require(token_ids.empty() || token_ids.size() == static_cast<std::size_t>(x.rows),
                       "token_ids", token_ids.size(), "must be empty or one id per token");
+    if constexpr (router_with_noise_gate<router_type>)
+      if (router_.training)
+        detail::require_shape(w_.noise_gate, cfg_.experts, cfg_.hidden, "weights.noise_gate");
     x_ = x;
     y_ = y;
     token_ids_ = token_ids;
@@ -262,9 +284,11 @@ class moe_layer<Policies> {
     try {
       cfg.validate();
       if constexpr (placement_with_validate<placement_type>) placement.validate(cfg);
-      detail::require(
-          cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
-          ("must equal the router's top_k (" + std::to_string(router_type::top_k) + ")").c_str());
+      if constexpr (router_type::top_k > 0)
+        detail::require(cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
+                        ("must equal the router's top_k (" +
+                         std::to_string(router_type::top_k) + ")")
+                            .c_str());
       detail::require(
           cfg.ranks == comm.size(), "ranks", cfg.ranks,
           ("must equal the communicator's size (" + std::to_string(comm.size()) + ")").c_str());
@@ -309,10 +333,12 @@ class moe_layer<Policies> {
   }
 
   void allocate_workspace() {
-    const index_t Tm = cfg_.max_tokens, K = router_type::top_k, E = cfg_.experts;
+    const index_t Tm = cfg_.max_tokens, K = width_, E = cfg_.experts;
     const index_t R = cfg_.ranks, L = placement_.slots_per_rank(), H = cfg_.hidden;
     const index_t P = R * L, N = Tm * K;
-    const index_t per_expert = std::min(Tm, capacity_.limit(cfg_, Tm));
+    index_t per_expert = std::min(Tm, capacity_.limit(cfg_, Tm));
+    if constexpr (requires { router_type::capacity(cfg_, Tm); })
+      per_expert = std::min(per_expert, router_type::capacity(cfg_, Tm));  // expert choice
     const index_t per_expert_buf = capacity_type::pads ? capacity_.limit(cfg_, Tm) : per_expert;
     send_cap_ = capacity_type::pads ? P * per_expert_buf : std::min(N, P * per_expert);
     const index_t from_one =
@@ -320,6 +346,22 @@ class moe_layer<Policies> {
     recv_cap_ = R * from_one;
 
     logits_ = buffer<float>(router_type::uses_gate ? Tm * E : 0);
+    if constexpr (router_with_noise_gate<router_type>) noise_logits_ = buffer<float>(Tm * E);
+    if constexpr (router_with_jitter<router_type>) gate_input_ = buffer<T>(Tm * H);
+    if constexpr (batch_router<router_type>) {
+      host_logits_ = pinned_buffer<float>(Tm * E);
+      host_ids_ = pinned_buffer<std::int32_t>(N);
+      host_weights_ = pinned_buffer<float>(N);
+      batch_floats_.resize(static_cast<std::size_t>(router_type::scratch_floats(cfg_)));
+      batch_ints_.resize(static_cast<std::size_t>(router_type::scratch_ints(cfg_)));
+    }
+    if constexpr (router_type::uses_gate && has_probabilities<router_type>) {
+      loss_logits_.resize(static_cast<std::size_t>(Tm * E));
+      loss_ids_.resize(static_cast<std::size_t>(N));
+      loss_weights_.resize(static_cast<std::size_t>(N));
+      loss_probs_.resize(static_cast<std::size_t>(Tm * E));
+      loss_acc_.resize(static_cast<std::size_t>(2 * E));
+    }
     if constexpr (router_with_bias<router_type>) {
       bias_ = buffer<float>(E);
       EPMOE_CUDA_CHECK(cudaMemsetAsync(bias_.data(), 0, sizeof(float) * E, stream_));
@@ -378,29 +420,60 @@ class moe_layer<Policies> {
   int L() const { return placement_.slots_per_rank(); }
 
   void do_route() {
-    const index_t Tn = tokens_, E = cfg_.experts, K = router_type::top_k;
+    const index_t Tn = tokens_, E = cfg_.experts, K = width_, H = cfg_.hidden;
+    const std::int64_t first = std::int64_t{rank()} * cfg_.max_tokens;
+    const std::int64_t* tid = token_ids_.empty() ? nullptr : token_ids_.data();
+    matrix_view<const float> logits{logits_.data(), router_type::uses_gate ? Tn : 0, E};
+    matrix_view<const float> noise{};
     if (Tn > 0) {
-      if constexpr (router_type::uses_gate)
-        cuda_detail::gemm_nt(blas_, dtype<T>::cuda, x_.data, x_.stride, w_.gate.data,
-                             w_.gate.stride, CUDA_R_32F, logits_.data(), E, Tn, E, cfg_.hidden,
-                             0.f);
-      const rows::route_tokens<router_type> f{
-          router_,
-          {logits_.data(), router_type::uses_gate ? Tn : 0, router_type::uses_gate ? E : 0},
-          {},
-          {ids_.data(), Tn, K},
-          {weights_.data(), Tn, K},
-          token_ids_.empty() ? nullptr : token_ids_.data(),
-          std::int64_t{rank()} * cfg_.max_tokens,
-          pass_,
-          static_cast<int>(E)};
-      space_type::for_each(Tn, f, stream_);
+      if constexpr (router_type::uses_gate) {
+        matrix_view<const T> in = x_;
+        if constexpr (router_with_jitter<router_type>)
+          if (router_.training) {
+            space_type::for_each(
+                Tn * H,
+                cuda_detail::jitter_input<router_type, T>{router_, x_, gate_input_.data(), tid,
+                                                          first, pass_},
+                stream_);
+            in = {gate_input_.data(), Tn, H};
+          }
+        cuda_detail::gemm_nt(blas_, dtype<T>::cuda, in.data, in.stride, w_.gate.data,
+                             w_.gate.stride, CUDA_R_32F, logits_.data(), E, Tn, E, H, 0.f);
+        if constexpr (router_with_noise_gate<router_type>)
+          if (router_.training) {
+            cuda_detail::gemm_nt(blas_, dtype<T>::cuda, in.data, in.stride, w_.noise_gate.data,
+                                 w_.noise_gate.stride, CUDA_R_32F, noise_logits_.data(), E, Tn, E,
+                                 H, 0.f);
+            noise = {noise_logits_.data(), Tn, E};
+          }
+      }
+      if constexpr (token_router<router_type>) {
+        space_type::for_each(
+            Tn,
+            rows::route_tokens<router_type>{router_, logits, noise, {ids_.data(), Tn, K},
+                                            {weights_.data(), Tn, K}, tid, first, pass_,
+                                            static_cast<int>(E)},
+            stream_);
+      } else {
+        // A batch router decides over the whole batch, on the host (one sync).
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(host_logits_.data(), logits_.data(),
+                                         sizeof(float) * Tn * E, cudaMemcpyDeviceToHost, stream_));
+        synchronize();
+        router_.route_batch(cfg_, {host_logits_.data(), Tn, E},
+                            {{host_ids_.data(), Tn, K}, {host_weights_.data(), Tn, K}},
+                            std::span<float>(batch_floats_), std::span<std::int32_t>(batch_ints_));
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(ids_.data(), host_ids_.data(),
+                                         sizeof(std::int32_t) * Tn * K, cudaMemcpyHostToDevice,
+                                         stream_));
+        EPMOE_CUDA_CHECK(cudaMemcpyAsync(weights_.data(), host_weights_.data(),
+                                         sizeof(float) * Tn * K, cudaMemcpyHostToDevice, stream_));
+      }
     }
     mark(stage::route);
   }
 
   void do_plan() {
-    const int Pn = P(), E = cfg_.experts, K = router_type::top_k;
+    const int Pn = P(), E = cfg_.experts, K = width_;
     const index_t n = tokens_ * K;
     int* slot_rows = ints_.data();
     int* first = slot_rows + (Pn + 1);
@@ -647,12 +720,12 @@ class moe_layer<Policies> {
       if (vec)
         cuda_kernels::combine_rows<T, V>
             <<<cuda_kernels::grid_for(Tn * H / V), cuda_kernels::block_threads, 0, stream_>>>(
-                x_send_.data(), H, slot_.data(), weights_.data(), router_type::top_k, shared,
+                x_send_.data(), H, slot_.data(), weights_.data(), width_, shared,
                 y_.data, y_.stride, Tn);
       else
         cuda_kernels::combine_rows<T, 1>
             <<<cuda_kernels::grid_for(Tn * H), cuda_kernels::block_threads, 0, stream_>>>(
-                x_send_.data(), H, slot_.data(), weights_.data(), router_type::top_k, shared,
+                x_send_.data(), H, slot_.data(), weights_.data(), width_, shared,
                 y_.data, y_.stride, Tn);
       EPMOE_CUDA_CHECK(cudaGetLastError());
     }
@@ -723,6 +796,20 @@ class moe_layer<Policies> {
       padded_total += padded;
     }
     s.expert_flops = double(padded_total) * expert::swiglu::flops_per_row(H, cfg_.ffn);
+    s.losses = {};
+    if constexpr (router_type::uses_gate && has_probabilities<router_type>) {
+      // Losses from this pass's logits and routing (still in the workspace), on the host.
+      const index_t Tn = tokens_, K = width_;
+      EPMOE_CUDA_CHECK(cudaMemcpy(loss_logits_.data(), logits_.data(), sizeof(float) * Tn * E,
+                                  cudaMemcpyDeviceToHost));
+      EPMOE_CUDA_CHECK(cudaMemcpy(loss_ids_.data(), ids_.data(), sizeof(std::int32_t) * Tn * K,
+                                  cudaMemcpyDeviceToHost));
+      EPMOE_CUDA_CHECK(cudaMemcpy(loss_weights_.data(), weights_.data(), sizeof(float) * Tn * K,
+                                  cudaMemcpyDeviceToHost));
+      compute_losses(router_, cfg_, {loss_logits_.data(), Tn, E},
+                     {{loss_ids_.data(), Tn, K}, {loss_weights_.data(), Tn, K}},
+                     std::span<float>(loss_probs_), std::span<double>(loss_acc_), s.losses);
+    }
     s.chunks = 1;
     s.timeline.clear();
     s.time = {};
@@ -761,6 +848,7 @@ class moe_layer<Policies> {
   placement_type placement_;
   cuda_detail::device_placement<placement_type> where_;
   mutable pass_stats stats_;
+  int width_;  // routing slots per token: top_k, or E for expert choice
   mutable bool stats_pending_ = false;
 
   cudaStream_t stream_ = nullptr, owned_stream_ = nullptr;
@@ -771,7 +859,15 @@ class moe_layer<Policies> {
   bool timed_ = true;
   exchange_type xc_;
 
-  buffer<float> logits_, weights_, bias_, shared_out_;
+  buffer<float> logits_, noise_logits_, weights_, bias_, shared_out_;
+  buffer<T> gate_input_;
+  pinned_buffer<float> host_logits_, host_weights_;  // batch routers: routing on the host
+  pinned_buffer<std::int32_t> host_ids_;
+  std::vector<float> batch_floats_;
+  std::vector<std::int32_t> batch_ints_;
+  mutable std::vector<float> loss_logits_, loss_weights_, loss_probs_;  // losses in stats()
+  mutable std::vector<std::int32_t> loss_ids_;
+  mutable std::vector<double> loss_acc_;
   buffer<std::int32_t> ids_, slot_, row_token_;
   buffer<int> keys_, order_, ints_, send_offset_;
   buffer<index_t> msg_;
