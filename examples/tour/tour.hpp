@@ -318,31 +318,33 @@ compute_result compute_per_token(const World& world, const options& o, int passe
   using Dense = policies<typename World::comm_type, capacity::dropless, experts_in_turn,
                          placement::block, experts>;
   const auto full = reference::full_weights::random(o.config(), o.seed);
-  const auto measure = [&]<class P>(const layer_config& cfg) {
-    return world.run([&](typename P::comm c) {
-      rank_layer<P> l(cfg, std::move(c), full);
-      const auto x = tokens_of(o, l.layer.rank());
-      std::vector<float> y;
-      double experts_s = 1e30;  // best pass: the first also pays for first touches
-      for (int p = 0; p < passes; ++p) {
-        forward(l.layer, x, y);
-        experts_s = std::min(experts_s, l.layer.stats().time.experts);
-      }
-      numbers n;
-      n.put(l.layer.stats().expert_flops);
-      n.put(experts_s);
-      return n;
-    });
-  };
-  const auto top = measure.template operator()<Top>(o.config());
-  const auto dense = measure.template operator()<Dense>(o.config(experts));
+  // Passes of the two layers alternate, so that both see the same load of the machine.
+  const auto all = world.run([&](typename World::comm_type c) {
+    rank_layer<Top> top(o.config(), another(c), full);
+    rank_layer<Dense> dense(o.config(experts), std::move(c), full);
+    const auto x = tokens_of(o, top.layer.rank());
+    std::vector<float> y;
+    double top_s = 1e30, dense_s = 1e30;  // best pass: the first also pays for first touches
+    for (int p = 0; p < passes; ++p) {
+      forward(top.layer, x, y);
+      top_s = std::min(top_s, top.layer.stats().time.experts);
+      forward(dense.layer, x, y);
+      dense_s = std::min(dense_s, dense.layer.stats().time.experts);
+    }
+    numbers n;
+    n.put(top.layer.stats().expert_flops);
+    n.put(top_s);
+    n.put(dense.layer.stats().expert_flops);
+    n.put(dense_s);
+    return n;
+  });
   compute_result r;
   const double tokens = double(o.tokens) * o.ranks;
-  for (int i = 0; i < o.ranks; ++i) {
-    r.flops_per_token_topk += top[i][0] / tokens;
-    r.flops_per_token_dense += dense[i][0] / tokens;
-    r.expert_seconds_topk += top[i][1];
-    r.expert_seconds_dense += dense[i][1];
+  for (const auto& v : all) {
+    r.flops_per_token_topk += v[0] / tokens;
+    r.expert_seconds_topk += v[1];
+    r.flops_per_token_dense += v[2] / tokens;
+    r.expert_seconds_dense += v[3];
   }
   r.flop_ratio = r.flops_per_token_topk / r.flops_per_token_dense;
   r.time_ratio = r.expert_seconds_topk / r.expert_seconds_dense;
@@ -556,41 +558,41 @@ overlap_result hiding_latency(const World& world, const options& o, int passes =
   }
   r.bandwidth = bytes / r.experts_seconds;
   const comm::link link{.bandwidth = r.bandwidth, .latency = r.latency};
-  const auto measure = [&]<class P>(layer_config cfg) {
-    const auto all = world.run([&](Comm c) {
-      rank_layer<P> l(cfg, {std::move(c), link}, full);
-      const auto x = tokens_of(o, l.layer.rank());
-      std::vector<float> y;
-      forward(l.layer, x, y);  // warm-up
-      std::vector<double> comm_s, exposed, total;
-      for (int p = 0; p < passes; ++p) {
-        forward(l.layer, x, y);
-        comm_s.push_back(l.layer.stats().comm_seconds);
-        exposed.push_back(l.layer.stats().exposed_comm_seconds);
-        total.push_back(l.layer.stats().time.total);
-      }
-      // Medians: on a shared machine one pass may stall for tens of ms.
-      numbers n;
-      n.put(median(comm_s));
-      n.put(median(exposed));
-      n.put(median(total));
-      return n;
-    });
-    std::vector<double> worst(3, 0.0);
-    for (const auto& v : all)
-      for (int i = 0; i < 3; ++i) worst[i] = std::max(worst[i], v[i]);
-    return worst;
-  };
   layer_config piped = o.config();
   piped.chunks = r.chunks;
-  const auto seq = measure.template operator()<Seq>(o.config());
-  const auto pipe = measure.template operator()<Pipe>(piped);
-  r.comm_sequential = seq[0];
-  r.exposed_sequential = seq[1];
-  r.total_sequential = seq[2];
-  r.comm_pipelined = pipe[0];
-  r.exposed_pipelined = pipe[1];
-  r.total_pipelined = pipe[2];
+  // Passes of the two schedules alternate, so that both see the same load of the machine.
+  const auto all = world.run([&](Comm c) {
+    rank_layer<Seq> seq(o.config(), {another(c), link}, full);
+    rank_layer<Pipe> pipe(piped, {std::move(c), link}, full);
+    const auto x = tokens_of(o, seq.layer.rank());
+    std::vector<float> y;
+    forward(seq.layer, x, y);  // warm-up
+    forward(pipe.layer, x, y);
+    std::vector<double> m[6];  // per pass: comm, exposed, total; sequential then pipelined
+    const auto record = [&](int i, const pass_stats& s) {
+      m[3 * i + 0].push_back(s.comm_seconds);
+      m[3 * i + 1].push_back(s.exposed_comm_seconds);
+      m[3 * i + 2].push_back(s.time.total);
+    };
+    for (int p = 0; p < passes; ++p) {
+      forward(seq.layer, x, y);
+      record(0, seq.layer.stats());
+      forward(pipe.layer, x, y);
+      record(1, pipe.layer.stats());
+    }
+    numbers n;
+    for (const auto& v : m) n.put(median(v));  // a shared machine may stall one pass
+    return n;
+  });
+  std::vector<double> worst(6, 0.0);  // the slowest rank's
+  for (const auto& v : all)
+    for (int i = 0; i < 6; ++i) worst[i] = std::max(worst[i], v[i]);
+  r.comm_sequential = worst[0];
+  r.exposed_sequential = worst[1];
+  r.total_sequential = worst[2];
+  r.comm_pipelined = worst[3];
+  r.exposed_pipelined = worst[4];
+  r.total_pipelined = worst[5];
   r.overlap_pipelined = 1 - r.exposed_pipelined / r.comm_pipelined;
   r.conclusion = format(
       "over a link where one all-to-all costs as much as the experts (%s), pipelining %d "
