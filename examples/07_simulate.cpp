@@ -27,6 +27,7 @@
 #include <epmoe/sim/simulate.hpp>
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/trace.hpp>
+#include <epmoe/sim/validate.hpp>
 
 using namespace epmoe;
 
@@ -40,7 +41,7 @@ struct args {
   double skew = 1.2;
   bool dedup = false, compare = false, validate = false, topology_set = false;
   bool compare_set = false, single = false;  // --compare / --no-compare; --placement/--schedule
-  int passes = 8;
+  int passes = 8, shared = 0;
   std::uint64_t seed = 1;
 };
 
@@ -57,7 +58,9 @@ struct args {
       "      default unless --placement or --schedule names one configuration\n"
       "  --calibrate FILE [--ranks R (2)] [--tokens T (256)] [--hidden H] [--ffn F] [--experts E]\n"
       "      [--top-k K]: measure comm::threads, host GEMM and memory rates; write a topology\n"
-      "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P] ...:\n"
+      "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P] [--shared "
+      "N]\n"
+      "      [--skew Z] ...:\n"
       "      predicted vs measured per-stage times of a real layer on comm::threads");
   std::exit(2);
 }
@@ -104,6 +107,8 @@ args parse(int argc, char** argv) {
       a.validate = true;
     else if (k == "--passes")
       a.passes = std::stoi(next());
+    else if (k == "--shared")
+      a.shared = std::stoi(next());
     else if (k == "--trace")
       a.trace = next();
     else if (k == "--stats")
@@ -236,129 +241,41 @@ void write_trace(const std::string& path, const sim::result& r) {
 
 // ---- calibration and validation on this machine (comm::threads) ----
 
+layer_config validation_config(const args& a) {
+  return {.hidden = a.hidden,
+          .ffn = a.ffn,
+          .experts = a.experts,
+          .top_k = a.top_k,
+          .ranks = a.ranks,
+          .max_tokens = a.tokens,
+          .shared_experts = a.shared};
+}
+
 sim::calibration calibrate_here(const args& a) {
-  sim::calibration_options o;
-  o.ranks = a.ranks;
-  o.hidden = a.hidden;
-  o.ffn = a.ffn;
-  o.gemm_calls = std::max(1, a.experts / a.ranks);
-  o.gemm_rows = std::max<index_t>(1, index_t{a.ranks} * a.tokens * a.top_k / a.experts);
-  // The bandwidth point: about what one rank sends a peer in the layer's dispatch.
-  o.large_bytes = std::max<index_t>(
-      index_t{64} << 10, index_t{a.tokens} * a.top_k * a.hidden * 4 / std::max(a.ranks, 1));
+  const auto o = sim::options_for(validation_config(a), a.tokens);
   const auto c = sim::calibrate(o);
-  std::printf(
-      "calibration on %d in-process ranks (comm::threads):\n"
-      "  alltoallv: %.1f us at %lld B/peer, %.1f us at %lld B/peer -> latency %.1f us, "
-      "%.2f GB/s in per rank\n"
-      "  expert GEMMs (%lld x %d x %d, %d experts): %.1f GFLOP/s per rank\n"
-      "  memory reads: %.2f GB/s per rank\n",
-      a.ranks, c.exchange_small * 1e6, static_cast<long long>(o.small_bytes),
-      c.exchange_large * 1e6, static_cast<long long>(o.large_bytes), c.latency * 1e6,
-      c.bandwidth / 1e9, static_cast<long long>(o.gemm_rows), a.hidden, a.ffn, o.gemm_calls,
-      c.gemm_flops / 1e9, c.memory_bandwidth / 1e9);
+  sim::print_calibration(stdout, c, o, a.ranks, "in-process, comm::threads");
   return c;
 }
 
-template <int K>
-struct threads_layer_policies : default_policies {
-  using router = epmoe::router::topk_softmax<K>;
-  using comm = epmoe::comm::threads;
-};
-
-// Per-stage wall times of a real layer on comm::threads: [rank][pass].
-template <int K, class Source>
-std::vector<std::vector<stage_times>> run_real(const layer_config& cfg, const Source& src,
-                                               int passes) {
-  // The hand gate (as tests/sim does): gate row e = unit vector e and a token that is K - k at
-  // its k-th source expert, so top-k picks exactly the simulated assignments.
-  auto w = reference::full_weights::random(cfg, 3);
-  std::fill(w.gate.begin(), w.gate.end(), 0.f);
-  for (int e = 0; e < cfg.experts; ++e) w.gate[e * cfg.hidden + e] = 1.f;
-  std::vector<std::vector<float>> x(static_cast<std::size_t>(cfg.ranks));
-  for (int r = 0; r < cfg.ranks; ++r) {
-    const index_t T = src.tokens(r);
-    std::vector<std::int32_t> ids(static_cast<std::size_t>(T * K));
-    std::vector<float> wt(ids.size());
-    src.route(r, {{ids.data(), T, K}, {wt.data(), T, K}});
-    x[r].assign(static_cast<std::size_t>(T * cfg.hidden), 0.f);
-    for (index_t t = 0; t < T; ++t)
-      for (int k = 0; k < K; ++k) x[r][t * cfg.hidden + ids[t * K + k]] = float(K - k);
-  }
-  using P = threads_layer_policies<K>;
-  std::vector<std::vector<stage_times>> out(static_cast<std::size_t>(cfg.ranks));
-  comm::threads_world world(cfg.ranks);
-  world.run([&](comm::threads c) {
-    const int r = c.rank();
-    const typename P::placement where(cfg);
-    const auto mine = reference::slice(w, where, r);
-    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()}, {},
-                       {}, where);
-    const index_t T = src.tokens(r), H = cfg.hidden;
-    std::vector<float> y(static_cast<std::size_t>(T * H));
-    for (int p = 0; p < passes + 1; ++p) {  // pass 0 warms up
-      layer.forward({x[r].data(), T, H}, {y.data(), T, H});
-      if (p > 0) out[r].push_back(layer.stats().time);
-    }
-  });
-  return out;
-}
-
+// The real layer (block, dropless, sequential) on comm::threads against the simulator.
 template <class Source>
 int validate(const args& a, const sim::topology& topo, const Source& src) {
-  const layer_config cfg{.hidden = a.hidden,
-                         .ffn = a.ffn,
-                         .experts = a.experts,
-                         .top_k = a.top_k,
-                         .ranks = a.ranks,
-                         .max_tokens = a.tokens};
-  if (a.hidden < a.experts) throw std::runtime_error("--validate needs --hidden >= --experts");
-  std::vector<std::vector<stage_times>> real;
-  switch (a.top_k) {
-    case 1:
-      real = run_real<1>(cfg, src, a.passes);
-      break;
-    case 2:
-      real = run_real<2>(cfg, src, a.passes);
-      break;
-    case 4:
-      real = run_real<4>(cfg, src, a.passes);
-      break;
-    case 8:
-      real = run_real<8>(cfg, src, a.passes);
-      break;
-    default:
-      throw std::runtime_error("--validate supports --top-k 1, 2, 4 or 8");
-  }
+  const layer_config cfg = validation_config(a);
+  const auto w = sim::hand_gate_weights(cfg);
+  std::vector<std::vector<stage_times>> real(static_cast<std::size_t>(a.ranks));
+  comm::threads_world world(a.ranks);
+  world.run(
+      [&](comm::threads c) { real[c.rank()] = sim::run_layer_passes(c, cfg, w, src, a.passes); });
   const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
-  auto med = [&](int r, double stage_times::*f) {
-    std::vector<double> v;
-    for (const auto& t : real[r]) v.push_back(t.*f);
-    return sim::detail::median(v);
-  };
-  int busy = 0;  // the rank with the most expert time: its combine has no wait in it
-  for (int r = 1; r < a.ranks; ++r)
-    if (med(r, &stage_times::experts) > med(busy, &stage_times::experts)) busy = r;
-  const double pd = s.stages.dispatch[0], px = s.stages.experts[0], pc = s.stages.combine[0];
-  const double md = med(busy, &stage_times::dispatch), mx = med(busy, &stage_times::experts),
-               mc = med(busy, &stage_times::combine), mt = med(busy, &stage_times::total);
-  const double mrest = mt - md - mx - mc;
   std::printf(
-      "validation: real moe_layer on %d comm::threads ranks, %d passes (median), "
-      "busiest rank %d; sim rows/rank max/mean %.2f\n",
-      a.ranks, a.passes, busy, s.rows_imbalance.max_over_mean);
-  std::printf("  %-28s %12s %12s %8s\n", "stage", "predicted ms", "measured ms", "error %");
-  auto row = [](const char* n, double p, double m) {
-    std::printf("  %-28s %12.3f %12.3f %+8.1f\n", n, p * 1e3, m * 1e3,
-                m > 0 ? 100 * (p - m) / m : 0.0);
-  };
-  row("dispatch", pd, md);
-  row("experts", px, mx);
-  row("combine", pc, mc);
-  row("dispatch+experts+combine", pd + px + pc, md + mx + mc);
-  std::printf("  %-28s %12s %12.3f %8s\n", "route+plan+permute+reduce", "(not modelled)",
-              mrest * 1e3, "");
-  row("layer total", s.latency, mt);
+      "validation: real moe_layer (block, dropless, sequential) on %d comm::threads ranks, "
+      "H=%d F=%d E=%d top-%d T=%d%s, %s; median of %d passes; sim rows/rank max/mean %.2f\n",
+      a.ranks, a.hidden, a.ffn, a.experts, a.top_k, a.tokens,
+      a.shared ? (", " + std::to_string(a.shared) + " shared").c_str() : "",
+      a.skew > 0 ? ("Zipf " + std::to_string(a.skew).substr(0, 4)).c_str() : "uniform", a.passes,
+      s.rows_imbalance.max_over_mean);
+  sim::print_validation(stdout, sim::compare(s, real));
   return 0;
 }
 

@@ -10,6 +10,7 @@
 #include <epmoe/sim/simulate.hpp>
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/trace.hpp>
+#include <epmoe/sim/validate.hpp>
 
 using namespace epmoe;
 
@@ -120,8 +121,9 @@ TEST_CASE("sim: counts equal a real layer pass on threads, rank by rank", "[sim]
 }
 
 TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]") {
-  // Two nodes of one rank: every transfer is inter-node. No copy or top-k rate given: copies
-  // run at memory / 2 = 5e10 B/s, top-k reads 4-byte logits at 1e11 B/s (2.5e10 logits/s).
+  // Two nodes of one rank: every transfer is inter-node. No copy, regroup or top-k rate
+  // given: copies run at memory / 2 = 5e10 B/s, top-k reads 4-byte logits at 1e11 B/s
+  // (2.5e10 logits/s).
   sim::topology topo{"hand", 2, 1, 0, 0, 1e9, 1e-5, 1e12, 1e11, 2, 2};
   layer_config cfg{
       .hidden = 100, .ffn = 50, .experts = 2, .top_k = 1, .ranks = 2, .max_tokens = 40};
@@ -142,10 +144,11 @@ TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]")
   // Rank 1: 50 rows = 1.5e6 FLOP -> 1.5e-6 s (compute bound).
   CHECK(s.per_rank[1].experts == Approx(1.5e-6).epsilon(1e-12));
   // Home stages of rank 0 (40 tokens): the gate GEMM 2*40*100*2 FLOP at 1e12 and top-k over
-  // 40*2 logits at 2.5e10/s; permute gathers its 40 rows; reduce reads the 40 back.
+  // 40*2 logits at 2.5e10/s; permute gathers its 40 rows; reduce reads the 40 back and
+  // writes 40 output rows.
   CHECK(s.per_rank[0].route == Approx(16000 / 1e12 + 80 / 2.5e10).epsilon(1e-12));
   CHECK(s.per_rank[0].permute == Approx(40 * copy).epsilon(1e-12));
-  CHECK(s.per_rank[0].reduce == Approx(40 * copy).epsilon(1e-12));
+  CHECK(s.per_rank[0].reduce == Approx(80 * copy).epsilon(1e-12));
   CHECK(s.per_rank[0].shared == 0);
   // Counts: one chunk of (2L + 1) = 3 eight-byte counts to the other node.
   const double counts = 1e-5 + 24 / 1e9;
@@ -154,10 +157,17 @@ TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]")
   // (each the slowest rank's), reduce.
   const double before = 16000 / 1e12 + 80 / 2.5e10 + 40 * copy;
   CHECK(s.latency ==
-        Approx(before + counts + 2 * (comm + 70 * copy) + 1.5e-6 + 40 * copy).epsilon(1e-12));
+        Approx(before + counts + 2 * (comm + 70 * copy) + 1.5e-6 + 80 * copy).epsilon(1e-12));
   CHECK(s.straggler == 1);
   CHECK(s.straggler_reason.find("compute") == 0);
 
+  SECTION("a regroup rate prices the copies around the exchanges only") {
+    topo.regroup_bandwidth = 1e10;
+    const auto d = sim::simulate<sim::policies<>>(cfg, topo, src);
+    CHECK(d.per_rank[1].dispatch == Approx(comm + 70 * 200 / 1e10).epsilon(1e-12));
+    CHECK(d.per_rank[1].combine == Approx(comm + 70 * 200 / 1e10).epsilon(1e-12));
+    CHECK(d.per_rank[0].permute == s.per_rank[0].permute);
+  }
   SECTION("dedup adds 8 bytes of metadata per assignment row") {
     const auto d =
         sim::simulate<sim::policies<placement::block, capacity::dropless, true>>(cfg, topo, src);
@@ -170,7 +180,7 @@ TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]")
     // 40 rows through one H x F FFN: 40 * 6 * 100 * 50 = 1.2e6 FLOP (compute bound), plus
     // copying the 40 tokens in; reduce reads 40 more rows.
     CHECK(d.per_rank[0].shared == Approx(1.2e6 / 1e12 + 40 * copy).epsilon(1e-12));
-    CHECK(d.per_rank[0].reduce == Approx(80 * copy).epsilon(1e-12));
+    CHECK(d.per_rank[0].reduce == Approx(120 * copy).epsilon(1e-12));
     CHECK(d.latency == Approx(s.latency + d.per_rank[0].shared + 40 * copy).epsilon(1e-12));
   }
 }
@@ -304,12 +314,17 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   sim::calibration_options o;
   o.ranks = 2, o.hidden = 64, o.ffn = 32, o.gemm_rows = 16, o.gemm_calls = 2;
   o.large_bytes = 64 << 10, o.exchanges = 5, o.reps = 2, o.memory_bytes = 1 << 20;
+  o.tokens = 16, o.experts = 4, o.top_k = 2;
   const auto c = sim::calibrate(o);
   CHECK(c.exchange_small > 0);
   CHECK(c.bandwidth > 0);
   CHECK(c.latency >= 0);
   CHECK(c.gemm_flops > 0);
   CHECK(c.memory_bandwidth > 0);
+  CHECK(c.copy_bandwidth > 0);
+  CHECK(c.regroup_bandwidth > 0);
+  CHECK(c.route_seconds > 0);
+  CHECK(c.topk_rate > 0);
   CHECK(c.topo.ranks() == 2);
   CHECK(c.topo.activation_bytes == 4);
   std::stringstream io;
@@ -317,9 +332,62 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   const auto t = sim::load(io);
   CHECK(t.intra_bandwidth == Approx(c.bandwidth));
   CHECK(t.gemm_flops == Approx(c.gemm_flops));
+  CHECK(t.copy_bandwidth == Approx(c.copy_bandwidth));
+  CHECK(t.regroup_bandwidth == Approx(c.regroup_bandwidth));
+  CHECK(t.topk_rate == Approx(c.topk_rate));
   // The calibrated machine prices a two-rank pass.
   const layer_config cfg{
       .hidden = 16, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 32};
   const auto s = sim::simulate<sim::policies<>>(cfg, t, sim::uniform(4, 2, 32, 1));
   CHECK(s.latency > 0);
+}
+
+TEST_CASE("sim: validation runs a real layer on the source's routing and pairs every stage",
+          "[sim][calibrate]") {
+  const layer_config cfg{
+      .hidden = 16, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 24};
+  const auto src = sim::zipf(4, 1.2, 2, 24, 3);
+  const auto w = sim::hand_gate_weights(cfg);
+  std::vector<std::vector<stage_times>> real(2);
+  std::vector<std::vector<stage_times>> gathered;
+  comm::threads_world world(2);
+  world.run([&](comm::threads c) {
+    auto mine = sim::run_layer_passes(c, cfg, w, src, 2);
+    auto all = sim::gather_times(c, mine);
+    if (c.rank() == 0) gathered = all;
+    real[c.rank()] = std::move(mine);
+  });
+  REQUIRE(gathered.size() == 2);
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(gathered[r].size() == 2);
+    CHECK(gathered[r][1].experts == real[r][1].experts);
+    CHECK(gathered[r][1].total == real[r][1].total);
+  }
+  const auto s = sim::simulate<sim::policies<>>(cfg, sim::cpu_cluster(1), src);
+  const auto rows = sim::compare(s, real);
+  REQUIRE(rows.size() == 9);
+  CHECK(rows[1].stage == "plan");
+  CHECK(rows[1].predicted < 0);  // not priced
+  for (const auto& row : rows) {
+    INFO(row.stage);
+    CHECK(row.measured >= 0);
+    if (row.stage != "plan" && row.stage != "shared") CHECK(row.predicted > 0);
+  }
+}
+
+TEST_CASE("sim: a bad topology names the field and the rule", "[sim]") {
+  auto t = sim::h100_nvlink_ib(2);
+  t.topk_rate = -1;
+  CHECK_THROWS_WITH(t.validate(), Catch::Contains("topology.topk_rate"));
+  t = sim::h100_nvlink_ib(2);
+  t.regroup_bandwidth = -1;
+  CHECK_THROWS_WITH(t.validate(), Catch::Contains("topology.regroup_bandwidth"));
+  std::istringstream bad("copy_bandwidth = fast\n");
+  CHECK_THROWS_WITH(sim::load(bad, sim::cpu_cluster(1)),
+                    Catch::Contains("topology.copy_bandwidth"));
+  CHECK_THROWS_AS(
+      sim::simulate<sim::policies<>>(
+          {.hidden = 8, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 4},
+          sim::cpu_cluster(1), sim::uniform(4, 2, 4), {.threads = -1}),
+      config_error);
 }

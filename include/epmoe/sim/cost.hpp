@@ -60,10 +60,14 @@ inline double route_seconds(const topology& topo, double tokens, int hidden, int
   if (tokens <= 0) return 0;
   return 2.0 * tokens * hidden * experts / topo.gemm_flops + tokens * experts / topo.select_rate();
 }
-/// Copying `rows` rows of `row_bytes` on one rank (permute's gather, the regroup by expert,
-/// a rank's rows to itself, the weighted reduce reading each expert output once).
+/// Copying `rows` rows of `row_bytes` on one rank (permute's gather, the weighted reduce
+/// reading each expert output once, the shared experts' input).
 inline double copy_seconds(const topology& topo, double rows, double row_bytes) {
   return rows * row_bytes / topo.copy_rate();
+}
+/// The copies around an exchange: a rank's rows to itself, the regroup by expert and back.
+inline double regroup_seconds(const topology& topo, double rows, double row_bytes) {
+  return rows * row_bytes / topo.regroup_rate();
 }
 /// The counts all-to-all before the rows move: `bytes_per_peer` to every other rank, one
 /// exchange on each link class the cluster has (latency bound: a few hundred bytes a peer).

@@ -417,10 +417,11 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                        copy_seconds(topo, T, row_bytes));
     me.counts = counts_time;
     // Reduce reads each expert output row once (one per kept assignment, or per unique row
-    // with dedup), plus the shared experts' sum.
+    // with dedup) and the shared experts' sum, and writes the T output rows: priced as that
+    // many rows at the copy rate.
     const double back =
         dedup ? double(me.send_rows - me.padding) : double(me.assignments - me.dropped);
-    me.reduce = copy_seconds(topo, back + (N > 0 ? T : 0.0), row_bytes);
+    me.reduce = copy_seconds(topo, back + T + (N > 0 ? T : 0.0), row_bytes);
     for (int c = 0; c < C; ++c) {
       const auto i = static_cast<std::size_t>(r) * C + c;
       const auto& n = counts[i];
@@ -442,7 +443,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       }
       // Local copies: its rows to itself, and every received row regrouped by expert (and
       // back before the combine).
-      const double local = copy_seconds(topo, n.self_rows + received, row_bytes);
+      const double local = regroup_seconds(topo, n.self_rows + received, row_bytes);
       out.rank_dispatch[i] = exchange_seconds(topo, d) + local;
       out.rank_experts[i] = x;
       out.rank_combine[i] = exchange_seconds(topo, m) + local;

@@ -24,19 +24,23 @@ struct topology {
   std::string name = "custom";
   int nodes = 1;
   int ranks_per_node = 1;
-  double intra_bandwidth = 0;   // bytes/s a rank sends (and, separately, receives) in its node
-  double intra_latency = 0;     // s: start-up of one exchange within a node
-  double inter_bandwidth = 0;   // bytes/s of the rank's share of the NIC, per direction
-  double inter_latency = 0;     // s: start-up of one exchange across nodes
-  double gemm_flops = 0;        // FLOP/s of the expert GEMMs on one rank
-  double memory_bandwidth = 0;  // bytes/s of the rank's memory (expert weights are read once)
-  int activation_bytes = 2;     // bytes per element of a token row on the wire (bf16: 2)
-  int weight_bytes = 2;         // bytes per expert weight element
-  double copy_bandwidth = 0;    // bytes/s a rank copies rows (gather, regroup; 0: memory / 2)
-  double topk_rate = 0;         // logits/s of softmax + top-k (0: reading them, 4 B each)
+  double intra_bandwidth = 0;    // bytes/s a rank sends (and, separately, receives) in its node
+  double intra_latency = 0;      // s: start-up of one exchange within a node
+  double inter_bandwidth = 0;    // bytes/s of the rank's share of the NIC, per direction
+  double inter_latency = 0;      // s: start-up of one exchange across nodes
+  double gemm_flops = 0;         // FLOP/s of the expert GEMMs on one rank
+  double memory_bandwidth = 0;   // bytes/s of the rank's memory (expert weights are read once)
+  int activation_bytes = 2;      // bytes per element of a token row on the wire (bf16: 2)
+  int weight_bytes = 2;          // bytes per expert weight element
+  double copy_bandwidth = 0;     // bytes/s a rank copies rows (gather, reduce; 0: memory / 2)
+  double topk_rate = 0;          // logits/s of softmax + top-k (0: reading them, 4 B each)
+  double regroup_bandwidth = 0;  // bytes/s of the copies around an exchange (0: copy_bandwidth)
 
-  /// Row copies on one rank: permute's gather, the regroup by expert, rows to itself.
+  /// Row copies on one rank: permute's gather, the reduce, the shared experts' input.
   double copy_rate() const { return copy_bandwidth > 0 ? copy_bandwidth : memory_bandwidth / 2; }
+  /// A rank's rows to itself and the regroup by expert (and back): buffers the expert stage
+  /// has pushed out of the caches on a host; the same kernels as copy_rate() on a GPU.
+  double regroup_rate() const { return regroup_bandwidth > 0 ? regroup_bandwidth : copy_rate(); }
   double select_rate() const { return topk_rate > 0 ? topk_rate : memory_bandwidth / 4; }
 
   int ranks() const { return nodes * ranks_per_node; }
@@ -61,6 +65,8 @@ struct topology {
     require(weight_bytes >= 1, "topology.weight_bytes", weight_bytes, "must be >= 1");
     require(copy_bandwidth >= 0, "topology.copy_bandwidth", copy_bandwidth,
             "must be >= 0 (0: half the memory bandwidth)");
+    require(regroup_bandwidth >= 0, "topology.regroup_bandwidth", regroup_bandwidth,
+            "must be >= 0 (0: copy_bandwidth)");
     require(topk_rate >= 0, "topology.topk_rate", topk_rate,
             "must be >= 0 (0: a read of the logits at memory bandwidth)");
   }
@@ -117,7 +123,8 @@ inline void save(std::ostream& os, const topology& t) {
      << "\ninter_bandwidth = " << t.inter_bandwidth << "\ninter_latency = " << t.inter_latency
      << "\ngemm_flops = " << t.gemm_flops << "\nmemory_bandwidth = " << t.memory_bandwidth
      << "\nactivation_bytes = " << t.activation_bytes << "\nweight_bytes = " << t.weight_bytes
-     << "\ncopy_bandwidth = " << t.copy_bandwidth << "\ntopk_rate = " << t.topk_rate << "\n";
+     << "\ncopy_bandwidth = " << t.copy_bandwidth << "\ntopk_rate = " << t.topk_rate
+     << "\nregroup_bandwidth = " << t.regroup_bandwidth << "\n";
 }
 
 inline topology load(std::istream& is, topology base = {}) {
@@ -160,6 +167,8 @@ inline topology load(std::istream& is, topology base = {}) {
       ok = bool(v >> base.copy_bandwidth);
     else if (key == "topk_rate")
       ok = bool(v >> base.topk_rate);
+    else if (key == "regroup_bandwidth")
+      ok = bool(v >> base.regroup_bandwidth);
     else
       throw config_error("topology file", key, "unknown key");
     if (!ok) throw config_error("topology." + key, value, "not a number");

@@ -1,0 +1,200 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "epmoe/core/stats.hpp"
+#include "epmoe/moe_layer.hpp"
+#include "epmoe/reference/weights.hpp"
+#include "epmoe/router/topk_softmax.hpp"
+#include "epmoe/sim/calibrate.hpp"
+#include "epmoe/sim/simulate.hpp"
+
+// Validation: a real moe_layer (block, dropless, sequential) on any comm routes exactly a
+// source's assignments, and its measured stage times are set against what simulate()
+// predicts for the same pass on a calibrated topology. Used by `epmoe_simulate --validate`
+// (comm::threads) and bench/sim/validate_mpi.cpp (comm::mpi).
+namespace epmoe::sim {
+
+template <int K, class Comm>
+struct validation_policies : default_policies {
+  using router = epmoe::router::topk_softmax<K>;
+  using comm = Comm;
+};
+
+/// Weights whose gate routes a token x with x[e] = K - k at its k-th source expert (0
+/// elsewhere) to exactly those experts, in that order (gate row e = unit vector e; H >= E).
+inline reference::full_weights hand_gate_weights(const layer_config& cfg, std::uint64_t seed = 3) {
+  epmoe::detail::require(cfg.hidden >= cfg.experts, "validation hidden", cfg.hidden,
+                         "must be >= experts (the hand-made gate)");
+  auto w = reference::full_weights::random(cfg, seed);
+  std::fill(w.gate.begin(), w.gate.end(), 0.f);
+  for (int e = 0; e < cfg.experts; ++e) w.gate[static_cast<std::size_t>(e) * cfg.hidden + e] = 1.f;
+  return w;
+}
+
+/// Rank r's tokens [T, H] for hand_gate_weights.
+template <class Source>
+std::vector<float> hand_gate_tokens(const layer_config& cfg, const Source& src, int rank) {
+  const index_t T = src.tokens(rank), K = cfg.top_k;
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(T * K));
+  std::vector<float> wt(ids.size());
+  src.route(rank, {{ids.data(), T, K}, {wt.data(), T, K}});
+  std::vector<float> x(static_cast<std::size_t>(T * cfg.hidden), 0.f);
+  for (index_t t = 0; t < T; ++t)
+    for (index_t k = 0; k < K; ++k)
+      if (ids[t * K + k] >= 0) x[t * cfg.hidden + ids[t * K + k]] = float(K - k);
+  return x;
+}
+
+/// This rank's stage times of `passes` passes (after one warm-up pass) of the real layer.
+template <int K, class Comm, class Source>
+std::vector<stage_times> run_layer_passes(Comm c, const layer_config& cfg,
+                                          const reference::full_weights& w, const Source& src,
+                                          int passes) {
+  using P = validation_policies<K, Comm>;
+  const int r = c.rank();
+  const typename P::placement where(cfg);
+  const auto mine = reference::slice(w, where, r);
+  const auto x = hand_gate_tokens(cfg, src, r);
+  moe_layer<P> layer(cfg, std::move(c),
+                     {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()}, {}, {},
+                     where);
+  const index_t T = src.tokens(r), H = cfg.hidden;
+  std::vector<float> y(static_cast<std::size_t>(T * H));
+  std::vector<stage_times> out;
+  for (int p = 0; p < passes + 1; ++p) {
+    layer.forward({x.data(), T, H}, {y.data(), T, H});
+    if (p > 0) out.push_back(layer.stats().time);
+  }
+  return out;
+}
+
+/// run_layer_passes for a top-k known at run time (1, 2, 4, 6 or 8).
+template <class Comm, class Source>
+std::vector<stage_times> run_layer_passes(Comm c, const layer_config& cfg,
+                                          const reference::full_weights& w, const Source& src,
+                                          int passes) {
+  switch (cfg.top_k) {
+    case 1:
+      return run_layer_passes<1>(std::move(c), cfg, w, src, passes);
+    case 2:
+      return run_layer_passes<2>(std::move(c), cfg, w, src, passes);
+    case 4:
+      return run_layer_passes<4>(std::move(c), cfg, w, src, passes);
+    case 6:
+      return run_layer_passes<6>(std::move(c), cfg, w, src, passes);
+    case 8:
+      return run_layer_passes<8>(std::move(c), cfg, w, src, passes);
+    default:
+      throw config_error("validation top_k", std::to_string(cfg.top_k), "must be 1, 2, 4, 6 or 8");
+  }
+}
+
+/// Collective: every rank's stage times, [rank][pass], on every rank.
+template <class Comm>
+std::vector<std::vector<stage_times>> gather_times(Comm& c, const std::vector<stage_times>& mine) {
+  constexpr int F = 9;  // the fields of stage_times
+  const int R = c.size();
+  const auto n = static_cast<index_t>(mine.size() * F);
+  std::vector<double> flat(static_cast<std::size_t>(n));
+  for (std::size_t p = 0; p < mine.size(); ++p) {
+    const stage_times& t = mine[p];
+    const double v[F] = {t.route,   t.plan,   t.permute, t.dispatch, t.experts,
+                         t.combine, t.shared, t.reduce,  t.total};
+    std::copy_n(v, F, flat.begin() + static_cast<std::ptrdiff_t>(p * F));
+  }
+  std::vector<double> send(static_cast<std::size_t>(n) * R), recv(send.size());
+  for (int r = 0; r < R; ++r) std::copy(flat.begin(), flat.end(), send.begin() + r * n);
+  c.alltoall(send.data(), recv.data(), n);
+  std::vector<std::vector<stage_times>> all(static_cast<std::size_t>(R));
+  for (int r = 0; r < R; ++r)
+    for (std::size_t p = 0; p < mine.size(); ++p) {
+      const double* v = recv.data() + r * n + p * F;
+      all[r].push_back({v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]});
+    }
+  return all;
+}
+
+struct validation_row {
+  std::string stage;
+  double predicted = 0;  // s; < 0: not modelled
+  double measured = 0;   // s
+  double error() const { return measured > 0 ? (predicted - measured) / measured : 0; }
+};
+
+/// Predicted (the slowest rank's own time of each stage, as the sim's schedule uses it) vs
+/// measured (the best pass, as calibrate() takes the best probe: on a shared machine the
+/// slower passes carry the neighbours' noise). A compute stage's measured time is the slowest
+/// rank's; an exchange's (dispatch: counts + rows + regroup; combine) is the fastest rank's, the
+/// one that arrived last and did not wait for a peer inside it. Total: the slowest rank's.
+inline std::vector<validation_row> compare(const result& s,
+                                           const std::vector<std::vector<stage_times>>& real) {
+  const std::size_t passes = real.empty() ? 0 : real[0].size();
+  auto per_pass = [&](double stage_times::*f, bool fastest) {
+    std::vector<double> v;
+    for (std::size_t p = 0; p < passes; ++p) {
+      double x = real[0][p].*f;
+      for (const auto& rank : real) x = fastest ? std::min(x, rank[p].*f) : std::max(x, rank[p].*f);
+      v.push_back(x);
+    }
+    return detail::best(v, false);
+  };
+  auto slowest = [&](double rank_result::*f) {
+    double x = 0;
+    for (const auto& r : s.per_rank) x = std::max(x, r.*f);
+    return x;
+  };
+  double d = 0, x = 0, m = 0;
+  for (int c = 0; c < s.chunks; ++c)
+    d += s.stages.dispatch[c], x += s.stages.experts[c], m += s.stages.combine[c];
+  std::vector<validation_row> rows = {
+      {"route", slowest(&rank_result::route), per_pass(&stage_times::route, false)},
+      {"plan", -1, per_pass(&stage_times::plan, false)},
+      {"permute", slowest(&rank_result::permute), per_pass(&stage_times::permute, false)},
+      {"shared", s.stages.shared, per_pass(&stage_times::shared, false)},
+      {"dispatch (counts + rows)", s.stages.counts + d, per_pass(&stage_times::dispatch, true)},
+      {"experts", x, per_pass(&stage_times::experts, false)},
+      {"combine", m, per_pass(&stage_times::combine, true)},
+      {"reduce", s.stages.after, per_pass(&stage_times::reduce, false)},
+      {"layer total", s.latency, per_pass(&stage_times::total, false)}};
+  return rows;
+}
+
+inline void print_calibration(std::FILE* f, const calibration& c, const calibration_options& o,
+                              int ranks, const char* comm) {
+  std::fprintf(f,
+               "calibration on %d ranks (%s):\n"
+               "  alltoallv to each peer: %.1f us at %lld B, %.1f us at %lld B -> latency %.1f us, "
+               "%.2f GB/s in per rank\n"
+               "  expert GEMMs (%lld x %d x %d, %d experts): %.1f GFLOP/s per rank\n"
+               "  route (gate %lld x %d x %d + top-%d): %.1f us -> top-k %.2f G logits/s\n"
+               "  row gather: %.2f GB/s warm, %.2f GB/s cold; memory reads: %.2f GB/s per rank\n",
+               ranks, comm, c.exchange_small * 1e6, static_cast<long long>(o.small_bytes),
+               c.exchange_large * 1e6, static_cast<long long>(o.large_bytes), c.latency * 1e6,
+               c.bandwidth / 1e9, static_cast<long long>(o.gemm_rows), o.hidden, o.ffn,
+               o.gemm_calls, c.gemm_flops / 1e9, static_cast<long long>(o.tokens), o.hidden,
+               o.experts, o.top_k, c.route_seconds * 1e6, c.topk_rate / 1e9, c.copy_bandwidth / 1e9,
+               c.regroup_bandwidth / 1e9, c.memory_bandwidth / 1e9);
+}
+
+inline void print_validation(std::FILE* f, const std::vector<validation_row>& rows) {
+  std::fprintf(f, "  %-26s %12s %12s %9s\n", "stage", "predicted ms", "measured ms", "error");
+  for (const auto& r : rows) {
+    if (r.predicted <= 0 && r.measured < 1e-6)
+      std::fprintf(f, "  %-26s %12.3f %12.3f %9s\n", r.stage.c_str(), 0.0, r.measured * 1e3, "-");
+    else if (r.predicted < 0)
+      std::fprintf(f, "  %-26s %12s %12.3f %9s\n", r.stage.c_str(), "(not priced)",
+                   r.measured * 1e3, "");
+    else
+      std::fprintf(f, "  %-26s %12.3f %12.3f %+8.0f%%\n", r.stage.c_str(), r.predicted * 1e3,
+                   r.measured * 1e3, 100 * r.error());
+  }
+}
+
+}  // namespace epmoe::sim
