@@ -151,7 +151,9 @@ class moe_layer<Policies> {
   using exchange_type = typename cuda_detail::device_exchange_for<comm_type>::type;
   /// Padded capacity on a comm that exchanges counts on the device: fixed shapes, no host
   /// synchronisation, capturable in a CUDA graph.
-  static constexpr bool static_mode = capacity_type::pads && exchange_type::device_counts;
+  /// (A batch router routes on the host, which waits for the logits: not static.)
+  static constexpr bool static_mode =
+      capacity_type::pads && exchange_type::device_counts && !batch_router<router_type>;
 
   /// Device pointers; they must outlive the layer.
   struct weights {
@@ -235,6 +237,10 @@ class moe_layer<Policies> {
     if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
     if constexpr (static_mode)
       if (layout_limit_ != limit_) {
+        if (!timed_)
+          throw config_error("x.rows", std::to_string(tokens_),
+                             "a captured static-mode pass needs one eager pass at this token "
+                             "count first (it fixes the buffer layout)");
         synchronize();  // the previous layout's uploads read pinned arrays rewritten here
         build_static_layout();
       }
