@@ -41,7 +41,7 @@ struct args {
   double skew = 1.2;
   bool dedup = false, compare = false, validate = false, topology_set = false;
   bool compare_set = false, single = false;  // --compare / --no-compare; --placement/--schedule
-  int passes = 8, shared = 0;
+  int passes = 8, shared = 0, rounds = 3;
   std::uint64_t seed = 1;
 };
 
@@ -109,6 +109,8 @@ args parse(int argc, char** argv) {
       a.passes = std::stoi(next());
     else if (k == "--shared")
       a.shared = std::stoi(next());
+    else if (k == "--rounds")
+      a.rounds = std::stoi(next());
     else if (k == "--trace")
       a.trace = next();
     else if (k == "--stats")
@@ -258,23 +260,43 @@ sim::calibration calibrate_here(const args& a) {
   return c;
 }
 
-// The real layer (block, dropless, sequential) on comm::threads against the simulator.
+// The real layer (block, dropless, sequential) on comm::threads against the simulator: rounds
+// of (calibrate, passes), the best calibration against the best pass.
 template <class Source>
-int validate(const args& a, const sim::topology& topo, const Source& src) {
+int validate(const args& a, const Source& src) {
   const layer_config cfg = validation_config(a);
   const auto w = sim::hand_gate_weights(cfg);
   std::vector<std::vector<stage_times>> real(static_cast<std::size_t>(a.ranks));
+  sim::calibration cal;
   comm::threads_world world(a.ranks);
-  world.run(
-      [&](comm::threads c) { real[c.rank()] = sim::run_layer_passes(c, cfg, w, src, a.passes); });
+  world.run([&](comm::threads c) {
+    if (a.topology_set) {
+      real[c.rank()] = sim::run_layer_passes(c, cfg, w, src, a.passes * a.rounds);
+      return;
+    }
+    auto [mine, times] = sim::calibrate_and_run(
+        c, [&] { return c; }, cfg, w, src, a.passes, a.rounds);
+    real[c.rank()] = std::move(times);
+    if (c.rank() == 0) cal = std::move(mine);
+  });
+  sim::topology topo;
+  if (a.topology_set) {
+    topo = sim::load_file(a.topology);
+    topo.nodes = 1, topo.ranks_per_node = a.ranks;
+  } else {
+    topo = cal.topo;
+    sim::print_calibration(
+        stdout, cal, sim::options_for(cfg, a.tokens), a.ranks,
+        ("in-process, comm::threads, best of " + std::to_string(a.rounds) + " rounds").c_str());
+  }
   const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
   std::printf(
       "validation: real moe_layer (block, dropless, sequential) on %d comm::threads ranks, "
-      "H=%d F=%d E=%d top-%d T=%d%s, %s; median of %d passes; sim rows/rank max/mean %.2f\n",
-      a.ranks, a.hidden, a.ffn, a.experts, a.top_k, a.tokens,
-      a.shared ? (", " + std::to_string(a.shared) + " shared").c_str() : "",
-      a.skew > 0 ? ("Zipf " + std::to_string(a.skew).substr(0, 4)).c_str() : "uniform", a.passes,
-      s.rows_imbalance.max_over_mean);
+      "H=%d F=%d E=%d top-%d T=%d, %d shared, %s; best of %d passes; sim rows/rank max/mean "
+      "%.2f\n",
+      a.ranks, a.hidden, a.ffn, a.experts, a.top_k, a.tokens, a.shared,
+      a.skew > 0 ? ("Zipf " + std::to_string(a.skew).substr(0, 4)).c_str() : "uniform",
+      a.passes * a.rounds, s.rows_imbalance.max_over_mean);
   sim::print_validation(stdout, sim::compare(s, real));
   return 0;
 }
@@ -291,16 +313,8 @@ int main(int argc, char** argv) try {
     return 0;
   }
   if (a.validate) {
-    sim::topology topo;
-    if (a.topology_set) {
-      topo = sim::load_file(a.topology);
-      topo.nodes = 1, topo.ranks_per_node = a.ranks;
-    } else {
-      topo = calibrate_here(a).topo;
-    }
-    if (a.skew > 0)
-      return validate(a, topo, sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
-    return validate(a, topo, sim::uniform(a.experts, a.top_k, a.tokens, a.seed));
+    if (a.skew > 0) return validate(a, sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
+    return validate(a, sim::uniform(a.experts, a.top_k, a.tokens, a.seed));
   }
   const sim::topology topo = make_topology(a);
   const layer_config cfg{.hidden = a.hidden,

@@ -3,9 +3,10 @@
 // The simulator against a real layer on MPI processes (issue 9): calibrates the MPI exchange,
 // host GEMMs, route and copies on these ranks (sim::measure), runs the real moe_layer (block,
 // dropless, sequential, comm::mpi) on a source's exact routing and prints predicted vs
-// measured per stage (best pass), as `epmoe_simulate --validate` does on comm::threads.
+// measured per stage (best calibration and best pass over rounds of both), as
+// `epmoe_simulate --validate` does on comm::threads.
 //   mpiexec -n 2 epmoe_sim_validate_mpi [--tokens 256] [--hidden 512] [--ffn 1024]
-//       [--experts 8] [--top-k 2] [--skew 0] [--shared 0] [--passes 10] [--seed 1]
+//       [--experts 8] [--top-k 2] [--skew 0] [--shared 0] [--passes 8] [--rounds 3] [--seed 1]
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -21,7 +22,7 @@ int main(int argc, char** argv) try {
   int R = 1, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &R);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 10;
+  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 8, rounds = 3;
   double skew = 0;
   std::uint64_t seed = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -56,12 +57,14 @@ int main(int argc, char** argv) try {
                          .shared_experts = shared};
   const auto src = skew > 0 ? sim::zipf(E, skew, K, T, seed) : sim::uniform(E, K, T, seed);
   comm::mpi c(MPI_COMM_WORLD);
-  const auto o = sim::options_for(cfg, T);
-  const auto cal = sim::measure(c, o);
-  if (me == 0) sim::print_calibration(stdout, cal, o, R, "MPI processes, comm::mpi");
   const auto w = sim::hand_gate_weights(cfg);
-  const auto mine = sim::run_layer_passes(comm::mpi(MPI_COMM_WORLD), cfg, w, src, passes);
+  const auto [cal, mine] = sim::calibrate_and_run(
+      c, [] { return comm::mpi(MPI_COMM_WORLD); }, cfg, w, src, passes, rounds);
   const auto real = sim::gather_times(c, mine);
+  if (me == 0)
+    sim::print_calibration(
+        stdout, cal, sim::options_for(cfg, T), R,
+        ("MPI processes, comm::mpi, best of " + std::to_string(rounds) + " rounds").c_str());
   if (me == 0) {
     sim::topology topo = cal.topo;
     topo.name = "calibrated_mpi";
@@ -69,7 +72,7 @@ int main(int argc, char** argv) try {
     std::printf(
         "validation: real moe_layer (block, dropless, sequential) on %d MPI ranks, H=%d F=%d "
         "E=%d top-%d T=%d, %d shared, %s %.2f; best of %d passes; sim rows/rank max/mean %.2f\n",
-        R, H, F, E, K, T, shared, skew > 0 ? "Zipf" : "uniform", skew, passes,
+        R, H, F, E, K, T, shared, skew > 0 ? "Zipf" : "uniform", skew, passes * rounds,
         s.rows_imbalance.max_over_mean);
     sim::print_validation(stdout, sim::compare(s, real));
   }

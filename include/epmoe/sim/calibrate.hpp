@@ -104,6 +104,8 @@ inline double best(const std::vector<double>& v, bool largest) {
 
 }  // namespace detail
 
+inline void fit(calibration& cal, const calibration_options& o, int R);
+
 /// Collective: every rank of `c` runs the probes at once; every rank returns the same
 /// calibration (the slowest rank's rate of each probe). The exchange fit: every rank sends n
 /// bytes to every other rank (rows to itself are priced as copies); the slowest rank's
@@ -265,14 +267,21 @@ calibration measure(Comm& c, const calibration_options& o) {
   cal.copy_bandwidth = over_ranks(4, false);
   cal.memory_bandwidth = over_ranks(5, false);
   cal.regroup_bandwidth = over_ranks(6, false);
+  fit(cal, o, R);
+  return cal;
+}
+
+/// Derives the exchange fit, the top-k rate and the topology from the measured figures.
+inline void fit(calibration& cal, const calibration_options& o, int R) {
   const double peers = std::max(R - 1, 1);
   cal.bandwidth = double(o.large_bytes - o.small_bytes) * peers /
                   std::max(cal.exchange_large - cal.exchange_small, 1e-9);
   cal.latency = std::max(0.0, cal.exchange_small - double(o.small_bytes) * peers / cal.bandwidth);
   // The share of the route probe the gate GEMM at the expert rate does not explain (when the
   // small gate GEMM beat the expert rate, top-k is priced as nearly free).
-  const double gate_gemm = 2.0 * double(T) * H * E / cal.gemm_flops;
-  cal.topk_rate = double(T) * E / std::max(cal.route_seconds - gate_gemm, 1e-3 * cal.route_seconds);
+  const double T = double(o.tokens), E = o.experts;
+  const double gate_gemm = 2.0 * T * o.hidden * E / cal.gemm_flops;
+  cal.topk_rate = T * E / std::max(cal.route_seconds - gate_gemm, 1e-3 * cal.route_seconds);
   topology& t = cal.topo;
   t.name = "calibrated";
   t.nodes = 1;
@@ -285,7 +294,24 @@ calibration measure(Comm& c, const calibration_options& o) {
   t.regroup_bandwidth = cal.regroup_bandwidth;
   t.topk_rate = cal.topk_rate;
   t.activation_bytes = t.weight_bytes = 4;  // the host layer moves and multiplies fp32
-  return cal;
+}
+
+/// The better of two calibrations of one machine with the same options, figure by figure
+/// (least time, most rate), refitted: repeated calibrations between a layer's passes see
+/// the same changing load the passes see.
+inline calibration best_of(const calibration& a, const calibration& b, const calibration_options& o,
+                           int R) {
+  calibration c = a;
+  c.exchange_small = std::min(a.exchange_small, b.exchange_small);
+  c.exchange_large = std::min(a.exchange_large, b.exchange_large);
+  c.gemm_flops = std::max(a.gemm_flops, b.gemm_flops);
+  c.route_seconds = std::min(a.route_seconds, b.route_seconds);
+  c.copy_bandwidth = std::max(a.copy_bandwidth, b.copy_bandwidth);
+  c.regroup_bandwidth = std::max(a.regroup_bandwidth, b.regroup_bandwidth);
+  c.memory_bandwidth = std::max(a.memory_bandwidth, b.memory_bandwidth);
+  fit(c, o, R);
+  c.topo.name = a.topo.name;
+  return c;
 }
 
 /// Probe sizes matched to a layer of T tokens per rank: the expert GEMM at the uniform rows

@@ -76,7 +76,8 @@ class weighted_source {
         do {  // rejection of repeats: cheap while K is small next to the experts that carry load
           const std::uint64_t u = splitmix64(state);
           const auto i = static_cast<int>(((u >> 32) * E) >> 32);
-          e = (u & 0xffffffffu) < threshold_[i] ? i : alias_[i];
+          const int keep = -static_cast<int>((u & 0xffffffffu) < threshold_[i]);  // 0 or ~0
+          e = alias_[i] ^ ((i ^ alias_[i]) & keep);  // branch-free: the coin is unpredictable
         } while (std::find(ids, ids + k, e) != ids + k);
         ids[k] = e;
         out.weights(t, k) = 1.f / static_cast<float>(K);

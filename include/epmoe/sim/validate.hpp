@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "epmoe/core/stats.hpp"
@@ -94,6 +95,27 @@ std::vector<stage_times> run_layer_passes(Comm c, const layer_config& cfg,
     default:
       throw config_error("validation top_k", std::to_string(cfg.top_k), "must be 1, 2, 4, 6 or 8");
   }
+}
+
+/// Collective: `rounds` rounds of (calibrate, `passes` layer passes) on this rank's comm;
+/// returns the best calibration over the rounds and this rank's stage times of every pass,
+/// so that the probes and the passes sample the same (on a shared machine, changing) load.
+template <class Comm, class MakeComm, class Source>
+std::pair<calibration, std::vector<stage_times>> calibrate_and_run(Comm& c, MakeComm&& make_comm,
+                                                                   const layer_config& cfg,
+                                                                   const reference::full_weights& w,
+                                                                   const Source& src, int passes,
+                                                                   int rounds) {
+  const auto o = options_for(cfg, src.tokens(c.rank()));
+  calibration best;
+  std::vector<stage_times> times;
+  for (int i = 0; i < rounds; ++i) {
+    const auto cal = measure(c, o);
+    best = i == 0 ? cal : best_of(best, cal, o, c.size());
+    const auto t = run_layer_passes(make_comm(), cfg, w, src, passes);
+    times.insert(times.end(), t.begin(), t.end());
+  }
+  return {best, times};
 }
 
 /// Collective: every rank's stage times, [rank][pass], on every rank.
