@@ -111,7 +111,7 @@ inline void fit(calibration& cal, const calibration_options& o, int R);
 /// bytes to every other rank (rows to itself are priced as copies); the slowest rank's
 /// median at two sizes gives latency + (R - 1) n / bandwidth, the form class_seconds()
 /// prices. The route probe runs the gate GEMM and topk_softmax<K>'s per-token code; the copy
-/// probe gathers T*K rows of H floats in a shuffled token order, as permute does.
+/// probe gathers T*K rows of H floats, tokens ascending per block, as permute does.
 template <class Comm>
 calibration measure(Comm& c, const calibration_options& o) {
   using clock = std::chrono::steady_clock;
@@ -212,11 +212,11 @@ calibration measure(Comm& c, const calibration_options& o) {
     detail::route_probe(route_cfg, {logits.data(), T, E}, scratch);
     if (i > 0) mine_route.push_back(detail::seconds_since(t0));
   }
-  // (d) copies: gather T*K rows of H floats in a shuffled order (permute; the regroup and
-  // the weighted reduce move rows alike).
+  // (d) copies: gather T*K rows of H floats (permute; the regroup and the weighted reduce
+  // move rows alike).
+  // Tokens ascend within each destination block, as build_send_plan orders them: K sweeps.
   std::vector<std::int32_t> order(static_cast<std::size_t>(T * K));
   for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(i % T);
-  std::shuffle(order.begin(), order.end(), rng);
   std::vector<float> rows(static_cast<std::size_t>(T * K * H));
   for (int pass = 0; pass < 2; ++pass)  // warm buffers, then cold windows of the pool
     for (int i = 0; i < o.reps + 1; ++i) {
@@ -274,8 +274,14 @@ calibration measure(Comm& c, const calibration_options& o) {
 /// Derives the exchange fit, the top-k rate and the topology from the measured figures.
 inline void fit(calibration& cal, const calibration_options& o, int R) {
   const double peers = std::max(R - 1, 1);
-  cal.bandwidth = double(o.large_bytes - o.small_bytes) * peers /
-                  std::max(cal.exchange_large - cal.exchange_small, 1e-9);
+  const double extra = cal.exchange_large - cal.exchange_small;
+  if (extra > 0.1 * cal.exchange_large) {
+    cal.bandwidth = double(o.large_bytes - o.small_bytes) * peers / extra;
+  } else {
+    // The two sizes took about as long: the fixed cost (e.g. waking a parked thread on a VM)
+    // drowned the bytes. The rows then move at the copy rate, as they do in shared memory.
+    cal.bandwidth = cal.copy_bandwidth > 0 ? cal.copy_bandwidth : 1e10;
+  }
   cal.latency = std::max(0.0, cal.exchange_small - double(o.small_bytes) * peers / cal.bandwidth);
   // The share of the route probe the gate GEMM at the expert rate does not explain (when the
   // small gate GEMM beat the expert rate, top-k is priced as nearly free).

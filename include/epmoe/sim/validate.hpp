@@ -152,17 +152,22 @@ struct validation_row {
 
 /// Predicted (the slowest rank's own time of each stage, as the sim's schedule uses it) vs
 /// measured (the best pass, as calibrate() takes the best probe: on a shared machine the
-/// slower passes carry the neighbours' noise). A compute stage's measured time is the slowest
-/// rank's; an exchange's (dispatch: counts + rows + regroup; combine) is the fastest rank's, the
-/// one that arrived last and did not wait for a peer inside it. Total: the slowest rank's.
+/// slower passes carry the neighbours' noise). A home or compute stage's measured time is the
+/// slowest rank's; an exchange's (dispatch: counts + rows + regroup; combine) is the busiest
+/// expert rank's: it receives the most rows (the slowest regroup, as the sim's stage) and
+/// reaches the combine last, so it waits for no peer there. Total: the slowest rank's.
 inline std::vector<validation_row> compare(const result& s,
                                            const std::vector<std::vector<stage_times>>& real) {
   const std::size_t passes = real.empty() ? 0 : real[0].size();
-  auto per_pass = [&](double stage_times::*f, bool fastest) {
+  auto per_pass = [&](double stage_times::*f, bool of_busiest) {
     std::vector<double> v;
     for (std::size_t p = 0; p < passes; ++p) {
-      double x = real[0][p].*f;
-      for (const auto& rank : real) x = fastest ? std::min(x, rank[p].*f) : std::max(x, rank[p].*f);
+      std::size_t busiest = 0;
+      for (std::size_t r = 1; r < real.size(); ++r)
+        if (real[r][p].experts > real[busiest][p].experts) busiest = r;
+      double x = real[busiest][p].*f;
+      if (!of_busiest)
+        for (const auto& rank : real) x = std::max(x, rank[p].*f);
       v.push_back(x);
     }
     return detail::best(v, false);
