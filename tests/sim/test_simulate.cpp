@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "../layer/harness.hpp"
+#include <epmoe/core/report.hpp>
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/sim/calibrate.hpp>
@@ -390,4 +391,21 @@ TEST_CASE("sim: a bad topology names the field and the rule", "[sim]") {
           {.hidden = 8, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 4},
           sim::cpu_cluster(1), sim::uniform(4, 2, 4), {.threads = -1}),
       config_error);
+}
+
+TEST_CASE("sim: the layer's run report lines replay in the simulator", "[sim][stats]") {
+  // core/report.hpp writes a superset of write_stats_line; read_stats skips the extra keys.
+  pass_record rec;
+  rec.pass = 2, rec.rank = 1, rec.top_k = 2;
+  rec.stats = pass_stats(4, 2, 2);
+  rec.stats.tokens = 5, rec.stats.routed_per_expert = {5, 0, 3, 2};
+  std::stringstream io;
+  write_stats_json(io, rec);
+  const auto recs = sim::read_stats(io);
+  REQUIRE(recs.size() == 1);
+  CHECK(recs[0].pass == 2);
+  CHECK(recs[0].rank == 1);
+  CHECK(recs[0].tokens == 5);
+  CHECK(recs[0].top_k == 2);
+  CHECK(recs[0].routed_per_expert == rec.stats.routed_per_expert);
 }
