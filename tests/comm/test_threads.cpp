@@ -85,7 +85,7 @@ enum class outcome { none, completed, aborted, comm_error, other };
 
 }  // namespace
 
-TEST_CASE("threads: satisfies communicator; local does too", "[comm]") {
+TEST_CASE("threads satisfies communicator, and local does too", "[comm]") {
   STATIC_REQUIRE(epmoe::communicator<threads>);
   STATIC_REQUIRE(epmoe::communicator<epmoe::comm::local>);
 }
