@@ -414,12 +414,12 @@ class moe_layer {
   static const layer_config& agreed(const layer_config& cfg, comm_type& comm, const weights& w,
                                     const router_type& router, const placement_type& placement) {
     std::exception_ptr local;
-    std::int64_t where = 0;  // every slot's expert, hashed: all ranks must share one table
+    std::uint64_t where = 0;  // every slot's expert, hashed: all ranks must share one table
     try {
       checked(cfg, comm, w, router, placement);
-      for (int r = 0; r < cfg.ranks; ++r)
+      for (int r = 0; r < cfg.ranks; ++r)  // unsigned: the hash wraps (signed would be UB)
         for (int j = 0; j < placement.slots_per_rank(); ++j)
-          where = where * 1000003 + placement.expert_at(r, j) + 1;
+          where = where * 1000003u + static_cast<std::uint64_t>(placement.expert_at(r, j) + 1);
     } catch (const config_error&) {
       local = std::current_exception();
     }
@@ -440,7 +440,7 @@ class moe_layer {
         {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
         {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
         {"policies (hash of the policy bundle type)", type_hash<Policies>()},
-        {"placement (hash of every slot's expert)", where}};
+        {"placement (hash of every slot's expert)", static_cast<std::int64_t>(where)}};
     try {
       agree_on(comm, std::span<const agreement_field>(fields));
     } catch (const config_error&) {

@@ -145,6 +145,12 @@ class exchange {
     const int R = s_.ranks, L = p.local_experts, C = p.chunks, W = 2 * L + 1;
     const index_t P = counts_per_peer(C);
     const auto t0 = clock::now();
+    // A pass that threw mid-way (a failed exchange) may have left slots marked in use.
+    expert_owner_ = -1;
+    for (unit_state& u : units_) u.busy = false;
+    if constexpr (async)
+      for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
+        for (auto& r : *reqs) r.reset();
     index_t* send_counts = counts_.data();
     index_t* recv_counts = send_counts + R * P;
     for (int r = 0; r < R; ++r) {
