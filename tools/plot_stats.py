@@ -105,10 +105,15 @@ def plot_timeline(spans, out, title):
     lane = {s: i for i, s in enumerate(STAGES)}
     fig, ax = plt.subplots(figsize=(12, 1 + 1.2 * len(ranks)))
     h = 0.8 / len(STAGES)
+    seen = {}
     for rank, stage, start, dur, label in spans:
         y = ranks.index(rank) + lane.get(stage, 0) * h - 0.4
-        ax.barh(y, dur * 1e3, left=(start - t0) * 1e3, height=h, color=COLORS.get(stage, "k"),
-                align="edge", edgecolor="none")
+        # Pipelined exchanges overlap: alternate units between the two halves of the lane.
+        n = seen.get((rank, stage), 0)
+        seen[(rank, stage)] = n + 1
+        sub = h / 2 if label else h
+        ax.barh(y + (n % 2) * sub if label else y, dur * 1e3, left=(start - t0) * 1e3, height=sub,
+                color=COLORS.get(stage, "k"), align="edge", edgecolor="white", linewidth=0.3)
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)
     ax.set_xlabel("ms")
