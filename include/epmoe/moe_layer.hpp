@@ -413,41 +413,8 @@ class moe_layer {
   // rank throw (the failing rank its own error), so no rank is left waiting in an exchange.
   static const layer_config& agreed(const layer_config& cfg, comm_type& comm, const weights& w,
                                     const router_type& router, const placement_type& placement) {
-    std::exception_ptr local;
-    std::uint64_t where = 0;  // every slot's expert, hashed: all ranks must share one table
-    try {
-      checked(cfg, comm, w, router, placement);
-      for (int r = 0; r < cfg.ranks; ++r)  // unsigned: the hash wraps (signed would be UB)
-        for (int j = 0; j < placement.slots_per_rank(); ++j)
-          where = where * 1000003u + static_cast<std::uint64_t>(placement.expert_at(r, j) + 1);
-    } catch (const config_error&) {
-      local = std::current_exception();
-    }
-    const auto scaled = [](double v) { return static_cast<std::int64_t>(std::llround(v * 1e9)); };
-    const agreement_field fields[] = {
-        {"config_valid (another rank rejected its config or weights)", local ? 0 : 1},
-        {"hidden", cfg.hidden},
-        {"ffn", cfg.ffn},
-        {"experts", cfg.experts},
-        {"top_k", cfg.top_k},
-        {"ranks", cfg.ranks},
-        {"max_tokens", cfg.max_tokens},
-        {"shared_experts", cfg.shared_experts},
-        {"shared_ffn", cfg.shared_ffn},
-        {"seq_len", cfg.seq_len},
-        {"chunks", cfg.chunks},
-        {"max_recv_rows", cfg.max_recv_rows},
-        {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
-        {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
-        {"policies (hash of the policy bundle type)", type_hash<Policies>()},
-        {"placement (hash of every slot's expert)", static_cast<std::int64_t>(where)}};
-    try {
-      agree_on(comm, std::span<const agreement_field>(fields));
-    } catch (const config_error&) {
-      if (local) std::rethrow_exception(local);
-      throw;
-    }
-    if (local) std::rethrow_exception(local);  // every rank failed: each reports its own
+    agree_on_layer<Policies>(cfg, comm, placement,
+                             [&] { checked(cfg, comm, w, router, placement); });
     return cfg;
   }
 

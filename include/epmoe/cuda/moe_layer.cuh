@@ -282,59 +282,36 @@ class moe_layer<Policies> {
   template <class U>
   using buffer = device_buffer<U>;
 
-  // Same checks as the host layer, for device views, then one collective agreement.
+  // The host layer's checks, for device views, then the same collective agreement.
+  static void checked(const layer_config& cfg, const comm_type& comm, const weights& w,
+                      const router_type& router, const placement_type& placement) {
+    cfg.validate();
+    if constexpr (placement_with_validate<placement_type>) placement.validate(cfg);
+    if constexpr (router_type::top_k > 0)
+      detail::require(
+          cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
+          ("must equal the router's top_k (" + std::to_string(router_type::top_k) + ")").c_str());
+    detail::require(
+        cfg.ranks == comm.size(), "ranks", cfg.ranks,
+        ("must equal the communicator's size (" + std::to_string(comm.size()) + ")").c_str());
+    detail::require(cfg.chunks <= 1, "chunks", cfg.chunks,
+                    "space::cuda runs one chunk per pass for now (0 or 1)");
+    detail::require(cfg.max_recv_rows == 0, "max_recv_rows", cfg.max_recv_rows,
+                    "space::cuda does not split exchanges into rounds yet (0: unbounded)");
+    if constexpr (router_with_validate<router_type>) router.validate(cfg);
+    if constexpr (router_type::uses_gate)
+      detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
+    expert::swiglu::validate(w.experts, placement.slots_per_rank(), cfg.hidden, cfg.ffn,
+                             "weights.experts");
+    if (cfg.shared_experts > 0)
+      expert::swiglu::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
+                               "weights.shared");
+  }
+
   static const layer_config& agreed(const layer_config& cfg, comm_type& comm, const weights& w,
                                     const router_type& router, const placement_type& placement) {
-    std::exception_ptr local;
-    std::int64_t where = 0;
-    try {
-      cfg.validate();
-      if constexpr (placement_with_validate<placement_type>) placement.validate(cfg);
-      if constexpr (router_type::top_k > 0)
-        detail::require(cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
-                        ("must equal the router's top_k (" +
-                         std::to_string(router_type::top_k) + ")")
-                            .c_str());
-      detail::require(
-          cfg.ranks == comm.size(), "ranks", cfg.ranks,
-          ("must equal the communicator's size (" + std::to_string(comm.size()) + ")").c_str());
-      detail::require(cfg.chunks <= 1, "chunks", cfg.chunks,
-                      "space::cuda runs one chunk per pass for now (0 or 1)");
-      if constexpr (router_with_validate<router_type>) router.validate(cfg);
-      if constexpr (router_type::uses_gate)
-        detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
-      expert::swiglu::validate(w.experts, placement.slots_per_rank(), cfg.hidden, cfg.ffn,
-                               "weights.experts");
-      if (cfg.shared_experts > 0)
-        expert::swiglu::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
-                                 "weights.shared");
-      for (int r = 0; r < cfg.ranks; ++r)
-        for (int j = 0; j < placement.slots_per_rank(); ++j)
-          where = where * 1000003 + placement.expert_at(r, j) + 1;
-    } catch (const config_error&) {
-      local = std::current_exception();
-    }
-    const auto scaled = [](double v) { return static_cast<std::int64_t>(std::llround(v * 1e9)); };
-    const agreement_field fields[] = {
-        {"config_valid (another rank rejected its config or weights)", local ? 0 : 1},
-        {"hidden", cfg.hidden},
-        {"ffn", cfg.ffn},
-        {"experts", cfg.experts},
-        {"top_k", cfg.top_k},
-        {"ranks", cfg.ranks},
-        {"max_tokens", cfg.max_tokens},
-        {"shared_experts", cfg.shared_experts},
-        {"shared_ffn", cfg.shared_ffn},
-        {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
-        {"policies (hash of the policy bundle type)", type_hash<Policies>()},
-        {"placement (hash of every slot's expert)", where}};
-    try {
-      agree_on(comm, std::span<const agreement_field>(fields));
-    } catch (const config_error&) {
-      if (local) std::rethrow_exception(local);
-      throw;
-    }
-    if (local) std::rethrow_exception(local);
+    agree_on_layer<Policies>(cfg, comm, placement,
+                             [&] { checked(cfg, comm, w, router, placement); });
     return cfg;
   }
 

@@ -29,9 +29,9 @@ index_t relocate(Comm& comm, const table& now, const table& next,
   detail::require(
       next.experts() == now.experts() && next.ranks() == R && next.slots_per_rank() == S,
       "placement", next.slots(), "the new table must keep experts, ranks and slots per rank");
-  std::int64_t h = 0;
-  for (int p : next.phy_to_log()) h = h * 1000003 + p + 1;
-  const agreement_field same[] = {{"placement (the new table)", h}};
+  std::uint64_t h = 0;  // unsigned: the hash wraps (signed overflow would be UB)
+  for (int p : next.phy_to_log()) h = h * 1000003u + static_cast<std::uint64_t>(p + 1);
+  const agreement_field same[] = {{"placement (the new table)", static_cast<std::int64_t>(h)}};
   agree_on(comm, std::span<const agreement_field>(same));
 
   index_t slot_floats = 0;
