@@ -10,15 +10,14 @@
 
 #include <vector>
 
+#include "../layer/harness.hpp"
 #include <epmoe/comm/threads.hpp>
 #include <epmoe/cuda/moe_layer.cuh>
 
-#include "../layer/harness.hpp"
-
 namespace epmoe::test {
 
-template <class T, class Router, class Capacity = capacity::dropless,
-          class Comm = comm::threads, class Placement = placement::block>
+template <class T, class Router, class Capacity = capacity::dropless, class Comm = comm::threads,
+          class Placement = placement::block>
 struct cuda_policies : default_policies {
   using space = epmoe::space::cuda<T>;
   using router = Router;
@@ -137,7 +136,8 @@ cuda_result run_cuda(const layer_config& cfg, const reference::full_weights& w,
       EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
       id_span = {ids.data(), static_cast<std::size_t>(Tn)};
     }
-    for (int p = 0; p < opt.passes; ++p) layer.forward({x.data(), Tn, H}, {y.data(), Tn, H}, id_span);
+    for (int p = 0; p < opt.passes; ++p)
+      layer.forward({x.data(), Tn, H}, {y.data(), Tn, H}, id_span);
     out.stats[r] = layer.stats();  // waits for the pass
     const std::vector<float> yh = download(y.data(), Tn * H);
     std::copy(yh.begin(), yh.end(), out.y.begin() + g.offset(r) * H);

@@ -6,9 +6,9 @@
 // time) still works, so CI sees each test by name. Any CUDA error counts as "no GPU": with no
 // driver, cudaGetDeviceCount returns an error, not zero devices.
 #define CATCH_CONFIG_RUNNER
-#include <catch2/catch.hpp>
 #include <cuda_runtime.h>
 
+#include <catch2/catch.hpp>
 #include <cstdio>
 #include <cstring>
 

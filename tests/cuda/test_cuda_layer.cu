@@ -72,8 +72,9 @@ TEST_CASE("cuda layer on comm::local equals the reference, dynamic and static mo
   const auto cfg = small_config(1, 8, 2, 96);
   check_against_reference<cuda_policies<float, R2, capacity::dropless, comm::local>>(cfg, {96}, 21);
   check_against_reference<cuda_policies<float, R2, capacity::factor<true>, comm::local>>(cfg, {96},
-                                                                                        22);
-  STATIC_REQUIRE(moe_layer<cuda_policies<float, R2, capacity::factor<true>, comm::local>>::static_mode);
+                                                                                         22);
+  STATIC_REQUIRE(
+      moe_layer<cuda_policies<float, R2, capacity::factor<true>, comm::local>>::static_mode);
   STATIC_REQUIRE(!moe_layer<cuda_policies<float, R2, capacity::factor<true>>>::static_mode);
 }
 

@@ -5,15 +5,14 @@
 // shared experts; the static-mode forward captured in a CUDA graph and replayed; errors.
 #include <catch2/catch.hpp>
 
+#include "harness.cuh"
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/router/expert_choice.hpp>
 #include <epmoe/router/hash.hpp>
 #include <epmoe/router/jitter.hpp>
 #include <epmoe/router/noisy_topk.hpp>
-#include <epmoe/router/sinkhorn.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
-
-#include "harness.cuh"
+#include <epmoe/router/sinkhorn.hpp>
 
 namespace {
 using namespace epmoe;
@@ -111,8 +110,8 @@ TEST_CASE("cuda placements equal the reference", "[cuda]") {
                                     comm::threads, placement::round_robin>>(config(4, 8, 2));
   }
   SECTION("table with replicas of hot experts, capacity per copy") {
-    using P = cuda_policies<float, router::topk_softmax<2>, capacity::factor<false>,
-                            comm::threads, placement::table>;
+    using P = cuda_policies<float, router::topk_softmax<2>, capacity::factor<false>, comm::threads,
+                            placement::table>;
     const auto cfg = config(4, 8, 2);
     // 8 experts in 12 slots: experts 0..3 have a second copy on another rank.
     std::vector<int> phy = {0, 1, 4, 2, 3, 5, 6, 7, 0, 1, 2, 3};
@@ -132,8 +131,8 @@ TEST_CASE("cuda shared experts equal the reference", "[cuda]") {
 
 TEST_CASE("cuda static-mode forward captured in a CUDA graph replays to the same output",
           "[cuda]") {
-  using P = cuda_policies<__nv_bfloat16, router::topk_softmax<2>, capacity::factor<true>,
-                          comm::local>;
+  using P =
+      cuda_policies<__nv_bfloat16, router::topk_softmax<2>, capacity::factor<true>, comm::local>;
   const auto cfg = config(1, 8, 2);
   const auto w = reference::full_weights::random(cfg, 41);
   const global_tokens g = make_tokens({80}, cfg.hidden, 42);
@@ -169,8 +168,7 @@ TEST_CASE("cuda layer rejects what it does not run, naming the field", "[cuda]")
                     Catch::Contains("chunks") && Catch::Contains("space::cuda"));
   cfg.chunks = 0;
   cfg.top_k = 4;
-  CHECK_THROWS_WITH(moe_layer<P>(cfg, comm::local{}, dev.views(cfg, 8)),
-                    Catch::Contains("top_k"));
+  CHECK_THROWS_WITH(moe_layer<P>(cfg, comm::local{}, dev.views(cfg, 8)), Catch::Contains("top_k"));
 }
 
 }  // namespace

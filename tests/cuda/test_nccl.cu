@@ -68,10 +68,10 @@ double run(int gpus) {
       auto xd = upload<float>(x.data() + d * T * H, T * H);
       device_buffer<float> yd(T * H);
       using P = nccl_policies<Capacity>;
-      moe_layer<P> layer(cfg, comm::nccl(comms[d], s),
-                         {{gate.data(), cfg.experts, H},
-                          {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H},
-                           {w2.data(), L, H, cfg.ffn}}});
+      moe_layer<P> layer(
+          cfg, comm::nccl(comms[d], s),
+          {{gate.data(), cfg.experts, H},
+           {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H}, {w2.data(), L, H, cfg.ffn}}});
       layer.forward({xd.data(), T, H}, {yd.data(), T, H});
       layer.synchronize();
       EPMOE_CUDA_CHECK(cudaMemcpy(y.data() + d * T * H, yd.data(), sizeof(float) * T * H,

@@ -60,7 +60,8 @@ class nccl {
     for (int r = 0; r < size_; ++r) {
       EPMOE_CUDA_CHECK(
           ncclSend(static_cast<const char*>(send) + r * bytes, bytes, ncclInt8, r, comm_, s));
-      EPMOE_CUDA_CHECK(ncclRecv(static_cast<char*>(recv) + r * bytes, bytes, ncclInt8, r, comm_, s));
+      EPMOE_CUDA_CHECK(
+          ncclRecv(static_cast<char*>(recv) + r * bytes, bytes, ncclInt8, r, comm_, s));
     }
     EPMOE_CUDA_CHECK(ncclGroupEnd());
   }

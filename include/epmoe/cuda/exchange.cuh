@@ -83,8 +83,8 @@ class pull_exchange {
   void counts(const index_t* d_send, index_t* d_recv, const index_t* h_send, index_t* h_recv,
               index_t n, cudaStream_t s) {
     if constexpr (device_counts) {
-      EPMOE_CUDA_CHECK(cudaMemcpyAsync(d_recv, d_send, sizeof(index_t) * n,
-                                       cudaMemcpyDeviceToDevice, s));
+      EPMOE_CUDA_CHECK(
+          cudaMemcpyAsync(d_recv, d_send, sizeof(index_t) * n, cudaMemcpyDeviceToDevice, s));
       EPMOE_CUDA_CHECK(
           cudaMemcpyAsync(h_recv, d_recv, sizeof(index_t) * n, cudaMemcpyDeviceToHost, s));
     } else {

@@ -79,8 +79,8 @@ class grouped_gemm {
       const cublasStatus_t st = cublasGemmGroupedBatchedEx(
           h, ta_.data(), tb_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(),
           const_cast<const void* const*>(d), ab, lda_.data(),
-          const_cast<const void* const*>(d + cap_), ab, ldb_.data(), beta_.data(), d + 2 * cap_,
-          c, ldc_.data(), n_problems_, size_.data(), CUBLAS_COMPUTE_32F);
+          const_cast<const void* const*>(d + cap_), ab, ldb_.data(), beta_.data(), d + 2 * cap_, c,
+          ldc_.data(), n_problems_, size_.data(), CUBLAS_COMPUTE_32F);
       if (st != CUBLAS_STATUS_NOT_SUPPORTED) return check(st, "cublasGemmGroupedBatchedEx");
       grouped_ = false;
     }

@@ -32,8 +32,8 @@ struct alignas(sizeof(T) * V) pack {
 template <class T>
 int vector_width(const void* p, index_t cols, index_t stride) {
   constexpr int V = 16 / sizeof(T);
-  const bool aligned = reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && cols % V == 0 &&
-                       stride % V == 0;
+  const bool aligned =
+      reinterpret_cast<std::uintptr_t>(p) % 16 == 0 && cols % V == 0 && stride % V == 0;
   return aligned ? V : 1;
 }
 
@@ -101,8 +101,8 @@ __global__ void plan_rows(const Int* keys, const Int* order, index_t n, int K, i
 /// The counts message to each destination rank r: for each of its L slots, the rows sent
 /// (padded), the real rows, and where they start in this rank's send buffer.
 template <class Int>
-__global__ void count_message(const Int* kept, const Int* slot_rows, const Int* send_offset,
-                              int R, int L, index_t limit, index_t* msg) {
+__global__ void count_message(const Int* kept, const Int* slot_rows, const Int* send_offset, int R,
+                              int L, index_t limit, index_t* msg) {
   const int b = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (b >= R * L) return;
   const int r = b / L, j = b % L;

@@ -26,11 +26,10 @@
 // losses are computed on the host when stats() is read. Not on the device yet (a
 // static_assert or config_error says so): per-rank dedup, more than one chunk, live
 // re-placement.
-#include <cub/device/device_radix_sort.cuh>
-#include <cub/device/device_scan.cuh>
-
 #include <algorithm>
 #include <cstdint>
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
 #include <exception>
 #include <span>
 #include <string>
@@ -68,8 +67,7 @@ struct device_placement<placement::table> {
     const index_t E = copies.size();
     upload(phy, t.phy_to_log().data());
     upload(log, t.log_to_phy().data());
-    EPMOE_CUDA_CHECK(
-        cudaMemcpy(copies.data(), h.copies, sizeof(int) * E, cudaMemcpyHostToDevice));
+    EPMOE_CUDA_CHECK(cudaMemcpy(copies.data(), h.copies, sizeof(int) * E, cudaMemcpyHostToDevice));
     // cudaMemcpy from pageable memory may return before the copy lands; the layer's own
     // (non-blocking) stream would not wait for it.
     EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
@@ -86,9 +84,9 @@ struct device_placement<placement::table> {
 };
 
 /// c [M, N] (row-major, ldc, type C) = a [M, K] x b [N, K]^T (type A), fp32 accumulate.
-inline void gemm_nt(cublasHandle_t h, cudaDataType_t ab, const void* a, index_t lda,
-                    const void* b, index_t ldb, cudaDataType_t ct, void* c, index_t ldc,
-                    index_t M, index_t N, index_t K, float beta) {
+inline void gemm_nt(cublasHandle_t h, cudaDataType_t ab, const void* a, index_t lda, const void* b,
+                    index_t ldb, cudaDataType_t ct, void* c, index_t ldc, index_t M, index_t N,
+                    index_t K, float beta) {
   if (M == 0 || N == 0) return;
   const float alpha = 1.f;
   EPMOE_CUDA_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(N),
@@ -116,7 +114,7 @@ struct jitter_input {
 }  // namespace cuda_detail
 
 template <class Policies>
-  requires device_space<typename Policies::space>
+requires device_space<typename Policies::space>
 class moe_layer<Policies> {
  public:
   using space_type = typename Policies::space;
@@ -142,8 +140,9 @@ class moe_layer<Policies> {
                 "limit(const layer_config&, index_t tokens) const (see capacity/factor.hpp)");
   static_assert(std::is_same_v<expert_type, expert::swiglu>,
                 "epmoe: space::cuda runs expert::swiglu (grouped cuBLAS GEMMs + fused SiLU-mul)");
-  static_assert(!requires { requires Policies::dedup; },
-                "epmoe: per-rank dedup runs on space::host for now; drop `dedup` for space::cuda");
+  static_assert(
+      !requires { requires Policies::dedup; },
+      "epmoe: per-rank dedup runs on space::host for now; drop `dedup` for space::cuda");
   static_assert(schedule_policy<schedule_type>,
                 "epmoe: the schedule policy must provide static run(stages&) (see "
                 "schedule/sequential.hpp)");
@@ -157,10 +156,10 @@ class moe_layer<Policies> {
 
   /// Device pointers; they must outlive the layer.
   struct weights {
-    matrix_view<const T> gate;                           // [E, H]
-    expert::swiglu::weights_of<T> experts;               // this rank's slots, slot order
-    expert::swiglu::weights_of<T> shared{};              // [N] shared experts
-    matrix_view<const T> noise_gate{};                   // [E, H] noisy top-k's projection
+    matrix_view<const T> gate;               // [E, H]
+    expert::swiglu::weights_of<T> experts;   // this rank's slots, slot order
+    expert::swiglu::weights_of<T> shared{};  // [N] shared experts
+    matrix_view<const T> noise_gate{};       // [E, H] noisy top-k's projection
   };
 
   moe_layer(const layer_config& cfg, comm_type comm, const weights& w, router_type router = {},
@@ -357,9 +356,9 @@ class moe_layer<Policies> {
     ints_ = buffer<int>(3 * (P + 1) + E);  // slot rows, first of slot, kept | send offsets, routed
     send_offset_ = buffer<int>(P + 1);
     row_token_ = buffer<std::int32_t>(send_cap_);
-    msg_ = buffer<index_t>(2 * 3 * P);  // counts out [R][3L], counts in [R][3L]
+    msg_ = buffer<index_t>(2 * 3 * P);                   // counts out [R][3L], counts in [R][3L]
     h_msg_ = pinned_buffer<index_t>(2 * 3 * P + 2 * P);  // + remote offsets out / in
-    h_summary_ = pinned_buffer<int>(P + E);               // rows per slot, routed per expert
+    h_summary_ = pinned_buffer<int>(P + E);              // rows per slot, routed per expert
     x_send_ = buffer<T>(send_cap_ * H);
     x_expert_ = buffer<T>(recv_cap_ * H);
     h13_ = buffer<T>(2 * std::max(recv_cap_ * cfg_.ffn, Tm * cfg_.shared_width()));
@@ -375,8 +374,8 @@ class moe_layer<Policies> {
     EPMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_.data(),
                                                      keys_.data() + N, order_.data(),
                                                      order_.data() + N, static_cast<int>(N)));
-    EPMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, ints_.data(),
-                                                   ints_.data(), static_cast<int>(P + 1)));
+    EPMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, ints_.data(), ints_.data(),
+                                                   static_cast<int>(P + 1)));
     cub_temp_ = buffer<char>(static_cast<index_t>(std::max(sort_bytes, scan_bytes)) + 1);
     cub_bytes_ = cub_temp_.size();
     blas_workspace_ = buffer<char>(32 << 20);  // NVIDIA's recommendation for Hopper
@@ -413,11 +412,10 @@ class moe_layer<Policies> {
         matrix_view<const T> in = x_;
         if constexpr (router_with_jitter<router_type>)
           if (router_.training) {
-            space_type::for_each(
-                Tn * H,
-                cuda_detail::jitter_input<router_type, T>{router_, x_, gate_input_.data(), tid,
-                                                          first, pass_},
-                stream_);
+            space_type::for_each(Tn * H,
+                                 cuda_detail::jitter_input<router_type, T>{
+                                     router_, x_, gate_input_.data(), tid, first, pass_},
+                                 stream_);
             in = {gate_input_.data(), Tn, H};
           }
         cuda_detail::gemm_nt(blas_, dtype<T>::cuda, in.data, in.stride, w_.gate.data,
@@ -431,12 +429,17 @@ class moe_layer<Policies> {
           }
       }
       if constexpr (token_router<router_type>) {
-        space_type::for_each(
-            Tn,
-            rows::route_tokens<router_type>{router_, logits, noise, {ids_.data(), Tn, K},
-                                            {weights_.data(), Tn, K}, tid, first, pass_,
-                                            static_cast<int>(E)},
-            stream_);
+        space_type::for_each(Tn,
+                             rows::route_tokens<router_type>{router_,
+                                                             logits,
+                                                             noise,
+                                                             {ids_.data(), Tn, K},
+                                                             {weights_.data(), Tn, K},
+                                                             tid,
+                                                             first,
+                                                             pass_,
+                                                             static_cast<int>(E)},
+                             stream_);
       } else {
         // A batch router decides over the whole batch, on the host (one sync).
         EPMOE_CUDA_CHECK(cudaMemcpyAsync(host_logits_.data(), logits_.data(),
@@ -464,42 +467,44 @@ class moe_layer<Policies> {
     int* routed = kept + (Pn + 1);
     EPMOE_CUDA_CHECK(cudaMemsetAsync(slot_rows, 0, sizeof(int) * (Pn + 1), stream_));
     EPMOE_CUDA_CHECK(cudaMemsetAsync(routed, 0, sizeof(int) * E, stream_));
-    EPMOE_CUDA_CHECK(cudaMemsetAsync(row_token_.data(), 0xff, sizeof(std::int32_t) * send_cap_,
-                                     stream_));
+    EPMOE_CUDA_CHECK(
+        cudaMemsetAsync(row_token_.data(), 0xff, sizeof(std::int32_t) * send_cap_, stream_));
     const index_t N = cfg_.max_tokens * K;
     if (n > 0) {
       const token_origin origin{rank(), token_ids_.empty() ? nullptr : token_ids_.data(),
                                 std::int64_t{rank()} * cfg_.max_tokens};
-      cuda_kernels::plan_keys<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0,
-                                stream_>>>(ids_.data(), n, K, where_.view, origin, Pn,
-                                           keys_.data(), order_.data(), slot_rows, routed);
+      cuda_kernels::
+          plan_keys<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0, stream_>>>(
+              ids_.data(), n, K, where_.view, origin, Pn, keys_.data(), order_.data(), slot_rows,
+              routed);
       EPMOE_CUDA_CHECK(cudaGetLastError());
       std::size_t bytes = static_cast<std::size_t>(cub_bytes_);
       int end_bit = 1;
       while ((1 << end_bit) <= Pn) ++end_bit;  // keys are in [0, P]
       EPMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-          cub_temp_.data(), bytes, keys_.data(), keys_.data() + N, order_.data(),
-          order_.data() + N, static_cast<int>(n), 0, end_bit, stream_));
+          cub_temp_.data(), bytes, keys_.data(), keys_.data() + N, order_.data(), order_.data() + N,
+          static_cast<int>(n), 0, end_bit, stream_));
     }
-    cuda_kernels::slot_sizes<<<cuda_kernels::grid_for(Pn + 1), cuda_kernels::block_threads, 0,
-                               stream_>>>(slot_rows, Pn, limit_, capacity_type::pads, kept);
+    cuda_kernels::
+        slot_sizes<<<cuda_kernels::grid_for(Pn + 1), cuda_kernels::block_threads, 0, stream_>>>(
+            slot_rows, Pn, limit_, capacity_type::pads, kept);
     EPMOE_CUDA_CHECK(cudaGetLastError());
     std::size_t bytes = static_cast<std::size_t>(cub_bytes_);
-    EPMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_temp_.data(), bytes, slot_rows, first,
-                                                   Pn + 1, stream_));
+    EPMOE_CUDA_CHECK(
+        cub::DeviceScan::ExclusiveSum(cub_temp_.data(), bytes, slot_rows, first, Pn + 1, stream_));
     bytes = static_cast<std::size_t>(cub_bytes_);
     EPMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(cub_temp_.data(), bytes, kept,
                                                    send_offset_.data(), Pn + 1, stream_));
     if (n > 0) {
-      cuda_kernels::plan_rows<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0,
-                                stream_>>>(keys_.data() + N, order_.data() + N, n, K, Pn, first,
-                                           send_offset_.data(), limit_, slot_.data(),
-                                           row_token_.data());
+      cuda_kernels::
+          plan_rows<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0, stream_>>>(
+              keys_.data() + N, order_.data() + N, n, K, Pn, first, send_offset_.data(), limit_,
+              slot_.data(), row_token_.data());
       EPMOE_CUDA_CHECK(cudaGetLastError());
     }
-    cuda_kernels::count_message<<<cuda_kernels::grid_for(Pn), cuda_kernels::block_threads, 0,
-                                  stream_>>>(kept, slot_rows, send_offset_.data(), cfg_.ranks,
-                                             L(), limit_, msg_.data());
+    cuda_kernels::
+        count_message<<<cuda_kernels::grid_for(Pn), cuda_kernels::block_threads, 0, stream_>>>(
+            kept, slot_rows, send_offset_.data(), cfg_.ranks, L(), limit_, msg_.data());
     EPMOE_CUDA_CHECK(cudaGetLastError());
     // What the host needs to know of the plan: one copy, read after the counts' sync.
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(h_summary_.data(), slot_rows, sizeof(int) * Pn,
@@ -535,7 +540,8 @@ class moe_layer<Policies> {
       if (recv_rows_ > recv_cap_)
         throw comm_error("epmoe: rank " + std::to_string(me) + " would receive " +
                          std::to_string(recv_rows_) + " rows, more than its workspace (" +
-                         std::to_string(recv_cap_) + "); a peer passed more tokens than max_tokens?");
+                         std::to_string(recv_cap_) +
+                         "); a peer passed more tokens than max_tokens?");
       for (int r = 0; r < R; ++r)
         for (int j = 0; j < Ln; ++j)
           send_block(r, j) = {r, out[r * 3 * Ln + 2 * Ln + j], 0, out[r * 3 * Ln + j]};
@@ -582,19 +588,25 @@ class moe_layer<Policies> {
     for (int j = 0; j < Ln; ++j) {
       const index_t m = expert_rows_[j];
       T* xj = x_expert_.data() + at * H;
-      problems_[2 * j] = {xj, H, w.w1.data + j * w.w1.batch_stride, w.w1.stride, h1 + at * F, F,
-                          m, F, H};
-      problems_[2 * j + 1] = {xj,          H, w.w3.data + j * w.w3.batch_stride, w.w3.stride,
-                              h3 + at * F, F, m,                                 F,
-                              H};
+      problems_[2 * j] = {xj, H, w.w1.data + j * w.w1.batch_stride, w.w1.stride, h1 + at * F, F, m,
+                          F,  H};
+      problems_[2 * j + 1] = {
+          xj, H, w.w3.data + j * w.w3.batch_stride, w.w3.stride, h3 + at * F, F, m, F, H};
       at += m;
     }
     gemm_up_.set(problems_.data(), 2 * Ln, stream_);
     at = 0;
     for (int j = 0; j < Ln; ++j) {
       const index_t m = expert_rows_[j];
-      problems_[j] = {h1 + at * F, F, w.w2.data + j * w.w2.batch_stride, w.w2.stride,
-                      x_expert_.data() + at * H, H, m, H, F};
+      problems_[j] = {h1 + at * F,
+                      F,
+                      w.w2.data + j * w.w2.batch_stride,
+                      w.w2.stride,
+                      x_expert_.data() + at * H,
+                      H,
+                      m,
+                      H,
+                      F};
       at += m;
     }
     gemm_down_.set(problems_.data(), Ln, stream_);
@@ -614,14 +626,14 @@ class moe_layer<Policies> {
     if (cuda_kernels::vector_width<T>(x_.data, H, x_.stride) > 1 &&
         reinterpret_cast<std::uintptr_t>(x_send_.data()) % 16 == 0) {
       const index_t u = H * sizeof(T) / 16;
-      cuda_kernels::gather_rows<<<cuda_kernels::grid_for(rows * u), cuda_kernels::block_threads,
-                                  0, stream_>>>(
+      cuda_kernels::gather_rows<<<cuda_kernels::grid_for(rows * u), cuda_kernels::block_threads, 0,
+                                  stream_>>>(
           reinterpret_cast<const uint4*>(x_.data), x_.stride * static_cast<index_t>(sizeof(T)) / 16,
           row_token_.data(), rows, u, reinterpret_cast<uint4*>(x_send_.data()));
     } else {
-      cuda_kernels::gather_rows<<<cuda_kernels::grid_for(rows * H), cuda_kernels::block_threads,
-                                  0, stream_>>>(x_.data, x_.stride, row_token_.data(), rows, H,
-                                                x_send_.data());
+      cuda_kernels::gather_rows<<<cuda_kernels::grid_for(rows * H), cuda_kernels::block_threads, 0,
+                                  stream_>>>(x_.data, x_.stride, row_token_.data(), rows, H,
+                                             x_send_.data());
     }
     EPMOE_CUDA_CHECK(cudaGetLastError());
   }
@@ -655,8 +667,8 @@ class moe_layer<Policies> {
     constexpr int V = 16 / sizeof(T);
     if (n % V == 0 && reinterpret_cast<std::uintptr_t>(a) % 16 == 0 &&
         reinterpret_cast<std::uintptr_t>(b) % 16 == 0)
-      cuda_kernels::silu_mul<T, V><<<cuda_kernels::grid_for(n / V), cuda_kernels::block_threads,
-                                     0, stream_>>>(a, b, n);
+      cuda_kernels::silu_mul<T, V>
+          <<<cuda_kernels::grid_for(n / V), cuda_kernels::block_threads, 0, stream_>>>(a, b, n);
     else
       cuda_kernels::silu_mul<T, 1>
           <<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0, stream_>>>(a, b, n);
@@ -698,25 +710,35 @@ class moe_layer<Policies> {
     if (Tn > 0) {
       const float* shared = cfg_.shared_experts > 0 ? shared_out_.data() : nullptr;
       constexpr int V = 16 / sizeof(T);
-      const bool vec = H % V == 0 && y_.stride % V == 0 &&
-                       reinterpret_cast<std::uintptr_t>(y_.data) % 16 == 0;
+      const bool vec =
+          H % V == 0 && y_.stride % V == 0 && reinterpret_cast<std::uintptr_t>(y_.data) % 16 == 0;
       if (vec)
         cuda_kernels::combine_rows<T, V>
             <<<cuda_kernels::grid_for(Tn * H / V), cuda_kernels::block_threads, 0, stream_>>>(
-                x_send_.data(), H, slot_.data(), weights_.data(), width_, shared,
-                y_.data, y_.stride, Tn);
+                x_send_.data(), H, slot_.data(), weights_.data(), width_, shared, y_.data,
+                y_.stride, Tn);
       else
         cuda_kernels::combine_rows<T, 1>
             <<<cuda_kernels::grid_for(Tn * H), cuda_kernels::block_threads, 0, stream_>>>(
-                x_send_.data(), H, slot_.data(), weights_.data(), width_, shared,
-                y_.data, y_.stride, Tn);
+                x_send_.data(), H, slot_.data(), weights_.data(), width_, shared, y_.data,
+                y_.stride, Tn);
       EPMOE_CUDA_CHECK(cudaGetLastError());
     }
     mark(stage::reduce);
   }
 
   // Stage ends, in pass order: an event each (not while a graph is being captured).
-  enum class stage : int { route, plan, permute, shared, counts, dispatch, experts, combine, reduce };
+  enum class stage : int {
+    route,
+    plan,
+    permute,
+    shared,
+    counts,
+    dispatch,
+    experts,
+    combine,
+    reduce
+  };
   static constexpr int max_marks = 10;
   void mark(stage s) { mark(static_cast<int>(s)); }
   void mark(int s) {
@@ -753,9 +775,10 @@ class moe_layer<Policies> {
         s.rows_sent[r] += out[r * 3 * Ln + j];
         s.rows_received[r] += in[r * 3 * Ln + j];
         if (static_mode && in[r * 3 * Ln + j] != limit_)
-          throw comm_error("epmoe: static mode: rank " + std::to_string(r) + " padded its blocks to " +
-                           std::to_string(in[r * 3 * Ln + j]) + " rows, this rank to " +
-                           std::to_string(limit_) + ": every rank must pass the same tokens");
+          throw comm_error("epmoe: static mode: rank " + std::to_string(r) +
+                           " padded its blocks to " + std::to_string(in[r * 3 * Ln + j]) +
+                           " rows, this rank to " + std::to_string(limit_) +
+                           ": every rank must pass the same tokens");
       }
       s.assignment_rows_sent[r] = s.rows_sent[r];
       s.assignment_rows_received[r] = s.rows_received[r];
@@ -803,9 +826,9 @@ class moe_layer<Policies> {
         EPMOE_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[0], events_[i]));
         return ms * 1e-3;
       };
-      double* field[] = {&s.time.route,    &s.time.plan,    &s.time.permute,
-                         &s.time.shared,   &s.time.plan,    &s.time.dispatch,
-                         &s.time.experts,  &s.time.combine, &s.time.reduce};
+      double* field[] = {&s.time.route,   &s.time.plan,    &s.time.permute,
+                         &s.time.shared,  &s.time.plan,    &s.time.dispatch,
+                         &s.time.experts, &s.time.combine, &s.time.reduce};
       for (int i = 1; i < marks_; ++i) {
         const double a = since_start(i - 1), b = since_start(i);
         *field[mark_stage_[i]] += b - a;

@@ -84,8 +84,8 @@ class device_buffer {
   device_buffer() = default;
   explicit device_buffer(index_t n) : size_(n) {
     if (n > 0)
-      EPMOE_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&data_),
-                                  static_cast<std::size_t>(n) * sizeof(T)));
+      EPMOE_CUDA_CHECK(
+          cudaMalloc(reinterpret_cast<void**>(&data_), static_cast<std::size_t>(n) * sizeof(T)));
   }
   device_buffer(device_buffer&& o) noexcept
       : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
