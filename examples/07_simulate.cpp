@@ -41,7 +41,7 @@ struct args {
   double skew = 1.2;
   bool dedup = false, compare = false, validate = false, topology_set = false;
   bool compare_set = false, single = false;  // --compare / --no-compare; --placement/--schedule
-  int passes = 8, shared = 0, rounds = 3;
+  int passes = 5, shared = 0, rounds = 11, max_recv_rows = 0;
   std::uint64_t seed = 1;
 };
 
@@ -50,7 +50,7 @@ struct args {
       "usage: epmoe_simulate [--ranks R] [--nodes N] [--experts E] [--top-k K] [--hidden H]\n"
       "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced]\n"
       "  [--extra-slots S (balanced; default R)] [--capacity dropless|FACTOR] [--dedup]\n"
-      "  [--schedule sequential|pipelined] [--chunks C] [--skew ZIPF (0: uniform)]\n"
+      "  [--schedule sequential|pipelined] [--chunks C] [--max-recv-rows N] [--skew ZIPF]\n"
       "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
       "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
       "  [--compare | --no-compare]: block vs balanced x sequential vs pipelined, and the\n"
@@ -89,6 +89,8 @@ args parse(int argc, char** argv) {
       a.tokens = std::stoi(next());
     else if (k == "--chunks")
       a.chunks = std::stoi(next());
+    else if (k == "--max-recv-rows")
+      a.max_recv_rows = std::stoi(next());
     else if (k == "--extra-slots")
       a.extra_slots = std::stoi(next());
     else if (k == "--show")
@@ -229,6 +231,14 @@ void print(const sim::result& r, int show) {
               static_cast<long long>(r.assignments));
   std::printf("dispatch bytes: %.1f MB intra-node, %.1f MB inter-node (all ranks)\n",
               r.dispatch_bytes[0] / 1e6, r.dispatch_bytes[1] / 1e6);
+  if (r.quota > 0) {
+    index_t peak = 0;
+    for (const auto& m : r.per_rank) peak = std::max(peak, m.peak_recv_rows);
+    std::printf(
+        "receive bound: %lld rows per pair per round, %d rounds in the busiest chunk, %d "
+        "exchange units; peak %lld rows received in one round\n",
+        static_cast<long long>(r.quota), r.rounds, r.units, static_cast<long long>(peak));
+  }
   std::printf("layer latency: %.1f us (%.1f us if every rank did the mean rank's work)\n",
               r.latency * 1e6, r.balanced_latency * 1e6);
 }
@@ -255,49 +265,60 @@ layer_config validation_config(const args& a) {
 
 sim::calibration calibrate_here(const args& a) {
   const auto o = sim::options_for(validation_config(a), a.tokens);
+  sim::map_large_buffers_fresh();
+  const int blas = sim::share_blas_threads(a.ranks);
+  std::printf("%d BLAS thread(s) per rank\n", blas);
   const auto c = sim::calibrate(o);
   sim::print_calibration(stdout, c, o, a.ranks, "in-process, comm::threads");
   return c;
 }
 
 // The real layer (block, dropless, sequential) on comm::threads against the simulator: rounds
-// of (calibrate, passes), the best calibration against the best pass.
+// of (calibrate, passes), each calibration predicting the passes beside it.
 template <class Source>
 int validate(const args& a, const Source& src) {
   const layer_config cfg = validation_config(a);
   const auto w = sim::hand_gate_weights(cfg);
+  sim::map_large_buffers_fresh();
+  const int blas = sim::share_blas_threads(a.ranks);
   std::vector<std::vector<stage_times>> real(static_cast<std::size_t>(a.ranks));
-  sim::calibration cal;
+  std::vector<sim::validation_round> rounds;
   comm::threads_world world(a.ranks);
   world.run([&](comm::threads c) {
     if (a.topology_set) {
       real[c.rank()] = sim::run_layer_passes(c, cfg, w, src, a.passes * a.rounds);
       return;
     }
-    auto [mine, times] = sim::calibrate_and_run(
+    auto mine = sim::run_rounds(
         c, [&] { return c; }, cfg, w, src, a.passes, a.rounds);
-    real[c.rank()] = std::move(times);
-    if (c.rank() == 0) cal = std::move(mine);
+    if (c.rank() == 0) rounds = std::move(mine);
   });
-  sim::topology topo;
+  std::vector<sim::validation_row> rows;
+  double imbalance = 0;
   if (a.topology_set) {
-    topo = sim::load_file(a.topology);
+    sim::topology topo = sim::load_file(a.topology);
     topo.nodes = 1, topo.ranks_per_node = a.ranks;
+    const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
+    rows = sim::compare(s, real);
+    imbalance = s.rows_imbalance.max_over_mean;
   } else {
-    topo = cal.topo;
+    std::vector<sim::calibration> cals;
+    for (const auto& r : rounds) cals.push_back(r.cal);
+    const auto o = sim::options_for(cfg, a.tokens);
     sim::print_calibration(
-        stdout, cal, sim::options_for(cfg, a.tokens), a.ranks,
-        ("in-process, comm::threads, best of " + std::to_string(a.rounds) + " rounds").c_str());
+        stdout, sim::median_of(cals, o, a.ranks), o, a.ranks,
+        ("in-process, comm::threads, median of " + std::to_string(a.rounds) + " rounds").c_str());
+    rows = sim::compare_rounds(cfg, src, rounds);
+    imbalance = sim::simulate<sim::policies<>>(cfg, cals[0].topo, src).rows_imbalance.max_over_mean;
   }
-  const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
   std::printf(
       "validation: real moe_layer (block, dropless, sequential) on %d comm::threads ranks, "
-      "H=%d F=%d E=%d top-%d T=%d, %d shared, %s; best of %d passes; sim rows/rank max/mean "
-      "%.2f\n",
+      "H=%d F=%d E=%d top-%d T=%d, %d shared, %s; %d rounds of (calibrate, %d passes), each "
+      "round's best pass; %d BLAS thread(s) per rank; sim rows/rank max/mean %.2f\n",
       a.ranks, a.hidden, a.ffn, a.experts, a.top_k, a.tokens, a.shared,
-      a.skew > 0 ? ("Zipf " + std::to_string(a.skew).substr(0, 4)).c_str() : "uniform",
-      a.passes * a.rounds, s.rows_imbalance.max_over_mean);
-  sim::print_validation(stdout, sim::compare(s, real));
+      a.skew > 0 ? ("Zipf " + std::to_string(a.skew).substr(0, 4)).c_str() : "uniform", a.rounds,
+      a.passes, blas, imbalance);
+  sim::print_validation(stdout, rows);
   return 0;
 }
 
@@ -323,7 +344,8 @@ int main(int argc, char** argv) try {
                          .top_k = a.top_k,
                          .ranks = a.ranks,
                          .max_tokens = a.tokens,
-                         .capacity_factor = a.capacity == "dropless" ? 1.0 : std::stod(a.capacity)};
+                         .capacity_factor = a.capacity == "dropless" ? 1.0 : std::stod(a.capacity),
+                         .max_recv_rows = a.max_recv_rows};
   auto go = [&](const auto& src) {
     std::printf("%d experts, top-%d, H=%d F=%d, %d tokens/rank on %d ranks in %d nodes (%s)\n",
                 a.experts, a.top_k, a.hidden, a.ffn, a.tokens, a.ranks, a.nodes, topo.name.c_str());

@@ -6,7 +6,7 @@
 // measured per stage (best calibration and best pass over rounds of both), as
 // `epmoe_simulate --validate` does on comm::threads.
 //   mpiexec -n 2 epmoe_sim_validate_mpi [--tokens 256] [--hidden 512] [--ffn 1024]
-//       [--experts 8] [--top-k 2] [--skew 0] [--shared 0] [--passes 8] [--rounds 3] [--seed 1]
+//       [--experts 8] [--top-k 2] [--skew 0] [--shared 0] [--passes 5] [--rounds 11] [--seed 1]
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -22,7 +22,7 @@ int main(int argc, char** argv) try {
   int R = 1, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &R);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 8, rounds = 3;
+  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 5, rounds = 11;
   double skew = 0;
   std::uint64_t seed = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -43,6 +43,8 @@ int main(int argc, char** argv) try {
       shared = std::stoi(v);
     else if (k == "--passes")
       passes = std::stoi(v);
+    else if (k == "--rounds")
+      rounds = std::stoi(v);
     else if (k == "--seed")
       seed = std::stoull(v);
     else
@@ -57,24 +59,26 @@ int main(int argc, char** argv) try {
                          .shared_experts = shared};
   const auto src = skew > 0 ? sim::zipf(E, skew, K, T, seed) : sim::uniform(E, K, T, seed);
   comm::mpi c(MPI_COMM_WORLD);
+  sim::map_large_buffers_fresh();
+  const int blas = sim::share_blas_threads(R);
   const auto w = sim::hand_gate_weights(cfg);
-  const auto [cal, mine] = sim::calibrate_and_run(
+  const auto rounds_out = sim::run_rounds(
       c, [] { return comm::mpi(MPI_COMM_WORLD); }, cfg, w, src, passes, rounds);
-  const auto real = sim::gather_times(c, mine);
-  if (me == 0)
-    sim::print_calibration(
-        stdout, cal, sim::options_for(cfg, T), R,
-        ("MPI processes, comm::mpi, best of " + std::to_string(rounds) + " rounds").c_str());
   if (me == 0) {
-    sim::topology topo = cal.topo;
-    topo.name = "calibrated_mpi";
-    const auto s = sim::simulate<sim::policies<>>(cfg, topo, src);
+    std::vector<sim::calibration> cals;
+    for (const auto& r : rounds_out) cals.push_back(r.cal);
+    const auto o = sim::options_for(cfg, T);
+    sim::print_calibration(
+        stdout, sim::median_of(cals, o, R), o, R,
+        ("MPI processes, comm::mpi, median of " + std::to_string(rounds) + " rounds").c_str());
+    const auto s = sim::simulate<sim::policies<>>(cfg, cals[0].topo, src);
     std::printf(
         "validation: real moe_layer (block, dropless, sequential) on %d MPI ranks, H=%d F=%d "
-        "E=%d top-%d T=%d, %d shared, %s %.2f; best of %d passes; sim rows/rank max/mean %.2f\n",
-        R, H, F, E, K, T, shared, skew > 0 ? "Zipf" : "uniform", skew, passes * rounds,
+        "E=%d top-%d T=%d, %d shared, %s %.2f; %d rounds of (calibrate, %d passes), each "
+        "round's best pass; %d BLAS thread(s) per rank; sim rows/rank max/mean %.2f\n",
+        R, H, F, E, K, T, shared, skew > 0 ? "Zipf" : "uniform", skew, rounds, passes, blas,
         s.rows_imbalance.max_over_mean);
-    sim::print_validation(stdout, sim::compare(s, real));
+    sim::print_validation(stdout, sim::compare_rounds(cfg, src, rounds_out, "calibrated_mpi"));
   }
   return 0;
 } catch (const std::exception& e) {

@@ -7,6 +7,7 @@
 #include <epmoe/core/report.hpp>
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/round_robin.hpp>
+#include <epmoe/schedule/pipelined.hpp>
 #include <epmoe/sim/calibrate.hpp>
 #include <epmoe/sim/simulate.hpp>
 #include <epmoe/sim/source.hpp>
@@ -21,6 +22,11 @@ template <class Placement, class Capacity = capacity::dropless, bool Dedup = fal
 struct policies : test::threads_policies<2, Capacity> {
   using placement = Placement;
   static constexpr bool dedup = Dedup;
+};
+
+template <class Placement, int C>
+struct pipelined_policies : policies<Placement> {
+  using schedule = epmoe::schedule::pipelined<C>;
 };
 
 // The layer reproduces a simulated routing through a hand-made gate: with H >= E, gate row
@@ -55,7 +61,7 @@ test::global_tokens tokens_of(const layer_config& cfg, const Source& src) {
 // Rank by rank, the simulator's counts equal what the layer's pass_stats report.
 template <class P>
 void check_against_layer(const layer_config& cfg, const typename P::placement& where,
-                         const typename P::capacity& cap = {}) {
+                         const typename P::capacity& cap = {}, int chunks = 1) {
   const auto src = sim::zipf(cfg.experts, 1.2, cfg.top_k, cfg.max_tokens, 5);
   const auto topo = sim::cpu_cluster(cfg.ranks / 2);  // fp32 rows, as the host layer sends
   const auto w = hand_gate(cfg, 3);
@@ -64,7 +70,9 @@ void check_against_layer(const layer_config& cfg, const typename P::placement& w
   opt.placement = where;
   opt.capacity = cap;
   const auto run = test::run_layer<P>(cfg, w, g, opt);
-  const auto s = sim::simulate<P>(cfg, topo, src, {.keep_peer_counts = true}, where, cap);
+  const auto s =
+      sim::simulate<P>(cfg, topo, src, {.chunks = chunks, .keep_peer_counts = true}, where, cap);
+  if (cfg.max_recv_rows > 0) CHECK(s.quota > 0);
   const int R = cfg.ranks, L = where.slots_per_rank();
   index_t dropped = 0;
   for (int r = 0; r < R; ++r) {
@@ -88,6 +96,15 @@ void check_against_layer(const layer_config& cfg, const typename P::placement& w
     CHECK(d.in[0] + d.in[1] == double(st.dispatch_bytes_received));
     CHECK(me.combine_bytes.out[0] + me.combine_bytes.out[1] == double(st.combine_bytes_sent));
     CHECK(me.combine_bytes.in[0] + me.combine_bytes.in[1] == double(st.combine_bytes_received));
+    CHECK(me.peak_recv_rows == st.peak_recv_rows);
+    CHECK(s.rounds == st.rounds);
+    // The rows its slots computed in each exchange unit (chunk, or round of a chunk), in the
+    // layer's order.
+    std::vector<index_t> layer_rows, sim_rows;
+    for (const auto& e : st.timeline)
+      if (e.stage == stage_kind::experts) layer_rows.push_back(e.rows);
+    for (int u = 0; u < s.units; ++u) sim_rows.push_back(s.unit_rows[r * s.units + u]);
+    CHECK(sim_rows == layer_rows);
   }
   CHECK(s.dropped == dropped);
 }
@@ -108,6 +125,18 @@ TEST_CASE("sim: counts equal a real layer pass on threads, rank by rank", "[sim]
   SECTION("round-robin, capacity factor (drops)") {
     using P = policies<placement::round_robin, capacity::factor<false>>;
     check_against_layer<P>(cfg, placement::round_robin(cfg));
+  }
+  SECTION("block, dropless, a receive bound: rounds, rank by rank and round by round") {
+    cfg.max_recv_rows = 24;  // 6 rows per pair per round
+    check_against_layer<policies<placement::block>>(cfg, placement::block(cfg));
+  }
+  SECTION("round-robin, a receive bound, pipelined in 2 chunks") {
+    cfg.max_recv_rows = 36;  // 3 rounds in flight: 3 rows per pair per round
+    using P = pipelined_policies<placement::round_robin, 2>;
+    check_against_layer<P>(cfg, placement::round_robin(cfg), {}, 2);
+  }
+  SECTION("pipelined in 3 chunks, unbounded") {
+    check_against_layer<pipelined_policies<placement::block, 3>>(cfg, placement::block(cfg), {}, 3);
   }
   SECTION("block, padded capacity") {
     using P = policies<placement::block, capacity::padded_factor>;
@@ -169,6 +198,27 @@ TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]")
     CHECK(d.per_rank[1].combine == Approx(comm + 70 * 200 / 1e10).epsilon(1e-12));
     CHECK(d.per_rank[0].permute == s.per_rank[0].permute);
   }
+  SECTION("a reduce rate prices the weighted reduce only") {
+    topo.reduce_bandwidth = 4e10;
+    const auto d = sim::simulate<sim::policies<>>(cfg, topo, src);
+    CHECK(d.per_rank[0].reduce == Approx(80 * 200 / 4e10).epsilon(1e-12));
+    CHECK(d.per_rank[0].permute == s.per_rank[0].permute);
+    CHECK(d.per_rank[1].dispatch == s.per_rank[1].dispatch);
+  }
+  SECTION("a receive bound splits the exchanges in rounds, each paying the latency") {
+    cfg.max_recv_rows = 20;  // sequential, 2 ranks: 10 rows per pair per round
+    const auto b = sim::simulate<sim::policies<>>(cfg, topo, src);
+    CHECK(b.quota == 10);
+    CHECK(b.rounds == 3);  // rank 0 sends rank 1 30 rows
+    CHECK(b.units == 3);
+    // Rank 1 gets 10 rows a round; it regroups the same 70 rows in all.
+    CHECK(b.per_rank[1].dispatch == Approx(3 * 1e-5 + 6000 / 1e9 + 70 * copy).epsilon(1e-12));
+    CHECK(b.per_rank[1].peak_recv_rows == 20);  // rounds 0 and 1: 10 of its own + 10
+    CHECK(b.unit_rows == std::vector<index_t>{10, 0, 0, 20, 20, 10});
+    CHECK(b.per_rank[1].experts == Approx(s.per_rank[1].experts).epsilon(1e-12));
+    // Sequential rounds: each unit's dispatch, experts and combine before the next.
+    CHECK(b.timeline.dispatch_start[1] == Approx(b.timeline.combine_end[0]));
+  }
   SECTION("dedup adds 8 bytes of metadata per assignment row") {
     const auto d =
         sim::simulate<sim::policies<placement::block, capacity::dropless, true>>(cfg, topo, src);
@@ -193,6 +243,11 @@ TEST_CASE("sim: the pipelined schedule by hand", "[sim][cost]") {
   CHECK(t.experts_start[1] == 3);
   CHECK(t.combine_start[0] == 3);
   CHECK(sim::schedule({{2}, {4}, {2}}).latency == 8);  // sequential: the sum
+  sim::chunk_times rounds{{1, 1}, {2, 2}, {1, 1}};
+  rounds.sequential_units = true;  // two receive-bound rounds of schedule::sequential
+  const auto r = sim::schedule(rounds);
+  CHECK(r.latency == 8);
+  CHECK(r.dispatch_start[1] == 4);  // after the first round's combine
 
   SECTION("home stages: shared overlaps the first dispatch only when pipelined") {
     // before 1, counts 0.5, shared 3, reduce 0.25.
@@ -315,7 +370,7 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   sim::calibration_options o;
   o.ranks = 2, o.hidden = 64, o.ffn = 32, o.gemm_rows = 16, o.gemm_calls = 2;
   o.large_bytes = 64 << 10, o.exchanges = 5, o.reps = 2, o.memory_bytes = 1 << 20;
-  o.tokens = 16, o.experts = 4, o.top_k = 2;
+  o.tokens = 16, o.experts = 4, o.top_k = 2, o.cold_bytes = 1 << 20;
   const auto c = sim::calibrate(o);
   CHECK(c.exchange_small > 0);
   CHECK(c.bandwidth > 0);
@@ -324,6 +379,7 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   CHECK(c.memory_bandwidth > 0);
   CHECK(c.copy_bandwidth > 0);
   CHECK(c.regroup_bandwidth > 0);
+  CHECK(c.reduce_bandwidth > 0);
   CHECK(c.route_seconds > 0);
   CHECK(c.topk_rate > 0);
   CHECK(c.topo.ranks() == 2);
@@ -335,6 +391,7 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   CHECK(t.gemm_flops == Approx(c.gemm_flops));
   CHECK(t.copy_bandwidth == Approx(c.copy_bandwidth));
   CHECK(t.regroup_bandwidth == Approx(c.regroup_bandwidth));
+  CHECK(t.reduce_bandwidth == Approx(c.reduce_bandwidth));
   CHECK(t.topk_rate == Approx(c.topk_rate));
   // The calibrated machine prices a two-rank pass.
   const layer_config cfg{
@@ -374,6 +431,39 @@ TEST_CASE("sim: validation runs a real layer on the source's routing and pairs e
     CHECK(row.measured >= 0);
     if (row.stage != "plan" && row.stage != "shared") CHECK(row.predicted > 0);
   }
+}
+
+TEST_CASE("sim: each round's calibration predicts its own passes; rows carry medians",
+          "[sim][calibrate]") {
+  // Three rounds on one configuration; the rounds' GEMM rates differ, and so do their passes.
+  const layer_config cfg{
+      .hidden = 16, .ffn = 8, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 24};
+  const auto src = sim::uniform(4, 2, 24, 3);
+  std::vector<sim::validation_round> rounds;
+  std::vector<double> errors;
+  for (double rate : {1e9, 2e9, 4e9}) {
+    sim::validation_round r;
+    r.cal.topo = sim::cpu_cluster(1);
+    r.cal.topo.ranks_per_node = 2;
+    r.cal.topo.gemm_flops = rate;
+    const auto s = sim::simulate<sim::policies<>>(cfg, r.cal.topo, src);
+    const double predicted = s.stages.experts[0];
+    // Passes measured at 0.8x, 1x and 1.25x of what this round predicts, on both ranks.
+    const double measured = predicted * (rate == 1e9 ? 0.8 : rate == 2e9 ? 1.0 : 1.25);
+    stage_times t{};
+    t.experts = measured;
+    r.real = {{t}, {t}};
+    errors.push_back((predicted - measured) / measured);
+    rounds.push_back(r);
+  }
+  const auto rows = sim::compare_rounds(cfg, src, rounds);
+  const auto experts =
+      std::find_if(rows.begin(), rows.end(), [](const auto& r) { return r.stage == "experts"; });
+  REQUIRE(experts != rows.end());
+  CHECK(experts->error == Approx(0.0).margin(1e-12));  // the middle round's
+  CHECK(experts->error_low == Approx(errors[2]));      // predicted 0.8 of measured: -20%
+  CHECK(experts->error_high == Approx(errors[0]));     // +25%
+  CHECK(rows[1].predicted < 0);                        // plan: not priced
 }
 
 TEST_CASE("sim: a bad topology names the field and the rule", "[sim]") {

@@ -14,9 +14,10 @@
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/losses.hpp"
 #include "epmoe/core/rows.hpp"
+#include "epmoe/expert/swiglu.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/sim/topology.hpp"
-#include "epmoe/space/host_gemm.hpp"
+#include "epmoe/space/host.hpp"
 
 // Calibration: measures this machine's rates as R ranks of a communicator see them (the
 // exchange of comm::threads or comm::mpi, host expert and gate GEMMs, the router's top-k, row
@@ -33,22 +34,24 @@ struct calibration_options {
   int experts = 8, top_k = 2;     // route probe: gate [E, H], top-K
   index_t small_bytes = 4 << 10;  // per peer, the latency point of the exchange fit
   index_t large_bytes = 1 << 20;  // per peer, the bandwidth point
-  int exchanges = 40;             // per size (best of)
+  int exchanges = 20;             // per size (best of)
   int reps = 7;                   // GEMM, route, copy and memory probes (best of)
   std::size_t memory_bytes = std::size_t{128} << 20;  // streamed per rank
+  std::size_t cold_bytes = std::size_t{48} << 20;     // streamed before a copy or exchange sample
 };
 
 /// What the probes measured (the slowest rank's figure for each).
 struct calibration {
   double exchange_small = 0, exchange_large = 0;  // s: best alltoallv of each size
   double latency = 0, bandwidth = 0;              // fit: small = latency + (R-1) small / bandwidth
-  double gemm_flops = 0;                          // FLOP/s of 3 expert GEMMs (SwiGLU shape)
+  double gemm_flops = 0;                          // FLOP/s of the layer's expert FFN code
   double route_seconds = 0;                       // s: gate GEMM + top-k of `tokens` tokens
   double topk_rate = 0;          // logits/s that makes route_seconds() match the probe
-  double copy_bandwidth = 0;     // bytes/s of a row gather (permute's copy), warm
-  double regroup_bandwidth = 0;  // the same gather into and out of cold buffers
-  double memory_bandwidth = 0;   // bytes/s streaming reads
-  topology topo;                 // nodes 1, ranks_per_node R, fp32 rows
+  double copy_bandwidth = 0;     // bytes/s of permute's row gather, warm source, cold destination
+  double regroup_bandwidth = 0;  // bytes/s of the regroup's row copies, likewise
+  double reduce_bandwidth = 0;  // bytes/s (rows in + out) of the weighted reduce, warm in, cold out
+  double memory_bandwidth = 0;  // bytes/s streaming reads
+  topology topo;                // nodes 1, ranks_per_node R, fp32 rows
 };
 
 namespace detail {
@@ -97,6 +100,28 @@ inline void route_probe(const layer_config& cfg, matrix_view<const float> logits
       return route_probe<8>(cfg, logits, s);  // other K: priced as top-8
   }
 }
+/// Streams 48 MiB of its own through the caches: what the rest of a model (attention, the other
+/// layers) does between two passes of one MoE layer. The validation runs it before every
+/// pass and the copy and exchange probes before every sample, so both start cold; without it,
+/// back-to-back passes whose activations fit in the cache copy rows faster than a layer in a
+/// model does (the cost model has no cache).
+class cold_caches {
+ public:
+  explicit cold_caches(std::size_t bytes = std::size_t{48} << 20)
+      : data_(std::max<std::size_t>(bytes / sizeof(float), 8), 1.f) {}
+  void operator()() {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const std::size_t n = data_.size() / 8 * 8;
+    for (std::size_t j = 0; j < n; j += 8)
+      for (int k = 0; k < 8; ++k) acc[k] += data_[j + k];
+    sink_ = sink_ + acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+  }
+
+ private:
+  std::vector<float> data_;
+  volatile float sink_ = 0;
+};
+
 inline double best(const std::vector<double>& v, bool largest) {
   if (v.empty()) return 0;
   return largest ? *std::max_element(v.begin(), v.end()) : *std::min_element(v.begin(), v.end());
@@ -121,9 +146,19 @@ calibration measure(Comm& c, const calibration_options& o) {
   epmoe::detail::require(o.tokens >= 1 && o.experts >= o.top_k && o.top_k >= 1,
                          "calibration tokens/experts/top_k", o.tokens,
                          "need tokens >= 1 and 1 <= top_k <= experts");
-  // Cold buffers come from successive windows of a large pool: the route probe's tokens (a
-  // pass's input) and the regroup probe (the expert buffer, whose lines the expert weights
-  // pushed out since the last pass). Permute's and the exchange's rows stay warm.
+  // Every copy and exchange sample starts from cold caches (as a pass in a model does), then
+  // warms what the stage before it just touched (the probes below say what).
+  detail::cold_caches evict(o.cold_bytes);
+  const index_t M = o.gemm_rows, H = o.hidden, F = o.ffn;
+  const int L = o.gemm_calls;
+  std::vector<float> w1(static_cast<std::size_t>(L) * F * H), w3(w1.size()), w2(w1.size());
+  {
+    std::mt19937 wr(static_cast<unsigned>(c.rank()) + 7);
+    std::uniform_real_distribution<float> wu(-0.05f, 0.05f);
+    for (auto* v : {&w1, &w3, &w2})
+      for (float& f : *v) f = wu(wr);
+  }
+  // The pool the memory probe streams and the route probe's cold tokens come from.
   std::vector<float> big_array(std::max<std::size_t>(o.memory_bytes / sizeof(float), 1 << 20));
   for (std::size_t i = 0; i < big_array.size(); ++i)  // varied values: the route probe's tokens
     big_array[i] = float((i * 2654435761u >> 16) & 1023) / 512.f - 1.f;
@@ -136,15 +171,16 @@ calibration measure(Comm& c, const calibration_options& o) {
     return p;
   };
   volatile float sink = 0;
-  auto read_all = [&](std::size_t n) {
+  auto read = [&](const float* p, std::size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     n = n / 8 * 8;
     for (std::size_t j = 0; j < n; j += 8)
-      for (int k = 0; k < 8; ++k) acc[k] += big_array[j + k];
+      for (int k = 0; k < 8; ++k) acc[k] += p[j + k];
     sink = sink + acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
     return n;
   };
-  // (a) exchange: a barrier-aligning alltoallv, then the timed one.
+  // (a) exchange: a barrier-aligning alltoallv, then the timed one. The rows come from a send
+  // buffer just written (as permute leaves it) and land in a cold receive buffer.
   const index_t big = o.large_bytes / 4, small = o.small_bytes / 4;
   std::vector<float> send(static_cast<std::size_t>(big * R), 1.f), recv(send.size());
   std::vector<index_t> counts(static_cast<std::size_t>(R)), displs(counts.size());
@@ -158,6 +194,10 @@ calibration measure(Comm& c, const calibration_options& o) {
   };
   for (index_t n : {small, big}) {
     for (int i = 0; i < o.exchanges + 3; ++i) {
+      if (n == big) {
+        evict();
+        std::fill(send.begin(), send.end(), float(i));
+      }
       float* s = send.data();
       float* d = recv.data();
       sync();
@@ -167,25 +207,26 @@ calibration measure(Comm& c, const calibration_options& o) {
       if (i >= 3) (n == small ? mine_small : mine_large).push_back(detail::seconds_since(t0));
     }
   }
-  // (b) expert GEMMs: the three SwiGLU GEMMs of `gemm_calls` experts.
-  const index_t M = o.gemm_rows, H = o.hidden, F = o.ffn;
-  std::vector<float> a(static_cast<std::size_t>(M * H), 0.01f), h(static_cast<std::size_t>(M * F));
-  std::vector<float> w(static_cast<std::size_t>(o.gemm_calls) * 3 * F * H, 0.001f);
-  std::vector<float> y(static_cast<std::size_t>(M * H));
+  // (b) experts: the layer's own expert code (expert::swiglu on space::host: gate and up
+  // GEMMs, the fused SiLU, the down GEMM in place) over `gemm_calls` experts of `gemm_rows`
+  // rows each, the input just regrouped (warm).
+  std::vector<float> xe(static_cast<std::size_t>(L) * M * H),
+      scratch(2 * static_cast<std::size_t>(M) * F);
+  const expert::swiglu::weights we{
+      {w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}};
+  const space::host host{};
   std::vector<double> mine_gemm, mine_route, mine_copy, mine_cold, mine_mem;
   for (int i = 0; i < o.reps + 1; ++i) {
+    for (std::size_t j = 0; j < xe.size(); ++j) xe[j] = float(int(j % 7) - 3) * 0.1f;
     sync();
     const auto t0 = clock::now();
-    for (int e = 0; e < o.gemm_calls; ++e) {
-      const float* we = w.data() + static_cast<std::size_t>(e) * 3 * F * H;
-      space::host_gemm_nt({a.data(), M, H}, {we, F, H}, {h.data(), M, F});
-      space::host_gemm_nt({a.data(), M, H}, {we + F * H, F, H}, {h.data(), M, F});
-      space::host_gemm_nt({h.data(), M, F}, {we + 2 * F * H, H, F}, {y.data(), M, H});
-    }
+    for (int e = 0; e < L; ++e)
+      expert::swiglu::forward(host, we, e, {xe.data() + static_cast<std::size_t>(e) * M * H, M, H},
+                              scratch.data());
     const double s = detail::seconds_since(t0);
-    if (i > 0) mine_gemm.push_back(6.0 * double(M) * H * F * o.gemm_calls / s);
+    if (i > 0) mine_gemm.push_back(6.0 * double(M) * H * F * L / s);
   }
-  // (c) route: gate GEMM [T, H] x [E, H]^T, then the router's top-k per token.
+  // (c) route: gate GEMM [T, H] x [E, H]^T on cold tokens, then the router's top-k per token.
   const index_t T = o.tokens, E = o.experts, K = o.top_k;
   std::mt19937 rng(static_cast<unsigned>(c.rank()) + 1);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -199,58 +240,104 @@ calibration measure(Comm& c, const calibration_options& o) {
                                .top_k = o.top_k,
                                .ranks = 1,
                                .max_tokens = static_cast<int>(T)};
-  detail::route_scratch scratch{std::vector<std::int32_t>(static_cast<std::size_t>(T * 8)),
-                                std::vector<float>(static_cast<std::size_t>(T * 8)),
-                                std::vector<float>(static_cast<std::size_t>(T * E)),
-                                std::vector<double>(static_cast<std::size_t>(2 * E)),
-                                {}};
+  detail::route_scratch scratch_r{std::vector<std::int32_t>(static_cast<std::size_t>(T * 8)),
+                                  std::vector<float>(static_cast<std::size_t>(T * 8)),
+                                  std::vector<float>(static_cast<std::size_t>(T * E)),
+                                  std::vector<double>(static_cast<std::size_t>(2 * E)),
+                                  {}};
   for (int i = 0; i < o.reps + 1; ++i) {
     const float* xc = cold(x.size());
     sync();
     const auto t0 = clock::now();
     space::host_gemm_nt({xc, T, H}, {gate.data(), E, H}, {logits.data(), T, E});
-    detail::route_probe(route_cfg, {logits.data(), T, E}, scratch);
+    detail::route_probe(route_cfg, {logits.data(), T, E}, scratch_r);
     if (i > 0) mine_route.push_back(detail::seconds_since(t0));
   }
-  // (d) copies: gather T*K rows of H floats (permute; the regroup and the weighted reduce
-  // move rows alike).
-  // Tokens ascend within each destination block, as build_send_plan orders them: K sweeps.
-  std::vector<std::int32_t> order(static_cast<std::size_t>(T * K));
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<std::int32_t>(i % T);
-  std::vector<float> rows(static_cast<std::size_t>(T * K * H));
-  for (int pass = 0; pass < 2; ++pass)  // warm buffers, then cold windows of the pool
+  // (d) copies of T*K rows of H floats from a warm source into a cold destination, in the
+  // layer's orders for a uniform routing (each token to K distinct random experts) on block
+  // placement. Permute's gather: one block per expert, its tokens ascending (as
+  // build_send_plan orders them), so a block skips through x; x was just read by the gate.
+  // The regroup: R*L contiguous blocks from source-major to expert-major order (as
+  // copy_blocks runs them); the received rows were just written by the exchange.
+  std::vector<std::int32_t> order, slot(static_cast<std::size_t>(T * K));
+  order.reserve(slot.size());
+  {
+    std::vector<std::vector<std::int32_t>> block(static_cast<std::size_t>(E));  // t * K + k
+    std::vector<int> pick(static_cast<std::size_t>(E));
+    for (index_t t = 0; t < T; ++t) {
+      std::iota(pick.begin(), pick.end(), 0);
+      for (index_t k = 0; k < K; ++k) {  // a partial Fisher-Yates shuffle: K distinct experts
+        std::swap(pick[k], pick[k + rng() % (E - k)]);
+        block[pick[k]].push_back(static_cast<std::int32_t>(t * K + k));
+      }
+    }
+    for (const auto& b : block)
+      for (std::int32_t a : b) {
+        slot[a] = static_cast<std::int32_t>(order.size());  // where the reduce finds it
+        order.push_back(static_cast<std::int32_t>(a / K));
+      }
+  }
+  const index_t n_rows = T * K;
+  const int B = std::max(1, R * std::max(1, o.experts / R));  // (source, local expert) blocks
+  const int Lr = B / R;
+  std::vector<index_t> block_first(static_cast<std::size_t>(B) + 1),
+      moved_first(block_first.size());
+  for (int b = 0; b <= B; ++b) block_first[b] = n_rows * b / B;
+  for (int j = 0, at = 0; j < Lr; ++j)  // expert-major: (j, s) blocks in order
+    for (int sr = 0; sr < R; ++sr) {
+      const int b = sr * Lr + j;
+      moved_first[b] = at;
+      at += static_cast<int>(block_first[b + 1] - block_first[b]);
+    }
+  std::vector<float> rows(static_cast<std::size_t>(n_rows * H)), moved(rows.size());
+  std::vector<float> y(static_cast<std::size_t>(T * H)), weights(slot.size(), 0.5f);
+  std::vector<double> mine_reduce;
+  for (int pass = 0; pass < 3; ++pass)
     for (int i = 0; i < o.reps + 1; ++i) {
-      const float* src = pass ? cold(x.size()) : x.data();
-      float* dst = pass ? cold(rows.size()) : rows.data();
+      evict();
+      if (pass == 0)
+        read(x.data(), x.size());
+      else
+        std::fill(rows.begin(), rows.end(), float(i));
       sync();
       const auto t0 = clock::now();
       if (pass == 0) {  // permute's own gather
-        const rows::gather g{{src, T, H}, order.data(), {dst, T * K, H}};
-        for (index_t r = 0; r < T * K; ++r) g(r);
+        const rows::gather g{{x.data(), T, H}, order.data(), {rows.data(), n_rows, H}};
+        for (index_t r = 0; r < n_rows; ++r) g(r);
+      } else if (pass == 2) {  // the layer's weighted reduce: rows just back from the combine
+        const rows::weighted_reduce wr{
+            {rows.data(), n_rows, H}, slot.data(), {weights.data(), T, K}, {y.data(), T, H}};
+        for (index_t t = 0; t < T; ++t) wr(t);
       } else {  // the regroup's row memcpy (space::host::copy_blocks)
-        for (std::size_t r = 0; r < order.size(); ++r)
-          std::memcpy(dst + r * H, src + order[r] * H, static_cast<std::size_t>(H) * 4);
+        for (int b = 0; b < B; ++b)
+          for (index_t r = 0; r < block_first[b + 1] - block_first[b]; ++r)
+            std::memcpy(moved.data() + (moved_first[b] + r) * H,
+                        rows.data() + (block_first[b] + r) * H, static_cast<std::size_t>(H) * 4);
       }
       const double s = detail::seconds_since(t0);
-      if (i > 0) (pass ? mine_cold : mine_copy).push_back(double(order.size()) * H * 4 / s);
+      if (i == 0) continue;
+      if (pass == 2)  // rows in and out
+        mine_reduce.push_back(double(n_rows + T) * H * 4 / s);
+      else
+        (pass ? mine_cold : mine_copy).push_back(double(n_rows) * H * 4 / s);
     }
   // (e) memory: stream a large array (reads).
   for (int i = 0; i < o.reps + 1; ++i) {
     sync();
     const auto t0 = clock::now();
-    const std::size_t n = read_all(big_array.size());
+    const std::size_t n = read(big_array.data(), big_array.size());
     const double s = detail::seconds_since(t0);
     if (i > 0) mine_mem.push_back(double(n * sizeof(float)) / s);
   }
   // Every rank's medians to every rank.
-  constexpr int V = 7;
+  constexpr int V = 8;
   std::vector<double> out_v(static_cast<std::size_t>(V) * R), in_v(out_v.size());
   // Best of the samples (least time, most rate): on a shared machine the others are the
   // neighbours' noise. The validation takes the best pass alike.
   const double mine[V] = {detail::best(mine_small, false), detail::best(mine_large, false),
                           detail::best(mine_gemm, true),   detail::best(mine_route, false),
                           detail::best(mine_copy, true),   detail::best(mine_mem, true),
-                          detail::best(mine_cold, true)};
+                          detail::best(mine_cold, true),   detail::best(mine_reduce, true)};
   for (int r = 0; r < R; ++r) std::copy_n(mine, V, out_v.begin() + r * V);
   c.alltoall(out_v.data(), in_v.data(), V);
   auto over_ranks = [&](int k, bool slowest_is_max) {
@@ -267,6 +354,7 @@ calibration measure(Comm& c, const calibration_options& o) {
   cal.copy_bandwidth = over_ranks(4, false);
   cal.memory_bandwidth = over_ranks(5, false);
   cal.regroup_bandwidth = over_ranks(6, false);
+  cal.reduce_bandwidth = over_ranks(7, false);
   fit(cal, o, R);
   return cal;
 }
@@ -298,25 +386,29 @@ inline void fit(calibration& cal, const calibration_options& o, int R) {
   t.memory_bandwidth = cal.memory_bandwidth;
   t.copy_bandwidth = cal.copy_bandwidth;
   t.regroup_bandwidth = cal.regroup_bandwidth;
+  t.reduce_bandwidth = cal.reduce_bandwidth;
   t.topk_rate = cal.topk_rate;
   t.activation_bytes = t.weight_bytes = 4;  // the host layer moves and multiplies fp32
 }
 
-/// The better of two calibrations of one machine with the same options, figure by figure
-/// (least time, most rate), refitted: repeated calibrations between a layer's passes see
-/// the same changing load the passes see.
-inline calibration best_of(const calibration& a, const calibration& b, const calibration_options& o,
-                           int R) {
-  calibration c = a;
-  c.exchange_small = std::min(a.exchange_small, b.exchange_small);
-  c.exchange_large = std::min(a.exchange_large, b.exchange_large);
-  c.gemm_flops = std::max(a.gemm_flops, b.gemm_flops);
-  c.route_seconds = std::min(a.route_seconds, b.route_seconds);
-  c.copy_bandwidth = std::max(a.copy_bandwidth, b.copy_bandwidth);
-  c.regroup_bandwidth = std::max(a.regroup_bandwidth, b.regroup_bandwidth);
-  c.memory_bandwidth = std::max(a.memory_bandwidth, b.memory_bandwidth);
+/// The median of calibrations of one machine with the same options, figure by figure,
+/// refitted: what a run of rounds reports as this machine's rates.
+inline calibration median_of(const std::vector<calibration>& all, const calibration_options& o,
+                             int R) {
+  if (all.empty()) return {};
+  calibration c = all[0];
+  auto mid = [&](double calibration::*f) {
+    std::vector<double> v;
+    for (const auto& a : all) v.push_back(a.*f);
+    c.*f = detail::median(v);
+  };
+  for (auto f :
+       {&calibration::exchange_small, &calibration::exchange_large, &calibration::gemm_flops,
+        &calibration::route_seconds, &calibration::copy_bandwidth, &calibration::regroup_bandwidth,
+        &calibration::reduce_bandwidth, &calibration::memory_bandwidth})
+    mid(f);
   fit(c, o, R);
-  c.topo.name = a.topo.name;
+  c.topo.name = all[0].topo.name;
   return c;
 }
 

@@ -60,10 +60,14 @@ inline double route_seconds(const topology& topo, double tokens, int hidden, int
   if (tokens <= 0) return 0;
   return 2.0 * tokens * hidden * experts / topo.gemm_flops + tokens * experts / topo.select_rate();
 }
-/// Copying `rows` rows of `row_bytes` on one rank (permute's gather, the weighted reduce
-/// reading each expert output once, the shared experts' input).
+/// Copying `rows` rows of `row_bytes` on one rank (permute's gather, the shared experts'
+/// input).
 inline double copy_seconds(const topology& topo, double rows, double row_bytes) {
   return rows * row_bytes / topo.copy_rate();
+}
+/// The weighted reduce: `rows` rows read and written (each expert output once, the output).
+inline double reduce_seconds(const topology& topo, double rows, double row_bytes) {
+  return rows * row_bytes / topo.reduce_rate();
 }
 /// The copies around an exchange: a rank's rows to itself, the regroup by expert and back.
 inline double regroup_seconds(const topology& topo, double rows, double row_bytes) {
@@ -91,6 +95,9 @@ struct chunk_times {
   double shared = 0;  // shared experts
   double counts = 0;  // the counts all-to-all
   double after = 0;   // reduce
+  // Several units run one at a time (schedule::sequential with receive-bound rounds);
+  // otherwise more than one unit means schedule::pipelined.
+  bool sequential_units = false;
 };
 
 /// When each stage of each chunk starts and ends.
@@ -101,8 +108,9 @@ struct schedule_times {
   double latency = 0;  // end of the reduce
 };
 
-/// The layer's order. C = 1 is schedule::sequential: route, permute, shared, counts, then
-/// dispatch + experts + combine, reduce. C > 1 is schedule::pipelined<C>: route, permute,
+/// The layer's order. C = 1 (or sequential_units) is schedule::sequential: route, permute,
+/// shared, counts, then dispatch + experts + combine of each unit in turn, reduce. C > 1 is
+/// schedule::pipelined<C>: route, permute,
 /// counts; shared runs on the compute stream while dispatch(0) is in flight; one compute
 /// stream runs experts(c) once dispatch(c) has arrived; one comm stream runs the exchanges
 /// one at a time in the order they are started: dispatch(c+1) when experts(c) starts,
@@ -114,7 +122,8 @@ inline schedule_times schedule(const chunk_times& s) {
                   &o.combine_start, &o.combine_end})
     v->assign(C, 0.0);
   double comm_free = 0, compute_free = 0;
-  if (C > 1) {
+  const bool pipelined = C > 1 && !s.sequential_units;
+  if (pipelined) {
     o.counts_start = s.before;
     o.shared_start = comm_free = o.counts_start + s.counts;
     compute_free = o.shared_start + s.shared;
@@ -125,6 +134,18 @@ inline schedule_times schedule(const chunk_times& s) {
   }
   if (C == 0) {
     o.reduce_start = comm_free;
+    o.latency = o.reduce_start + s.after;
+    return o;
+  }
+  if (!pipelined) {  // each unit's dispatch, experts and combine, one unit after another
+    double t = comm_free;
+    for (std::size_t c = 0; c < C; ++c) {
+      o.dispatch_start[c] = t;
+      o.experts_start[c] = o.dispatch_end[c] = t + s.dispatch[c];
+      o.combine_start[c] = o.experts_end[c] = o.experts_start[c] + s.experts[c];
+      t = o.combine_end[c] = o.combine_start[c] + s.combine[c];
+    }
+    o.reduce_start = t;
     o.latency = o.reduce_start + s.after;
     return o;
   }

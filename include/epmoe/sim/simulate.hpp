@@ -60,6 +60,7 @@ struct rank_result {
   index_t send_rows = 0;                  // rows permute gathers (unique with dedup), padding in
   index_t self_rows = 0;                  // of them, rows for its own slots: copied, never sent
   index_t rows_computed = 0;              // real rows its expert slots computed
+  index_t peak_recv_rows = 0;             // most rows it received in one unit (pass_stats')
   index_t padded_rows_computed = 0;       // padding included (what the GEMMs cost)
   traffic dispatch_bytes, combine_bytes;  // to and from other ranks, per link class
   double time(stage s) const {
@@ -74,13 +75,19 @@ struct rank_result {
 
 struct result {
   int ranks = 0, chunks = 1, slots_per_rank = 0;
+  // Exchange units in the layer's order: one per chunk, or with config max_recv_rows every
+  // round of every chunk (chunk c's rounds: the most any (source, destination) pair needs).
+  int units = 1, rounds = 1;                  // units; most rounds of one chunk
+  index_t quota = 0;                          // rows a pair moves per round (0: unbounded)
+  std::vector<int> unit_chunk, unit_round;    // [U]
+  std::vector<index_t> unit_rows;             // [R, U]: rows each rank's slots compute per unit
   std::vector<rank_result> per_rank;          // [R]
   std::vector<index_t> rows_per_slot;         // [P]: real rows per physical slot
   std::vector<index_t> padded_rows_per_slot;  // [P]: padding included
-  std::vector<double> rank_dispatch, rank_experts, rank_combine;  // [R, C] per chunk
+  std::vector<double> rank_dispatch, rank_experts, rank_combine;  // [R, U] per unit
   std::vector<index_t> rows_sent;             // [R, R] (keep_peer_counts): sender-major
   std::vector<index_t> assignment_rows_sent;  // [R, R]: the rows without dedup
-  chunk_times stages;                         // per chunk (and home stages), slowest rank
+  chunk_times stages;                         // per unit (and home stages), slowest rank
   schedule_times timeline;
   double latency = 0;           // predicted layer latency, seconds
   double balanced_latency = 0;  // the same schedule if every rank did the mean rank's work
@@ -150,15 +157,30 @@ struct rank_chunk_counts {
 
 // What one planner thread accumulates over its ranks; summed after the threads join (sums
 // of whole numbers: exact, whatever the thread count).
+// With a receive bound: what round i of chunk c moves (grown as rounds appear).
+struct round_counts {
+  std::vector<rank_chunk_counts> counts;  // [R]
+  std::vector<index_t> slot_rows;         // [P]
+};
+
 struct partial_counts {
-  std::vector<rank_chunk_counts> counts;  // [R * C]
-  std::vector<index_t> slot_chunk_rows;   // [C * P]: padded rows per (chunk, physical slot)
+  std::vector<std::vector<round_counts>> rounds;  // [C][round] (bounded only)
+  std::vector<rank_chunk_counts> counts;          // [R * C]
+  std::vector<index_t> slot_chunk_rows;           // [C * P]: padded rows per (chunk, physical slot)
   std::vector<index_t> rows_per_slot, padded_rows_per_slot;  // [P]
   partial_counts(int R, int C, int P)
       : counts(static_cast<std::size_t>(R) * C),
         slot_chunk_rows(static_cast<std::size_t>(C) * P, 0),
         rows_per_slot(static_cast<std::size_t>(P), 0),
         padded_rows_per_slot(static_cast<std::size_t>(P), 0) {}
+  round_counts& round(int c, index_t i, int R, int P) {
+    if (rounds.empty()) rounds.resize(counts.size() / static_cast<std::size_t>(R));
+    auto& v = rounds[static_cast<std::size_t>(c)];
+    while (static_cast<index_t>(v.size()) <= i)
+      v.push_back({std::vector<rank_chunk_counts>(static_cast<std::size_t>(R)),
+                   std::vector<index_t>(static_cast<std::size_t>(P), 0)});
+    return v[static_cast<std::size_t>(i)];
+  }
 };
 
 // placement::table's slot_for with the per-(home rank, expert) search done once per rank
@@ -269,6 +291,22 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                          "must be >= 0 (0: the hardware's)");
   const int R = cfg.ranks, K = cfg.top_k, E = cfg.experts, C = opt.chunks;
   const int L = where.slots_per_rank(), P = R * L;
+  // The receive bound, as the layer splits it: every (source, destination) pair moves at most
+  // `quota` rows per round; the schedule keeps 1 (sequential) or 3 (pipelined) rounds in flight.
+  const index_t bound = cfg.max_recv_rows;
+  const int live = C > 1 ? 3 : 1;
+  if (bound > 0) {
+    epmoe::detail::require(!capacity_type::pads, "max_recv_rows", bound,
+                           "does not combine with padded capacity (as in the layer): use "
+                           "capacity::factor<false> or capacity::dropless");
+    epmoe::detail::require(!dedup, "max_recv_rows", bound,
+                           "does not combine with per-rank dedup (as in the layer)");
+    epmoe::detail::require(bound >= index_t{R} * live, "max_recv_rows", bound,
+                           live == 1 ? "must be >= ranks"
+                                     : "must be >= 3 * ranks (a pipelined schedule keeps 3 "
+                                       "rounds in flight)");
+  }
+  const index_t quota = bound > 0 ? std::max<index_t>(1, bound / (index_t{R} * live)) : 0;
   const double row_bytes = double(cfg.hidden) * topo.activation_bytes;
   const double meta_bytes = dedup ? double(sizeof(std::int64_t)) : 0.0;
 
@@ -325,6 +363,29 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
             out.assignment_rows_sent[static_cast<std::size_t>(r) * R + s] += assigned;
           }
           me.send_rows += rows;
+          if (quota > 0) {  // the pair's rows in rounds of `quota`, spanning s's slots in order
+            const index_t n = assigned;
+            const index_t pair_rounds = std::max<index_t>(1, (n + quota - 1) / quota);
+            const int l = s == r ? -1 : static_cast<int>(topo.between(r, s));
+            for (index_t i = 0; i < pair_rounds; ++i) {
+              const index_t lo = i * quota, hi = lo + quota;
+              const double moved = double(std::min(n, hi) - std::min(n, lo));
+              auto& acc = part.round(c, i, R, P);
+              if (l < 0) {
+                acc.counts[r].self_rows += moved;
+              } else {
+                acc.counts[r].rows_out[l] += moved;
+                acc.counts[s].rows_in[l] += moved;
+              }
+              index_t first = 0;
+              for (int j = 0; j < L; ++j) {
+                const index_t b0 = first, b1 = first + p.send_counts[p.block(c, s, j)];
+                first = b1;
+                acc.slot_rows[s * L + j] +=
+                    std::max<index_t>(0, std::min(b1, hi) - std::max(b0, lo));
+              }
+            }
+          }
           auto& mine = part.counts[static_cast<std::size_t>(r) * C + c];
           if (s == r) {  // rows for its own experts stay in memory: a copy, not the link
             mine.self_rows += double(rows);
@@ -382,6 +443,18 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     }
     for (std::size_t i = 0; i < all.slot_chunk_rows.size(); ++i)
       all.slot_chunk_rows[i] += q.slot_chunk_rows[i];
+    for (std::size_t c = 0; c < q.rounds.size(); ++c)
+      for (std::size_t i = 0; i < q.rounds[c].size(); ++i) {
+        auto& a = all.round(static_cast<int>(c), static_cast<index_t>(i), R, P);
+        const auto& b = q.rounds[c][i];
+        for (int r = 0; r < R; ++r) {
+          for (int l = 0; l < 2; ++l)
+            a.counts[r].rows_out[l] += b.counts[r].rows_out[l],
+                a.counts[r].rows_in[l] += b.counts[r].rows_in[l];
+          a.counts[r].self_rows += b.counts[r].self_rows;
+        }
+        for (int k = 0; k < P; ++k) a.slot_rows[k] += b.slot_rows[k];
+      }
     for (std::size_t i = 0; i < all.rows_per_slot.size(); ++i) {
       all.rows_per_slot[i] += q.rows_per_slot[i];
       all.padded_rows_per_slot[i] += q.padded_rows_per_slot[i];
@@ -389,17 +462,46 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   }
   out.rows_per_slot = std::move(all.rows_per_slot);
   out.padded_rows_per_slot = std::move(all.padded_rows_per_slot);
-  const auto& counts = all.counts;
-  const auto& slot_chunk_rows = all.slot_chunk_rows;
+  // Units: one per chunk, or with a receive bound every round of every chunk (a chunk's rounds
+  // are the most any pair needs: the layer's ranks agree on them in the counts exchange).
+  std::vector<detail::rank_chunk_counts> unit_counts;  // [R * U]
+  std::vector<index_t> unit_slot_rows;                 // [U * P], padding in
+  if (quota > 0) {
+    for (int c = 0; c < C; ++c) {
+      if (all.rounds.empty() || all.rounds[c].empty()) all.round(c, 0, R, P);
+      for (std::size_t i = 0; i < all.rounds[c].size(); ++i) {
+        out.unit_chunk.push_back(c);
+        out.unit_round.push_back(static_cast<int>(i));
+        out.rounds = std::max(out.rounds, static_cast<int>(i) + 1);
+      }
+    }
+    const auto U = out.unit_chunk.size();
+    unit_counts.resize(static_cast<std::size_t>(R) * U);
+    unit_slot_rows.reserve(U * static_cast<std::size_t>(P));
+    for (std::size_t u = 0; u < U; ++u) {
+      const auto& acc = all.rounds[out.unit_chunk[u]][out.unit_round[u]];
+      for (int r = 0; r < R; ++r) unit_counts[r * U + u] = acc.counts[r];
+      unit_slot_rows.insert(unit_slot_rows.end(), acc.slot_rows.begin(), acc.slot_rows.end());
+    }
+  } else {
+    for (int c = 0; c < C; ++c) out.unit_chunk.push_back(c), out.unit_round.push_back(0);
+    unit_counts = std::move(all.counts);
+    unit_slot_rows = std::move(all.slot_chunk_rows);
+  }
+  out.units = static_cast<int>(out.unit_chunk.size());
+  out.quota = quota;
+  const int U = out.units;
 
-  // Price every (rank, chunk); a chunk's stage lasts as long as its slowest rank.
-  out.rank_dispatch.assign(static_cast<std::size_t>(R) * C, 0);
-  out.rank_experts.assign(static_cast<std::size_t>(R) * C, 0);
-  out.rank_combine.assign(static_cast<std::size_t>(R) * C, 0);
+  // Price every (rank, unit); a unit's stage lasts as long as its slowest rank.
+  out.rank_dispatch.assign(static_cast<std::size_t>(R) * U, 0);
+  out.rank_experts.assign(static_cast<std::size_t>(R) * U, 0);
+  out.rank_combine.assign(static_cast<std::size_t>(R) * U, 0);
+  out.unit_rows.assign(static_cast<std::size_t>(R) * U, 0);
   chunk_times mean;
   for (auto* v : {&out.stages.dispatch, &out.stages.experts, &out.stages.combine, &mean.dispatch,
                   &mean.experts, &mean.combine})
-    v->assign(static_cast<std::size_t>(C), 0.0);
+    v->assign(static_cast<std::size_t>(U), 0.0);
+  out.stages.sequential_units = mean.sequential_units = C == 1;
   // The counts all-to-all: per chunk, L padded counts, L real counts and a unique count, as
   // index_t, to every rank.
   const double counts_time =
@@ -418,13 +520,13 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     me.counts = counts_time;
     // Reduce reads each expert output row once (one per kept assignment, or per unique row
     // with dedup) and the shared experts' sum, and writes the T output rows: priced as that
-    // many rows at the copy rate.
+    // many rows at the reduce rate.
     const double back =
         dedup ? double(me.send_rows - me.padding) : double(me.assignments - me.dropped);
-    me.reduce = copy_seconds(topo, back + T + (N > 0 ? T : 0.0), row_bytes);
-    for (int c = 0; c < C; ++c) {
-      const auto i = static_cast<std::size_t>(r) * C + c;
-      const auto& n = counts[i];
+    me.reduce = reduce_seconds(topo, back + T + (N > 0 ? T : 0.0), row_bytes);
+    for (int c = 0; c < U; ++c) {  // c: the unit
+      const auto i = static_cast<std::size_t>(r) * U + c;
+      const auto& n = unit_counts[i];
       traffic d, m;
       for (int l = 0; l < 2; ++l) {
         d.out[l] = n.rows_out[l] * row_bytes + n.meta_out[l] * meta_bytes;
@@ -437,13 +539,19 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       }
       double x = 0, received = 0;  // received: assignment rows of this chunk, padding in
       for (int j = 0; j < L; ++j) {
-        const double rows = double(slot_chunk_rows[static_cast<std::size_t>(c) * P + r * L + j]);
+        const double rows = double(unit_slot_rows[static_cast<std::size_t>(c) * P + r * L + j]);
         x += slot_seconds(topo, cfg.hidden, cfg.ffn, rows);
         received += rows;
       }
       // Local copies: its rows to itself, and every received row regrouped by expert (and
       // back before the combine).
       const double local = regroup_seconds(topo, n.self_rows + received, row_bytes);
+      out.unit_rows[i] = static_cast<index_t>(received);
+      // Rows landing in its receive buffer (unique rows with dedup): pass_stats' peak is the
+      // fullest round with a bound, else the whole pass.
+      const auto landed = static_cast<index_t>(n.self_rows + n.rows_in[0] + n.rows_in[1]);
+      me.peak_recv_rows =
+          quota > 0 ? std::max(me.peak_recv_rows, landed) : me.peak_recv_rows + landed;
       out.rank_dispatch[i] = exchange_seconds(topo, d) + local;
       out.rank_experts[i] = x;
       out.rank_combine[i] = exchange_seconds(topo, m) + local;

@@ -35,12 +35,16 @@ struct topology {
   double copy_bandwidth = 0;     // bytes/s a rank copies rows (gather, reduce; 0: memory / 2)
   double topk_rate = 0;          // logits/s of softmax + top-k (0: reading them, 4 B each)
   double regroup_bandwidth = 0;  // bytes/s of the copies around an exchange (0: copy_bandwidth)
+  double reduce_bandwidth = 0;   // bytes/s the weighted reduce reads and writes (0: copy_bandwidth)
 
   /// Row copies on one rank: permute's gather, the reduce, the shared experts' input.
   double copy_rate() const { return copy_bandwidth > 0 ? copy_bandwidth : memory_bandwidth / 2; }
   /// A rank's rows to itself and the regroup by expert (and back): buffers the expert stage
   /// has pushed out of the caches on a host; the same kernels as copy_rate() on a GPU.
   double regroup_rate() const { return regroup_bandwidth > 0 ? regroup_bandwidth : copy_rate(); }
+  /// The weighted reduce: K rows in per token, one row out; on a host its inputs were just
+  /// written by the combine (cache hits) and only its output is cold.
+  double reduce_rate() const { return reduce_bandwidth > 0 ? reduce_bandwidth : copy_rate(); }
   double select_rate() const { return topk_rate > 0 ? topk_rate : memory_bandwidth / 4; }
 
   int ranks() const { return nodes * ranks_per_node; }
@@ -66,6 +70,8 @@ struct topology {
     require(copy_bandwidth >= 0, "topology.copy_bandwidth", copy_bandwidth,
             "must be >= 0 (0: half the memory bandwidth)");
     require(regroup_bandwidth >= 0, "topology.regroup_bandwidth", regroup_bandwidth,
+            "must be >= 0 (0: copy_bandwidth)");
+    require(reduce_bandwidth >= 0, "topology.reduce_bandwidth", reduce_bandwidth,
             "must be >= 0 (0: copy_bandwidth)");
     require(topk_rate >= 0, "topology.topk_rate", topk_rate,
             "must be >= 0 (0: a read of the logits at memory bandwidth)");
@@ -124,7 +130,8 @@ inline void save(std::ostream& os, const topology& t) {
      << "\ngemm_flops = " << t.gemm_flops << "\nmemory_bandwidth = " << t.memory_bandwidth
      << "\nactivation_bytes = " << t.activation_bytes << "\nweight_bytes = " << t.weight_bytes
      << "\ncopy_bandwidth = " << t.copy_bandwidth << "\ntopk_rate = " << t.topk_rate
-     << "\nregroup_bandwidth = " << t.regroup_bandwidth << "\n";
+     << "\nregroup_bandwidth = " << t.regroup_bandwidth
+     << "\nreduce_bandwidth = " << t.reduce_bandwidth << "\n";
 }
 
 inline topology load(std::istream& is, topology base = {}) {
@@ -169,6 +176,8 @@ inline topology load(std::istream& is, topology base = {}) {
       ok = bool(v >> base.topk_rate);
     else if (key == "regroup_bandwidth")
       ok = bool(v >> base.regroup_bandwidth);
+    else if (key == "reduce_bandwidth")
+      ok = bool(v >> base.reduce_bandwidth);
     else
       throw config_error("topology file", key, "unknown key");
     if (!ok) throw config_error("topology." + key, value, "not a number");

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -15,12 +16,46 @@
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/sim/calibrate.hpp"
 #include "epmoe/sim/simulate.hpp"
+#include "epmoe/space/host_gemm.hpp"
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 // Validation: a real moe_layer (block, dropless, sequential) on any comm routes exactly a
 // source's assignments, and its measured stage times are set against what simulate()
 // predicts for the same pass on a calibrated topology. Used by `epmoe_simulate --validate`
 // (comm::threads) and bench/sim/validate_mpi.cpp (comm::mpi).
 namespace epmoe::sim {
+
+/// Sets the BLAS to the cores this process may run on over `ranks` ranks (at least 1 each),
+/// for the probes and the passes alike, and returns that count: R ranks whose GEMMs each ask
+/// for every core fight over them, and the fight, not the model, then sets the expert times.
+inline int share_blas_threads(int ranks) {
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+#if defined(__linux__)
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) cores = CPU_COUNT(&set);
+#endif
+  const int n = std::max(1, cores / std::max(1, ranks));
+  space::set_blas_threads(n);
+  return n;
+}
+
+/// Maps every buffer of 128 KiB or more fresh from the OS (glibc; a no-op elsewhere). glibc
+/// otherwise raises its mapping threshold once such a buffer is freed and serves the next
+/// round's probe and layer buffers from reused heap memory, where the regroup probe's row
+/// copies measured 4x slower on the development VM than in fresh mappings: one round's
+/// rates would not predict the next round's passes. A process-wide allocator setting, for a
+/// validation or calibration program's main().
+inline void map_large_buffers_fresh() {
+#if defined(__GLIBC__)
+  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
+#endif
+}
 
 template <int K, class Comm>
 struct validation_policies : default_policies {
@@ -53,7 +88,8 @@ std::vector<float> hand_gate_tokens(const layer_config& cfg, const Source& src, 
   return x;
 }
 
-/// This rank's stage times of `passes` passes (after one warm-up pass) of the real layer.
+/// This rank's stage times of `passes` passes (after one warm-up pass) of the real layer, each
+/// pass from cold caches (detail::cold_caches stands for the rest of a model).
 template <int K, class Comm, class Source>
 std::vector<stage_times> run_layer_passes(Comm c, const layer_config& cfg,
                                           const reference::full_weights& w, const Source& src,
@@ -69,7 +105,9 @@ std::vector<stage_times> run_layer_passes(Comm c, const layer_config& cfg,
   const index_t T = src.tokens(r), H = cfg.hidden;
   std::vector<float> y(static_cast<std::size_t>(T * H));
   std::vector<stage_times> out;
+  detail::cold_caches rest_of_model;
   for (int p = 0; p < passes + 1; ++p) {
+    rest_of_model();
     layer.forward({x.data(), T, H}, {y.data(), T, H});
     if (p > 0) out.push_back(layer.stats().time);
   }
@@ -95,27 +133,6 @@ std::vector<stage_times> run_layer_passes(Comm c, const layer_config& cfg,
     default:
       throw config_error("validation top_k", std::to_string(cfg.top_k), "must be 1, 2, 4, 6 or 8");
   }
-}
-
-/// Collective: `rounds` rounds of (calibrate, `passes` layer passes) on this rank's comm;
-/// returns the best calibration over the rounds and this rank's stage times of every pass,
-/// so that the probes and the passes sample the same (on a shared machine, changing) load.
-template <class Comm, class MakeComm, class Source>
-std::pair<calibration, std::vector<stage_times>> calibrate_and_run(Comm& c, MakeComm&& make_comm,
-                                                                   const layer_config& cfg,
-                                                                   const reference::full_weights& w,
-                                                                   const Source& src, int passes,
-                                                                   int rounds) {
-  const auto o = options_for(cfg, src.tokens(c.rank()));
-  calibration best;
-  std::vector<stage_times> times;
-  for (int i = 0; i < rounds; ++i) {
-    const auto cal = measure(c, o);
-    best = i == 0 ? cal : best_of(best, cal, o, c.size());
-    const auto t = run_layer_passes(make_comm(), cfg, w, src, passes);
-    times.insert(times.end(), t.begin(), t.end());
-  }
-  return {best, times};
 }
 
 /// Collective: every rank's stage times, [rank][pass], on every rank.
@@ -147,7 +164,8 @@ struct validation_row {
   std::string stage;
   double predicted = 0;  // s; < 0: not modelled
   double measured = 0;   // s
-  double error() const { return measured > 0 ? (predicted - measured) / measured : 0; }
+  double error = 0;      // (predicted - measured) / measured; over rounds, their median
+  double error_low = 0, error_high = 0;  // over rounds: the least and the greatest error
 };
 
 /// Predicted (the slowest rank's own time of each stage, as the sim's schedule uses it) vs
@@ -178,7 +196,7 @@ inline std::vector<validation_row> compare(const result& s,
     return x;
   };
   double d = 0, x = 0, m = 0;
-  for (int c = 0; c < s.chunks; ++c)
+  for (int c = 0; c < s.units; ++c)
     d += s.stages.dispatch[c], x += s.stages.experts[c], m += s.stages.combine[c];
   std::vector<validation_row> rows = {
       {"route", slowest(&rank_result::route), per_pass(&stage_times::route, false)},
@@ -190,37 +208,95 @@ inline std::vector<validation_row> compare(const result& s,
       {"combine", m, per_pass(&stage_times::combine, true)},
       {"reduce", s.stages.after, per_pass(&stage_times::reduce, false)},
       {"layer total", s.latency, per_pass(&stage_times::total, false)}};
+  for (auto& r : rows)
+    r.error = r.error_low = r.error_high =
+        r.measured > 0 && r.predicted >= 0 ? (r.predicted - r.measured) / r.measured : 0;
   return rows;
+}
+
+/// One validation round: a calibration and the passes run right after it, under the same
+/// load (on a shared machine the load changes from second to second).
+struct validation_round {
+  calibration cal;
+  std::vector<std::vector<stage_times>> real;  // [rank][pass]
+};
+
+/// Collective: `rounds` rounds of (calibrate, `passes` layer passes) on this rank's comm;
+/// every rank returns every round's calibration and every rank's stage times.
+template <class Comm, class MakeComm, class Source>
+std::vector<validation_round> run_rounds(Comm& c, MakeComm&& make_comm, const layer_config& cfg,
+                                         const reference::full_weights& w, const Source& src,
+                                         int passes, int rounds) {
+  const auto o = options_for(cfg, src.tokens(c.rank()));
+  std::vector<validation_round> out;
+  for (int i = 0; i < rounds; ++i) {
+    calibration cal = measure(c, o);
+    const auto mine = run_layer_passes(make_comm(), cfg, w, src, passes);
+    out.push_back({std::move(cal), gather_times(c, mine)});
+  }
+  return out;
+}
+
+/// Each round's calibration predicts that round's passes (simulate on its topology, compare
+/// with its best pass); a row carries the medians over rounds of the predicted time, the
+/// measured time and the error, and the error's range. Pairing a calibration with the passes
+/// beside it keeps a load change between rounds out of the error.
+template <class Policies = policies<>, class Source>
+std::vector<validation_row> compare_rounds(const layer_config& cfg, const Source& src,
+                                           const std::vector<validation_round>& rounds,
+                                           const std::string& topology_name = "calibrated") {
+  std::vector<std::vector<validation_row>> each;
+  for (const auto& r : rounds) {
+    topology topo = r.cal.topo;
+    topo.name = topology_name;
+    each.push_back(compare(simulate<Policies>(cfg, topo, src), r.real));
+  }
+  if (each.empty()) return {};
+  std::vector<validation_row> out = each[0];
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    std::vector<double> p, m, e;
+    for (const auto& rows : each)
+      p.push_back(rows[k].predicted), m.push_back(rows[k].measured), e.push_back(rows[k].error);
+    out[k].predicted = out[k].predicted < 0 ? -1 : detail::median(p);
+    out[k].measured = detail::median(m);
+    out[k].error = detail::median(e);
+    out[k].error_low = *std::min_element(e.begin(), e.end());
+    out[k].error_high = *std::max_element(e.begin(), e.end());
+  }
+  return out;
 }
 
 inline void print_calibration(std::FILE* f, const calibration& c, const calibration_options& o,
                               int ranks, const char* comm) {
-  std::fprintf(f,
-               "calibration on %d ranks (%s):\n"
-               "  alltoallv to each peer: %.1f us at %lld B, %.1f us at %lld B -> latency %.1f us, "
-               "%.2f GB/s in per rank\n"
-               "  expert GEMMs (%lld x %d x %d, %d experts): %.1f GFLOP/s per rank\n"
-               "  route (gate %lld x %d x %d + top-%d): %.1f us -> top-k %.2f G logits/s\n"
-               "  row gather: %.2f GB/s warm, %.2f GB/s cold; memory reads: %.2f GB/s per rank\n",
-               ranks, comm, c.exchange_small * 1e6, static_cast<long long>(o.small_bytes),
-               c.exchange_large * 1e6, static_cast<long long>(o.large_bytes), c.latency * 1e6,
-               c.bandwidth / 1e9, static_cast<long long>(o.gemm_rows), o.hidden, o.ffn,
-               o.gemm_calls, c.gemm_flops / 1e9, static_cast<long long>(o.tokens), o.hidden,
-               o.experts, o.top_k, c.route_seconds * 1e6, c.topk_rate / 1e9, c.copy_bandwidth / 1e9,
-               c.regroup_bandwidth / 1e9, c.memory_bandwidth / 1e9);
+  std::fprintf(
+      f,
+      "calibration on %d ranks (%s):\n"
+      "  alltoallv to each peer: %.1f us at %lld B, %.1f us at %lld B -> latency %.1f us, "
+      "%.2f GB/s in per rank\n"
+      "  expert FFNs (swiglu, %lld rows x H %d x F %d, %d experts): %.1f GFLOP/s per rank\n"
+      "  route (gate %lld x %d x %d + top-%d): %.1f us -> top-k %.2f G logits/s\n"
+      "  row copies into cold buffers: gather %.2f GB/s, regroup %.2f GB/s, weighted reduce "
+      "%.2f GB/s; memory reads: %.2f GB/s per rank\n",
+      ranks, comm, c.exchange_small * 1e6, static_cast<long long>(o.small_bytes),
+      c.exchange_large * 1e6, static_cast<long long>(o.large_bytes), c.latency * 1e6,
+      c.bandwidth / 1e9, static_cast<long long>(o.gemm_rows), o.hidden, o.ffn, o.gemm_calls,
+      c.gemm_flops / 1e9, static_cast<long long>(o.tokens), o.hidden, o.experts, o.top_k,
+      c.route_seconds * 1e6, c.topk_rate / 1e9, c.copy_bandwidth / 1e9, c.regroup_bandwidth / 1e9,
+      c.reduce_bandwidth / 1e9, c.memory_bandwidth / 1e9);
 }
 
 inline void print_validation(std::FILE* f, const std::vector<validation_row>& rows) {
-  std::fprintf(f, "  %-26s %12s %12s %9s\n", "stage", "predicted ms", "measured ms", "error");
+  std::fprintf(f, "  %-26s %12s %12s %9s  %s\n", "stage", "predicted ms", "measured ms", "error",
+               "range over rounds");
   for (const auto& r : rows) {
     if (r.predicted <= 0 && r.measured < 1e-6)
       std::fprintf(f, "  %-26s %12.3f %12.3f %9s\n", r.stage.c_str(), 0.0, r.measured * 1e3, "-");
     else if (r.predicted < 0)
-      std::fprintf(f, "  %-26s %12s %12.3f %9s\n", r.stage.c_str(), "(not priced)",
-                   r.measured * 1e3, "");
+      std::fprintf(f, "  %-26s %12s %12.3f\n", r.stage.c_str(), "(not priced)", r.measured * 1e3);
     else
-      std::fprintf(f, "  %-26s %12.3f %12.3f %+8.0f%%\n", r.stage.c_str(), r.predicted * 1e3,
-                   r.measured * 1e3, 100 * r.error());
+      std::fprintf(f, "  %-26s %12.3f %12.3f %+8.0f%%  %+.0f%% .. %+.0f%%\n", r.stage.c_str(),
+                   r.predicted * 1e3, r.measured * 1e3, 100 * r.error, 100 * r.error_low,
+                   100 * r.error_high);
   }
 }
 

@@ -19,6 +19,7 @@
 #endif
 #if defined(EPMOE_HAS_OPENBLAS)
 extern "C" int openblas_get_num_threads(void);
+extern "C" void openblas_set_num_threads(int);
 #endif
 #if defined(__linux__)
 #include <pthread.h>
@@ -40,6 +41,28 @@ inline const char* host_gemm_backend() {
 #else
   return "portable loop (no BLAS found); streaming kernel for few rows";
 #endif
+}
+
+/// Threads the BLAS runs one GEMM call on (OpenBLAS's setting; 1 with another BLAS or none).
+inline int blas_threads() {
+#if defined(EPMOE_HAS_OPENBLAS)
+  return openblas_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+/// Sets the BLAS's threads per call (OpenBLAS; a no-op otherwise) and returns the previous
+/// count. The setting is the BLAS's, process-wide: ranks that are threads of one process share
+/// it, so R ranks on C cores want about C / R each (more makes them fight for the cores).
+inline int set_blas_threads(int n) {
+  const int before = blas_threads();
+#if defined(EPMOE_HAS_OPENBLAS)
+  openblas_set_num_threads(n < 1 ? 1 : n);
+#else
+  (void)n;
+#endif
+  return before;
 }
 
 namespace detail {
