@@ -28,8 +28,6 @@
 #if defined(EPMOE_HAS_OPENBLAS)
 extern "C" {
 char* openblas_get_corename(void);
-int openblas_get_num_threads(void);
-void openblas_set_num_threads(int);
 char* openblas_get_config(void);
 }
 #endif
@@ -200,20 +198,9 @@ inline std::string blas_config() {
 #endif
 }
 
-/// Threads the BLAS uses for one call (1 when it is not OpenBLAS: unknown).
-inline int blas_threads() {
-#if defined(EPMOE_HAS_OPENBLAS)
-  return openblas_get_num_threads();
-#else
-  return 1;
-#endif
-}
-
-inline void set_blas_threads([[maybe_unused]] int n) {
-#if defined(EPMOE_HAS_OPENBLAS)
-  openblas_set_num_threads(n);
-#endif
-}
+// The BLAS's threads per call: the library's (OpenBLAS; 1 and a no-op otherwise).
+using epmoe::space::blas_threads;
+using epmoe::space::set_blas_threads;
 
 /// GB/s of plain reads of a `bytes` array (far larger than the caches) by `threads` threads,
 /// each reading its share as `streams` (1 or 4) interleaved sequential streams, optionally
@@ -349,6 +336,28 @@ class json {
   }
   std::string open_, close_, body_;
 };
+
+/// Median of one stage's time over the repetitions, in ms.
+inline double median_of(const std::vector<epmoe::stage_times>& t, double epmoe::stage_times::*f) {
+  std::vector<double> v;
+  for (const auto& s : t) v.push_back(s.*f * 1e3);
+  return median(v);
+}
+
+inline json stage_json(const std::vector<epmoe::stage_times>& t) {
+  const auto med = [&](double epmoe::stage_times::*f) { return median_of(t, f); };
+  json j = json::object();
+  j.add("route", med(&epmoe::stage_times::route))
+      .add("plan", med(&epmoe::stage_times::plan))
+      .add("permute", med(&epmoe::stage_times::permute))
+      .add("shared", med(&epmoe::stage_times::shared))
+      .add("dispatch", med(&epmoe::stage_times::dispatch))
+      .add("experts", med(&epmoe::stage_times::experts))
+      .add("combine", med(&epmoe::stage_times::combine))
+      .add("reduce", med(&epmoe::stage_times::reduce))
+      .add("total", med(&epmoe::stage_times::total));
+  return j;
+}
 
 /// What the machine is, measured now: printed first, and the "machine" object of the JSON.
 struct machine {

@@ -45,28 +45,6 @@ inline void one_gemm(const float* a, const float* b, float* c, index_t M, index_
 #endif
 }
 
-/// Median of one stage's time over the repetitions, in ms.
-inline double median_of(const std::vector<epmoe::stage_times>& t, double epmoe::stage_times::*f) {
-  std::vector<double> v;
-  for (const auto& s : t) v.push_back(s.*f * 1e3);
-  return median(v);
-}
-
-inline json stage_json(const std::vector<epmoe::stage_times>& t) {
-  const auto med = [&](double epmoe::stage_times::*f) { return median_of(t, f); };
-  json j = json::object();
-  j.add("route", med(&epmoe::stage_times::route))
-      .add("plan", med(&epmoe::stage_times::plan))
-      .add("permute", med(&epmoe::stage_times::permute))
-      .add("shared", med(&epmoe::stage_times::shared))
-      .add("dispatch", med(&epmoe::stage_times::dispatch))
-      .add("experts", med(&epmoe::stage_times::experts))
-      .add("combine", med(&epmoe::stage_times::combine))
-      .add("reduce", med(&epmoe::stage_times::reduce))
-      .add("total", med(&epmoe::stage_times::total));
-  return j;
-}
-
 /// The layer of shape s at every T of `tokens` on one rank; one JSON object per point.
 template <class P, class Router>
 std::vector<json> layer_points(const shape& s, Router router, const std::vector<index_t>& tokens,

@@ -77,20 +77,7 @@ inline json scaling_json(const shape& s, const char* comm, index_t global_tokens
     bytes += q.dispatch_bytes;
   }
   // Stage times of rank 0 (the other ranks' are alike).
-  json stages = json::object();
-  const auto med = [&](double epmoe::stage_times::*f) {
-    std::vector<double> v;
-    for (const auto& t : ranks[0].stages) v.push_back(t.*f * 1e3);
-    return median(v);
-  };
-  stages.add("route", med(&epmoe::stage_times::route))
-      .add("plan", med(&epmoe::stage_times::plan))
-      .add("permute", med(&epmoe::stage_times::permute))
-      .add("shared", med(&epmoe::stage_times::shared))
-      .add("dispatch", med(&epmoe::stage_times::dispatch))
-      .add("experts", med(&epmoe::stage_times::experts))
-      .add("combine", med(&epmoe::stage_times::combine))
-      .add("reduce", med(&epmoe::stage_times::reduce));
+  const json stages = stage_json(ranks[0].stages);
   json j = json::object();
   j.add("shape", s.name)
       .add("comm", comm)
