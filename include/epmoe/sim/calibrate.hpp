@@ -109,12 +109,17 @@ class cold_caches {
  public:
   explicit cold_caches(std::size_t bytes = std::size_t{48} << 20)
       : data_(std::max<std::size_t>(bytes / sizeof(float), 8), 1.f) {}
-  void operator()() {
+  void operator()() { read(data_.data(), data_.size()); }
+
+  /// Reads n floats (8 independent sums, which vectorise) so the compiler cannot skip them;
+  /// returns how many it read (n rounded down to 8).
+  std::size_t read(const float* p, std::size_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    const std::size_t n = data_.size() / 8 * 8;
+    n = n / 8 * 8;
     for (std::size_t j = 0; j < n; j += 8)
-      for (int k = 0; k < 8; ++k) acc[k] += data_[j + k];
+      for (int k = 0; k < 8; ++k) acc[k] += p[j + k];
     sink_ = sink_ + acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+    return n;
   }
 
  private:
@@ -151,6 +156,7 @@ calibration measure(Comm& c, const calibration_options& o) {
   detail::cold_caches evict(o.cold_bytes);
   const index_t M = o.gemm_rows, H = o.hidden, F = o.ffn;
   const int L = o.gemm_calls;
+  // The expert probe's weights: random, as a layer's are.
   std::vector<float> w1(static_cast<std::size_t>(L) * F * H), w3(w1.size()), w2(w1.size());
   {
     std::mt19937 wr(static_cast<unsigned>(c.rank()) + 7);
@@ -170,15 +176,7 @@ calibration measure(Comm& c, const calibration_options& o) {
     next_window += floats;
     return p;
   };
-  volatile float sink = 0;
-  auto read = [&](const float* p, std::size_t n) {
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    n = n / 8 * 8;
-    for (std::size_t j = 0; j < n; j += 8)
-      for (int k = 0; k < 8; ++k) acc[k] += p[j + k];
-    sink = sink + acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
-    return n;
-  };
+  auto read = [&](const float* p, std::size_t n) { return evict.read(p, n); };
   // (a) exchange: a barrier-aligning alltoallv, then the timed one. The rows come from a send
   // buffer just written (as permute leaves it) and land in a cold receive buffer.
   const index_t big = o.large_bytes / 4, small = o.small_bytes / 4;

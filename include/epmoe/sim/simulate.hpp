@@ -60,7 +60,7 @@ struct rank_result {
   index_t send_rows = 0;                  // rows permute gathers (unique with dedup), padding in
   index_t self_rows = 0;                  // of them, rows for its own slots: copied, never sent
   index_t rows_computed = 0;              // real rows its expert slots computed
-  index_t peak_recv_rows = 0;             // most rows it received in one unit (pass_stats')
+  index_t peak_recv_rows = 0;             // pass_stats': the fullest round's, else the pass's
   index_t padded_rows_computed = 0;       // padding included (what the GEMMs cost)
   traffic dispatch_bytes, combine_bytes;  // to and from other ranks, per link class
   double time(stage s) const {
@@ -155,14 +155,14 @@ struct rank_chunk_counts {
   double self_rows = 0;
 };
 
-// What one planner thread accumulates over its ranks; summed after the threads join (sums
-// of whole numbers: exact, whatever the thread count).
 // With a receive bound: what round i of chunk c moves (grown as rounds appear).
 struct round_counts {
   std::vector<rank_chunk_counts> counts;  // [R]
   std::vector<index_t> slot_rows;         // [P]
 };
 
+// What one planner thread accumulates over its ranks; summed after the threads join (sums
+// of whole numbers: exact, whatever the thread count).
 struct partial_counts {
   std::vector<std::vector<round_counts>> rounds;  // [C][round] (bounded only)
   std::vector<rank_chunk_counts> counts;          // [R * C]
