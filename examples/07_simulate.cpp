@@ -60,7 +60,7 @@ struct args {
       "      [--top-k K]: measure comm::threads, host GEMM and memory rates; write a topology\n"
       "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P] [--shared "
       "N]\n"
-      "      [--skew Z] ...:\n"
+      "      [--skew Z] [--max-recv-rows N] ...:\n"
       "      predicted vs measured per-stage times of a real layer on comm::threads");
   std::exit(2);
 }
@@ -260,7 +260,8 @@ layer_config validation_config(const args& a) {
           .top_k = a.top_k,
           .ranks = a.ranks,
           .max_tokens = a.tokens,
-          .shared_experts = a.shared};
+          .shared_experts = a.shared,
+          .max_recv_rows = a.max_recv_rows};
 }
 
 sim::calibration calibrate_here(const args& a) {
@@ -313,9 +314,9 @@ int validate(const args& a, const Source& src) {
   }
   std::printf(
       "validation: real moe_layer (block, dropless, sequential) on %d comm::threads ranks, "
-      "H=%d F=%d E=%d top-%d T=%d, %d shared, %s; %d rounds of (calibrate, %d passes), each "
-      "round's best pass; %d BLAS thread(s) per rank; sim rows/rank max/mean %.2f\n",
-      a.ranks, a.hidden, a.ffn, a.experts, a.top_k, a.tokens, a.shared,
+      "H=%d F=%d E=%d top-%d T=%d, %d shared, max_recv_rows %d, %s; %d rounds of (calibrate, %d "
+      "passes), each round's best pass; %d BLAS thread(s) per rank; sim rows/rank max/mean %.2f\n",
+      a.ranks, a.hidden, a.ffn, a.experts, a.top_k, a.tokens, a.shared, a.max_recv_rows,
       a.skew > 0 ? ("Zipf " + std::to_string(a.skew).substr(0, 4)).c_str() : "uniform", a.rounds,
       a.passes, blas, imbalance);
   sim::print_validation(stdout, rows);

@@ -7,6 +7,7 @@
 // `epmoe_simulate --validate` does on comm::threads.
 //   mpiexec -n 2 epmoe_sim_validate_mpi [--tokens 256] [--hidden 512] [--ffn 1024]
 //       [--experts 8] [--top-k 2] [--skew 0] [--shared 0] [--passes 5] [--rounds 11] [--seed 1]
+//       [--max-recv-rows 0]
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -22,7 +23,7 @@ int main(int argc, char** argv) try {
   int R = 1, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &R);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 5, rounds = 11;
+  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 5, rounds = 11, bound = 0;
   double skew = 0;
   std::uint64_t seed = 1;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -45,6 +46,8 @@ int main(int argc, char** argv) try {
       passes = std::stoi(v);
     else if (k == "--rounds")
       rounds = std::stoi(v);
+    else if (k == "--max-recv-rows")
+      bound = std::stoi(v);
     else if (k == "--seed")
       seed = std::stoull(v);
     else
@@ -56,7 +59,8 @@ int main(int argc, char** argv) try {
                          .top_k = K,
                          .ranks = R,
                          .max_tokens = T,
-                         .shared_experts = shared};
+                         .shared_experts = shared,
+                         .max_recv_rows = bound};
   const auto src = skew > 0 ? sim::zipf(E, skew, K, T, seed) : sim::uniform(E, K, T, seed);
   comm::mpi c(MPI_COMM_WORLD);
   sim::map_large_buffers_fresh();
@@ -74,9 +78,10 @@ int main(int argc, char** argv) try {
     const auto s = sim::simulate<sim::policies<>>(cfg, cals[0].topo, src);
     std::printf(
         "validation: real moe_layer (block, dropless, sequential) on %d MPI ranks, H=%d F=%d "
-        "E=%d top-%d T=%d, %d shared, %s %.2f; %d rounds of (calibrate, %d passes), each "
-        "round's best pass; %d BLAS thread(s) per rank; sim rows/rank max/mean %.2f\n",
-        R, H, F, E, K, T, shared, skew > 0 ? "Zipf" : "uniform", skew, rounds, passes, blas,
+        "E=%d top-%d T=%d, %d shared, max_recv_rows %d, %s %.2f; %d rounds of (calibrate, %d "
+        "passes), each round's best pass; %d BLAS thread(s) per rank; sim rows/rank max/mean "
+        "%.2f\n",
+        R, H, F, E, K, T, shared, bound, skew > 0 ? "Zipf" : "uniform", skew, rounds, passes, blas,
         s.rows_imbalance.max_over_mean);
     sim::print_validation(stdout, sim::compare_rounds(cfg, src, rounds_out, "calibrated_mpi"));
   }
