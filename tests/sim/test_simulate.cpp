@@ -198,6 +198,18 @@ TEST_CASE("sim: the cost model on a hand-computed two-rank case", "[sim][cost]")
     CHECK(d.per_rank[1].combine == Approx(comm + 70 * 200 / 1e10).epsilon(1e-12));
     CHECK(d.per_rank[0].permute == s.per_rank[0].permute);
   }
+  SECTION("a GEMM rate curve prices each slot at the rate of its row count") {
+    // 2e11 FLOP/s at 10 rows, 1e12 at 40, log2-interpolated: 20 rows -> 6e11.
+    topo.gemm_curve = {{10, 2e11}, {40, 1e12}};
+    CHECK(topo.gemm_rate(5) == 2e11);
+    CHECK(topo.gemm_rate(20) == Approx(6e11));
+    CHECK(topo.gemm_rate(400) == 1e12);
+    const auto d = sim::simulate<sim::policies<>>(cfg, topo, src);
+    // Rank 0: 10 rows at 2e11 = 1.5e-6 s (above the 3e-7 s weight read); rank 1: 50 rows at 1e12.
+    CHECK(d.per_rank[0].experts == Approx(10 * 3e4 / 2e11).epsilon(1e-12));
+    CHECK(d.per_rank[1].experts == Approx(1.5e-6).epsilon(1e-12));
+    CHECK(d.per_rank[0].route == s.per_rank[0].route);  // the gate GEMM keeps gemm_flops
+  }
   SECTION("a reduce rate prices the weighted reduce only") {
     topo.reduce_bandwidth = 4e10;
     const auto d = sim::simulate<sim::policies<>>(cfg, topo, src);
@@ -392,6 +404,14 @@ TEST_CASE("sim: calibration measures positive rates and writes a loadable topolo
   CHECK(t.copy_bandwidth == Approx(c.copy_bandwidth));
   CHECK(t.regroup_bandwidth == Approx(c.regroup_bandwidth));
   CHECK(t.reduce_bandwidth == Approx(c.reduce_bandwidth));
+  // The expert rate at a quarter, half and all of the probe's 16 rows per expert.
+  REQUIRE(c.gemm_curve.size() == 3);
+  CHECK(c.gemm_curve[0].first == 4);
+  CHECK(c.gemm_curve[2].first == 16);
+  CHECK(c.gemm_curve[2].second == c.gemm_flops);
+  REQUIRE(t.gemm_curve.size() == 3);
+  CHECK(t.gemm_curve[1].first == 8);
+  CHECK(t.gemm_curve[1].second == Approx(c.gemm_curve[1].second));
   CHECK(t.topk_rate == Approx(c.topk_rate));
   // The calibrated machine prices a two-rank pass.
   const layer_config cfg{
@@ -471,6 +491,13 @@ TEST_CASE("sim: a bad topology names the field and the rule", "[sim]") {
   t.topk_rate = -1;
   CHECK_THROWS_WITH(t.validate(), Catch::Contains("topology.topk_rate"));
   t = sim::h100_nvlink_ib(2);
+  t.gemm_curve = {{64, 1e12}, {32, 2e12}};
+  CHECK_THROWS_WITH(t.validate(),
+                    Catch::Contains("topology.gemm_curve") && Catch::Contains("rows must ascend"));
+  std::istringstream bad_curve("gemm_curve = 32:1e12 64\n");
+  CHECK_THROWS_WITH(sim::load(bad_curve, sim::cpu_cluster(1)),
+                    Catch::Contains("topology.gemm_curve") && Catch::Contains("rows:FLOP/s"));
+  t.gemm_curve.clear();
   t.regroup_bandwidth = -1;
   CHECK_THROWS_WITH(t.validate(), Catch::Contains("topology.regroup_bandwidth"));
   std::istringstream bad("copy_bandwidth = fast\n");

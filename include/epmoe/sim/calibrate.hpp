@@ -45,7 +45,8 @@ struct calibration {
   double exchange_small = 0, exchange_large = 0;  // s: best alltoallv of each size
   double latency = 0, bandwidth = 0;              // fit: small = latency + (R-1) small / bandwidth
   double gemm_flops = 0;                          // FLOP/s of the layer's expert FFN code
-  double route_seconds = 0;                       // s: gate GEMM + top-k of `tokens` tokens
+  std::vector<std::pair<double, double>> gemm_curve;  // (rows, FLOP/s) at M/4, M/2 and M rows
+  double route_seconds = 0;                           // s: gate GEMM + top-k of `tokens` tokens
   double topk_rate = 0;          // logits/s that makes route_seconds() match the probe
   double copy_bandwidth = 0;     // bytes/s of permute's row gather, warm source, cold destination
   double regroup_bandwidth = 0;  // bytes/s of the regroup's row copies, likewise
@@ -214,15 +215,21 @@ calibration measure(Comm& c, const calibration_options& o) {
       {w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}};
   const space::host host{};
   std::vector<double> mine_gemm, mine_route, mine_copy, mine_cold, mine_mem;
-  for (int i = 0; i < o.reps + 1; ++i) {
-    for (std::size_t j = 0; j < xe.size(); ++j) xe[j] = float(int(j % 7) - 3) * 0.1f;
-    sync();
-    const auto t0 = clock::now();
-    for (int e = 0; e < L; ++e)
-      expert::swiglu::forward(host, we, e, {xe.data() + static_cast<std::size_t>(e) * M * H, M, H},
-                              scratch.data());
-    const double s = detail::seconds_since(t0);
-    if (i > 0) mine_gemm.push_back(6.0 * double(M) * H * F * L / s);
+  // At M rows (gemm_flops) and at M/4 and M/2 (the curve: rounds and cold experts get fewer).
+  std::vector<double> mine_quarter, mine_half;
+  for (index_t m : {M / 4, M / 2, M}) {
+    if (m < 1) continue;
+    auto& into = m == M ? mine_gemm : m == M / 2 ? mine_half : mine_quarter;
+    for (int i = 0; i < o.reps + 1; ++i) {
+      for (std::size_t j = 0; j < xe.size(); ++j) xe[j] = float(int(j % 7) - 3) * 0.1f;
+      sync();
+      const auto t0 = clock::now();
+      for (int e = 0; e < L; ++e)
+        expert::swiglu::forward(
+            host, we, e, {xe.data() + static_cast<std::size_t>(e) * M * H, m, H}, scratch.data());
+      const double s = detail::seconds_since(t0);
+      if (i > 0) into.push_back(6.0 * double(m) * H * F * L / s);
+    }
   }
   // (c) route: gate GEMM [T, H] x [E, H]^T on cold tokens, then the router's top-k per token.
   const index_t T = o.tokens, E = o.experts, K = o.top_k;
@@ -328,14 +335,15 @@ calibration measure(Comm& c, const calibration_options& o) {
     if (i > 0) mine_mem.push_back(double(n * sizeof(float)) / s);
   }
   // Every rank's medians to every rank.
-  constexpr int V = 8;
+  constexpr int V = 10;
   std::vector<double> out_v(static_cast<std::size_t>(V) * R), in_v(out_v.size());
   // Best of the samples (least time, most rate): on a shared machine the others are the
   // neighbours' noise. The validation takes the best pass alike.
-  const double mine[V] = {detail::best(mine_small, false), detail::best(mine_large, false),
-                          detail::best(mine_gemm, true),   detail::best(mine_route, false),
-                          detail::best(mine_copy, true),   detail::best(mine_mem, true),
-                          detail::best(mine_cold, true),   detail::best(mine_reduce, true)};
+  const double mine[V] = {detail::best(mine_small, false),  detail::best(mine_large, false),
+                          detail::best(mine_gemm, true),    detail::best(mine_route, false),
+                          detail::best(mine_copy, true),    detail::best(mine_mem, true),
+                          detail::best(mine_cold, true),    detail::best(mine_reduce, true),
+                          detail::best(mine_quarter, true), detail::best(mine_half, true)};
   for (int r = 0; r < R; ++r) std::copy_n(mine, V, out_v.begin() + r * V);
   c.alltoall(out_v.data(), in_v.data(), V);
   auto over_ranks = [&](int k, bool slowest_is_max) {
@@ -353,6 +361,11 @@ calibration measure(Comm& c, const calibration_options& o) {
   cal.memory_bandwidth = over_ranks(5, false);
   cal.regroup_bandwidth = over_ranks(6, false);
   cal.reduce_bandwidth = over_ranks(7, false);
+  for (const auto& [m, k] : {std::pair{M / 4, 8}, std::pair{M / 2, 9}})
+    if (m >= 1 && (cal.gemm_curve.empty() || double(m) > cal.gemm_curve.back().first))
+      cal.gemm_curve.emplace_back(double(m), over_ranks(k, false));
+  if (cal.gemm_curve.empty() || double(M) > cal.gemm_curve.back().first)
+    cal.gemm_curve.emplace_back(double(M), cal.gemm_flops);
   fit(cal, o, R);
   return cal;
 }
@@ -381,6 +394,7 @@ inline void fit(calibration& cal, const calibration_options& o, int R) {
   t.intra_bandwidth = t.inter_bandwidth = cal.bandwidth;  // one machine: both classes alike
   t.intra_latency = t.inter_latency = cal.latency;
   t.gemm_flops = cal.gemm_flops;
+  t.gemm_curve = cal.gemm_curve;
   t.memory_bandwidth = cal.memory_bandwidth;
   t.copy_bandwidth = cal.copy_bandwidth;
   t.regroup_bandwidth = cal.regroup_bandwidth;
@@ -405,6 +419,11 @@ inline calibration median_of(const std::vector<calibration>& all, const calibrat
         &calibration::route_seconds, &calibration::copy_bandwidth, &calibration::regroup_bandwidth,
         &calibration::reduce_bandwidth, &calibration::memory_bandwidth})
     mid(f);
+  for (std::size_t k = 0; k < c.gemm_curve.size(); ++k) {  // every round has the same points
+    std::vector<double> v;
+    for (const auto& a : all) v.push_back(a.gemm_curve[k].second);
+    c.gemm_curve[k].second = detail::median(v);
+  }
   fit(c, o, R);
   c.topo.name = all[0].topo.name;
   return c;

@@ -46,11 +46,12 @@ inline double expert_weight_bytes(const topology& topo, int hidden, int ffn) {
   return 3.0 * hidden * ffn * topo.weight_bytes;
 }
 
-/// One grouped-GEMM slot of `rows` rows: bound by compute or by reading its weights (small
-/// row counts are memory bound). An empty slot costs nothing (the grouped GEMM skips it).
+/// One grouped-GEMM slot of `rows` rows: bound by compute (at the rate for that many rows) or
+/// by reading its weights (small row counts are memory bound). An empty slot costs nothing (the
+/// grouped GEMM skips it).
 inline double slot_seconds(const topology& topo, int hidden, int ffn, double rows) {
   if (rows <= 0) return 0;
-  return std::max(rows * expert_flops_per_row(hidden, ffn) / topo.gemm_flops,
+  return std::max(rows * expert_flops_per_row(hidden, ffn) / topo.gemm_rate(rows),
                   expert_weight_bytes(topo, hidden, ffn) / topo.memory_bandwidth);
 }
 

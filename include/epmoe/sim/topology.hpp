@@ -2,11 +2,15 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <istream>
 #include <ostream>
 #include <sstream>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "epmoe/core/error.hpp"
 
@@ -36,6 +40,10 @@ struct topology {
   double topk_rate = 0;          // logits/s of softmax + top-k (0: reading them, 4 B each)
   double regroup_bandwidth = 0;  // bytes/s of the copies around an exchange (0: copy_bandwidth)
   double reduce_bandwidth = 0;   // bytes/s the weighted reduce reads and writes (0: copy_bandwidth)
+  // Optional (rows per expert GEMM, FLOP/s) points, rows ascending: the expert GEMMs' rate
+  // at that many rows (interpolated in log2 rows, the end points beyond); empty: gemm_flops
+  // at every row count. A GEMM of few rows runs below the rate of many.
+  std::vector<std::pair<double, double>> gemm_curve{};
 
   /// Row copies on one rank: permute's gather, the reduce, the shared experts' input.
   double copy_rate() const { return copy_bandwidth > 0 ? copy_bandwidth : memory_bandwidth / 2; }
@@ -46,6 +54,18 @@ struct topology {
   /// written by the combine (cache hits) and only its output is cold.
   double reduce_rate() const { return reduce_bandwidth > 0 ? reduce_bandwidth : copy_rate(); }
   double select_rate() const { return topk_rate > 0 ? topk_rate : memory_bandwidth / 4; }
+
+  /// The expert GEMMs' FLOP/s at `rows` rows (gemm_curve, else gemm_flops).
+  double gemm_rate(double rows) const {
+    const auto& c = gemm_curve;
+    if (c.empty()) return gemm_flops;
+    if (rows <= c.front().first) return c.front().second;
+    if (rows >= c.back().first) return c.back().second;
+    std::size_t i = 1;
+    while (c[i].first < rows) ++i;
+    const double f = std::log2(rows / c[i - 1].first) / std::log2(c[i].first / c[i - 1].first);
+    return c[i - 1].second + f * (c[i].second - c[i - 1].second);
+  }
 
   int ranks() const { return nodes * ranks_per_node; }
   int node_of(int rank) const { return rank / ranks_per_node; }
@@ -65,6 +85,12 @@ struct topology {
     require(inter_latency >= 0, "topology.inter_latency", inter_latency, "must be >= 0");
     require(gemm_flops > 0, "topology.gemm_flops", gemm_flops, "must be > 0");
     require(memory_bandwidth > 0, "topology.memory_bandwidth", memory_bandwidth, "must be > 0");
+    for (std::size_t i = 0; i < gemm_curve.size(); ++i) {
+      require(gemm_curve[i].first >= 1 && gemm_curve[i].second > 0, "topology.gemm_curve",
+              gemm_curve[i].first, "points need rows >= 1 and FLOP/s > 0");
+      require(i == 0 || gemm_curve[i].first > gemm_curve[i - 1].first, "topology.gemm_curve",
+              gemm_curve[i].first, "rows must ascend");
+    }
     require(activation_bytes >= 1, "topology.activation_bytes", activation_bytes, "must be >= 1");
     require(weight_bytes >= 1, "topology.weight_bytes", weight_bytes, "must be >= 1");
     require(copy_bandwidth >= 0, "topology.copy_bandwidth", copy_bandwidth,
@@ -132,6 +158,11 @@ inline void save(std::ostream& os, const topology& t) {
      << "\ncopy_bandwidth = " << t.copy_bandwidth << "\ntopk_rate = " << t.topk_rate
      << "\nregroup_bandwidth = " << t.regroup_bandwidth
      << "\nreduce_bandwidth = " << t.reduce_bandwidth << "\n";
+  if (!t.gemm_curve.empty()) {
+    os << "gemm_curve =";
+    for (const auto& [rows, rate] : t.gemm_curve) os << ' ' << rows << ':' << rate;
+    os << '\n';
+  }
 }
 
 inline topology load(std::istream& is, topology base = {}) {
@@ -178,9 +209,22 @@ inline topology load(std::istream& is, topology base = {}) {
       ok = bool(v >> base.regroup_bandwidth);
     else if (key == "reduce_bandwidth")
       ok = bool(v >> base.reduce_bandwidth);
-    else
+    else if (key == "gemm_curve") {  // rows:flops pairs, space separated
+      base.gemm_curve.clear();
+      std::string point;
+      while (ok && v >> point) {
+        const auto colon = point.find(':');
+        std::istringstream rows(point.substr(0, colon)), rate(point.substr(colon + 1));
+        std::pair<double, double> p;
+        ok = colon != std::string::npos && bool(rows >> p.first) && bool(rate >> p.second);
+        base.gemm_curve.push_back(p);
+      }
+    } else
       throw config_error("topology file", key, "unknown key");
-    if (!ok) throw config_error("topology." + key, value, "not a number");
+    if (!ok)
+      throw config_error(
+          "topology." + key, value,
+          key == "gemm_curve" ? "expected rows:FLOP/s pairs, space separated" : "not a number");
   }
   base.validate();
   return base;

@@ -283,6 +283,11 @@ inline void print_calibration(std::FILE* f, const calibration& c, const calibrat
       c.gemm_flops / 1e9, static_cast<long long>(o.tokens), o.hidden, o.experts, o.top_k,
       c.route_seconds * 1e6, c.topk_rate / 1e9, c.copy_bandwidth / 1e9, c.regroup_bandwidth / 1e9,
       c.reduce_bandwidth / 1e9, c.memory_bandwidth / 1e9);
+  if (c.gemm_curve.size() > 1) {
+    std::fprintf(f, "  expert FFN rate by rows per expert:");
+    for (const auto& [rows, rate] : c.gemm_curve) std::fprintf(f, " %.0f: %.1f", rows, rate / 1e9);
+    std::fprintf(f, " GFLOP/s\n");
+  }
 }
 
 inline void print_validation(std::FILE* f, const std::vector<validation_row>& rows) {
