@@ -11,6 +11,7 @@
 #include <typeinfo>
 #include <vector>
 
+#include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
 #include "epmoe/core/view.hpp"
@@ -18,6 +19,24 @@
 // Start-up agreement: ranks that disagree on shapes or policies would otherwise hang or
 // exchange garbage in the first all-to-all; one exchange of a few numbers catches it first.
 namespace epmoe {
+
+/// What every layer checks of its config and policies before the agreement (the host and the
+/// CUDA layer alike): the config's rules, the placement's and the router's own, and that the
+/// config's top_k and ranks match the router's and the communicator's.
+template <class Router, class Placement>
+void check_layer_policies(const layer_config& cfg, int comm_size, const Router& router,
+                          const Placement& placement) {
+  cfg.validate();
+  if constexpr (placement_with_validate<Placement>) placement.validate(cfg);
+  if constexpr (Router::top_k > 0)
+    detail::require(
+        cfg.top_k == Router::top_k, "top_k", cfg.top_k,
+        ("must equal the router's top_k (" + std::to_string(Router::top_k) + ")").c_str());
+  detail::require(
+      cfg.ranks == comm_size, "ranks", cfg.ranks,
+      ("must equal the communicator's size (" + std::to_string(comm_size) + ")").c_str());
+  if constexpr (router_with_validate<Router>) router.validate(cfg);
+}
 
 /// One value every rank must hold identically, with the name reported when they differ.
 struct agreement_field {

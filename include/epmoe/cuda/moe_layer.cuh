@@ -284,20 +284,12 @@ class moe_layer<Policies> {
   // The host layer's checks, for device views, then the same collective agreement.
   static void checked(const layer_config& cfg, const comm_type& comm, const weights& w,
                       const router_type& router, const placement_type& placement) {
-    cfg.validate();
-    if constexpr (placement_with_validate<placement_type>) placement.validate(cfg);
-    if constexpr (router_type::top_k > 0)
-      detail::require(
-          cfg.top_k == router_type::top_k, "top_k", cfg.top_k,
-          ("must equal the router's top_k (" + std::to_string(router_type::top_k) + ")").c_str());
-    detail::require(
-        cfg.ranks == comm.size(), "ranks", cfg.ranks,
-        ("must equal the communicator's size (" + std::to_string(comm.size()) + ")").c_str());
+    check_layer_policies(cfg, comm.size(), router, placement);
     detail::require(cfg.chunks <= 1, "chunks", cfg.chunks,
                     "space::cuda runs one chunk per pass for now (0 or 1)");
     detail::require(cfg.max_recv_rows == 0, "max_recv_rows", cfg.max_recv_rows,
                     "space::cuda does not split exchanges into rounds yet (0: unbounded)");
-    if constexpr (router_with_validate<router_type>) router.validate(cfg);
+
     if constexpr (router_type::uses_gate)
       detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
     expert::swiglu::validate(w.experts, placement.slots_per_rank(), cfg.hidden, cfg.ffn,
