@@ -31,6 +31,7 @@
 #include "epmoe/placement/block.hpp"
 #include "epmoe/placement/relocate.hpp"
 #include "epmoe/placement/table.hpp"
+#include "epmoe/router/route.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/sequential.hpp"
 #include "epmoe/space/host.hpp"
@@ -147,6 +148,7 @@ class moe_layer {
     chunks_max_ = chunks_ = cfg_.chunks > 0 ? cfg_.chunks : default_chunks();
     ex_.bind(&comm_, &space_, &plan_, &stats_, &pass_start_);
     allocate_workspace();
+    adopt_router_bias();  // a bias given with the router starts the layer's own
   }
 
   /// Chunks of the next passes (1 .. the config's chunks, or the schedule's default): the
@@ -183,6 +185,10 @@ class moe_layer {
       if constexpr (router_with_noise_gate<router_type>)
         if (router_.training)
           detail::require_shape(w_.noise_gate, cfg_.experts, cfg_.hidden, "weights.noise_gate");
+      // The router may have changed since the last pass (router(), router_bias()): a bad
+      // setting is rejected here, on every rank, not mid-pass on one.
+      if constexpr (router_with_bias<router_type>) adopt_router_bias();
+      if constexpr (router_with_validate<router_type>) router_.validate(cfg_);
     } catch (const config_error&) {
       bad = std::current_exception();
     }
@@ -210,7 +216,9 @@ class moe_layer {
   const placement_type& placement() const { return placement_; }
   const comm_type& comm() const { return comm_; }
   int rank() const { return comm_.rank(); }
-  /// The router, to inspect or change its settings (e.g. `training`) between passes.
+  /// The router, to inspect or change its settings (e.g. `training`) between passes; they
+  /// are checked at the next forward. For sigmoid_bias, `router().bias` points at the
+  /// layer's bias (router_bias()); pointing it at other values loads those at the next pass.
   router_type& router() { return router_; }
   const router_type& router() const { return router_; }
   /// Expert ids and weights of the last pass, [T, slots]; empty slots hold no_expert.
@@ -219,12 +227,18 @@ class moe_layer {
   index_t receive_buffer_rows() const { return ex_.receive_buffer_rows(); }
   /// Where each assignment of the last pass went.
   const dispatch_plan& last_plan() const { return plan_; }
+  /// Which assignments of the last pass capacity dropped: mask(t, k) for t < T, k < slots
+  /// (the last_routing() shape); empty slots are not drops; count() == stats().dropped. A
+  /// view of the plan (no copy): valid until the next pass.
+  drop_mask dropped() const { return {plan_.slot, plan_.phys, tokens_, width_}; }
   /// Passes run so far (the counter behind seeded training noise).
   std::uint64_t passes() const { return pass_; }
 
-  /// The router's per-expert selection bias [E] (routers with has_bias): read it, or write
-  /// a trained model's bias into it. Every rank must hold the same values.
+  /// The router's per-expert selection bias [E] (routers with has_bias), the layer's own
+  /// copy: read it, or write a trained model's bias into it (checked at the next forward).
+  /// It starts as the constructor's router.bias (or zeros). Every rank must hold the same.
   std::span<float> router_bias() requires router_with_bias<router_type> {
+    adopt_router_bias();
     return {bias_.data(), static_cast<std::size_t>(cfg_.experts)};
   }
 
@@ -363,7 +377,6 @@ class moe_layer {
     stats_.chunks = chunks_;
     pass_start_ = clock::now();
     stats_.started = std::chrono::duration<double>(pass_start_ - built_).count();
-    if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
     const auto start = clock::now();
     stage_runner stages{*this};
     schedule_type::run(stages);
@@ -426,6 +439,20 @@ class moe_layer {
     for (index_t s = 0; s < v.count; ++s)
       for (index_t i = 0; i < v.rows; ++i)
         std::copy_n(v[s].row(i), v.cols, out + s * v.batch_stride + i * v.stride);
+  }
+
+  // The router reads the layer's bias; values it was pointed at instead (the constructor's
+  // router, router().bias = p) are copied in first, so no setting is silently dropped.
+  void adopt_router_bias() {
+    if constexpr (router_with_bias<router_type>) {
+      float* own = bias_.data();
+      if (router_.bias == own) return;
+      if (router_.bias)
+        std::copy_n(router_.bias, cfg_.experts, own);
+      else
+        std::fill_n(own, cfg_.experts, 0.f);
+      router_.bias = own;
+    }
   }
 
   void allocate_workspace() {
@@ -626,15 +653,16 @@ class moe_layer {
         }
       }
     }
-    if constexpr (token_router<router_type>) {
-      space_.for_each(
-          T, rows::route_tokens<router_type>{router_, logits, noise, ids_view(T), weights_view(T),
-                                             tid, first, pass_, cfg_.experts});
-    } else {
-      router_.route_batch(cfg_, logits, {ids_view(T), weights_view(T)},
-                          {batch_floats_.data(), static_cast<std::size_t>(batch_floats_.size())},
-                          {batch_ints_.data(), static_cast<std::size_t>(batch_ints_.size())});
-    }
+    // The public entry point's path (router::route), its arguments checked by forward.
+    detail::run_router(
+        router_, cfg_, logits, {ids_view(T), weights_view(T)},
+        {.noise = noise,
+         .token_ids = token_ids_,
+         .first_token = first,
+         .pass = pass_,
+         .float_scratch = {batch_floats_.data(), static_cast<std::size_t>(batch_floats_.size())},
+         .int_scratch = {batch_ints_.data(), static_cast<std::size_t>(batch_ints_.size())}},
+        space_);
     compute_losses(router_, cfg_, logits, last_routing(), std::span<float>(loss_probs_),
                    std::span<double>(loss_acc_), stats_.losses);
   }
@@ -649,6 +677,9 @@ class moe_layer {
     stats_.tokens = tokens_;
     stats_.assignments = plan_.assignments;
     stats_.dropped = plan_.dropped;
+    stats_.capacity = std::same_as<capacity_type, capacity::dropless>
+                          ? std::nullopt
+                          : std::optional<index_t>(limit);
     stats_.padding_rows = plan_.padding;
     std::copy_n(plan_.routed, cfg_.experts, stats_.routed_per_expert.begin());
     stats_.expert_imbalance = imbalance::of(stats_.routed_per_expert);

@@ -191,6 +191,7 @@ class moe_layer<Policies> {
     EPMOE_CUDA_CHECK(cublasSetWorkspace(blas_, blas_workspace_.data(), blas_workspace_.size()));
     xc_ = exchange_type(&comm_, x_send_.data(), x_expert_.data());
     for (auto& e : events_) EPMOE_CUDA_CHECK(cudaEventCreate(&e));
+    adopt_router_bias();  // a bias given with the router starts the device copy
   }
 
   moe_layer(const moe_layer&) = delete;
@@ -233,7 +234,7 @@ class moe_layer<Policies> {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     EPMOE_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capture));
     timed_ = capture == cudaStreamCaptureStatusNone;
-    if constexpr (router_with_bias<router_type>) router_.bias = bias_.data();
+    adopt_router_bias();
     if constexpr (static_mode)
       if (layout_limit_ != limit_) {
         if (!timed_)
@@ -280,6 +281,19 @@ class moe_layer<Policies> {
  private:
   template <class U>
   using buffer = device_buffer<U>;
+
+  // The router reads the device copy of the bias; host values it was pointed at (the
+  // constructor's router, router().bias = p) are loaded into it first, never dropped.
+  void adopt_router_bias() {
+    if constexpr (router_with_bias<router_type>) {
+      if (router_.bias == bias_.data()) return;
+      if (router_.bias)
+        set_router_bias({router_.bias, static_cast<std::size_t>(cfg_.experts)});
+      else
+        EPMOE_CUDA_CHECK(cudaMemsetAsync(bias_.data(), 0, sizeof(float) * cfg_.experts, stream_));
+      router_.bias = bias_.data();
+    }
+  }
 
   // The host layer's checks, for device views, then the same collective agreement.
   static void checked(const layer_config& cfg, const comm_type& comm, const weights& w,
