@@ -65,7 +65,7 @@ void check_bounded_all_to_one(int chunks) {
 }
 
 struct dedup_p : policies<2> {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 }  // namespace

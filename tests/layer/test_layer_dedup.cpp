@@ -11,7 +11,7 @@ namespace {
 
 template <int K, class Capacity = capacity::dropless>
 struct dedup_policies : test::threads_policies<K, Capacity> {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 }  // namespace

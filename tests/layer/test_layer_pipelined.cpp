@@ -14,7 +14,7 @@ namespace {
 template <class Capacity, bool Dedup, class Schedule>
 struct policies : test::threads_policies<2, Capacity> {
   using schedule = Schedule;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 
 template <class Capacity, bool Dedup>

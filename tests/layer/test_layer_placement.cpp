@@ -15,7 +15,7 @@ namespace {
 template <class Placement, class Capacity = capacity::dropless, bool Dedup = false>
 struct policies : test::threads_policies<2, Capacity> {
   using placement = Placement;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 
 // 8 experts on 4 ranks with 12 slots (3 per rank): experts 0 and 1 are hot and get copies.

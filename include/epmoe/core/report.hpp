@@ -73,7 +73,8 @@ inline void json_stage_times(std::ostream& os, const stage_times& t) {
 }  // namespace detail
 
 /// One JSON object and a newline: sim::write_stats_line's keys (pass, rank, tokens, top_k,
-/// routed_per_expert) first, then rows per local slot and per rank, drops, bytes, losses,
+/// routed_per_expert) first, then drops, capacity (rows per expert copy per source rank, null
+/// when dropless), rows per local slot and per rank, bytes, losses,
 /// rounds and stage times (seconds). sim::read_stats reads it back.
 inline void write_stats_json(std::ostream& os, const pass_record& r) {
   const pass_stats& s = r.stats;
@@ -83,7 +84,12 @@ inline void write_stats_json(std::ostream& os, const pass_record& r) {
   detail::json_array(os, s.routed_per_expert);
   os << ",\"experts\":" << s.routed_per_expert.size() << ",\"ranks\":" << s.rows_sent.size()
      << ",\"assignments\":" << s.assignments << ",\"dropped\":" << s.dropped
-     << ",\"padding_rows\":" << s.padding_rows << ",\"local_experts\":";
+     << ",\"padding_rows\":" << s.padding_rows << ",\"capacity\":";
+  if (s.capacity)  // null: no limit (dropless)
+    os << *s.capacity;
+  else
+    os << "null";
+  os << ",\"local_experts\":";
   detail::json_array(os, r.local_experts);
   os << ",\"rows_per_local_expert\":";
   detail::json_array(os, s.rows_per_local_expert);

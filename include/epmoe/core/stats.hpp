@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "epmoe/core/losses.hpp"
@@ -59,12 +60,36 @@ struct imbalance {
   }
 };
 
+/// Which (token, k) assignments of a pass capacity dropped: a [tokens, slots] mask read from
+/// the pass's plan (no copy). Empty routing slots (no_expert) are not drops.
+struct drop_mask {
+  const std::int32_t* slot = nullptr;  // [tokens * slots]: send row, < 0 if dropped or empty
+  const std::int32_t* phys = nullptr;  // [tokens * slots]: expert copy, < 0 if empty
+  index_t tokens = 0;
+  index_t slots = 0;  // K (E for expert choice)
+
+  bool operator()(index_t t, index_t k) const {
+    const index_t i = t * slots + k;
+    return slot[i] < 0 && phys[i] >= 0;
+  }
+  /// Dropped assignments (equals pass_stats::dropped).
+  index_t count() const {
+    index_t n = 0;
+    for (index_t t = 0; t < tokens; ++t)
+      for (index_t k = 0; k < slots; ++k) n += (*this)(t, k) ? 1 : 0;
+    return n;
+  }
+};
+
 /// What one forward pass did on this rank. Sized once at layer construction; a pass only
 /// overwrites the numbers.
 struct pass_stats {
   index_t tokens = 0;                          // T of the pass
   index_t assignments = 0;                     // T * K routed (token, expert) pairs
   index_t dropped = 0;                         // assignments past capacity: contribute nothing
+  std::optional<index_t> capacity;             // rows this rank may send one expert copy this
+                                               //   pass (the capacity policy's limit, per
+                                               //   source rank); none for capacity::dropless
   index_t padding_rows = 0;                    // zero rows this rank sent to pad blocks
   std::vector<index_t> routed_per_expert;      // [E]: this rank's assignments per logical expert
   std::vector<index_t> rows_per_local_expert;  // [L]: real rows this rank's experts computed

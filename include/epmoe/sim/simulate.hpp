@@ -16,6 +16,7 @@
 #include "epmoe/capacity/factor.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/options.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/random.hpp"
 #include "epmoe/core/stats.hpp"
@@ -35,7 +36,7 @@ template <class Placement = placement::block, class Capacity = capacity::droples
 struct policies {
   using placement = Placement;
   using capacity = Capacity;
-  static constexpr bool dedup = Dedup;
+  static constexpr layer_options options{.dedup = Dedup};
 };
 
 struct options {
@@ -109,6 +110,7 @@ struct plan_workspace {
       recv_offsets, expert_offsets, regroup_offsets, routed, unique_counts, unique_offsets;
   std::vector<std::int64_t> meta;
   dispatch_plan plan;
+  host_plan_scratch scratch;
 
   plan_workspace(int R, int L, int K, int C, int E) {
     const auto B = static_cast<std::size_t>(C) * R * L;
@@ -276,7 +278,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                 const typename Policies::capacity& cap = {}) {
   using placement_type = typename Policies::placement;
   using capacity_type = typename Policies::capacity;
-  constexpr bool dedup = requires { requires Policies::dedup; };
+  constexpr bool dedup = epmoe::detail::options_of<Policies>().dedup;
   static_assert(!(dedup && capacity_type::pads),
                 "epmoe::sim: per-rank dedup does not combine with padded capacity (as in the "
                 "layer): use capacity::factor<false> or capacity::dropless with dedup");
@@ -336,14 +338,16 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       weights.resize(static_cast<std::size_t>(T * K));
       src.route(r, {{ids.data(), T, K}, {weights.data(), T, K}});
       const index_t limit = cap.limit(cfg, T);
-      ws.reserve(T, K, std::max(T * K, capacity_type::pads ? limit * P : 0));
+      // Padded blocks hold the capacity of max_tokens, as in the layer.
+      const index_t pad_rows = capacity_type::pads ? cap.limit(cfg, cfg.max_tokens) : 0;
+      ws.reserve(T, K, std::max(T * K, pad_rows * P));
       dispatch_plan& p = ws.plan;
       const routing_view routing{{ids.data(), T, K}, {weights.data(), T, K}};
       if constexpr (requires { look.set_home(r); }) look.set_home(r);
       // Token ids as the layer numbers them without given ids: rank * max_tokens + t.
       build_send_plan(routing, look, E, limit, capacity_type::pads,
-                      token_origin{r, nullptr, std::int64_t{r} * cfg.max_tokens}, p);
-      if constexpr (dedup) build_dedup_plan(routing, p);
+                      token_origin{r, nullptr, std::int64_t{r} * cfg.max_tokens}, p, &ws.scratch,
+                      dedup, pad_rows);
 
       rank_result& me = out.per_rank[r];
       me.tokens = T, me.assignments = p.assignments, me.dropped = p.dropped;
