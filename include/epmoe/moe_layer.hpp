@@ -95,9 +95,8 @@ class moe_layer {
                 "epmoe: the capacity policy must provide `static constexpr bool pads` and "
                 "limit(const layer_config&, index_t tokens) const (see capacity/factor.hpp)");
   static_assert(communicator<comm_type>,
-                "epmoe: the comm policy must provide rank(), size(), alltoall(send, recv, n) and "
-                "alltoallv(send, counts, displs, recv, counts, displs) for index_t, float and "
-                "int64 elements (see comm/local.hpp)");
+                "epmoe: the comm policy must provide rank(), size() and alltoall(send, recv, n) "
+                "for index_t and int64 host arrays (see comm/local.hpp)");
   static_assert(expert_policy<expert_type, space_type>,
                 "epmoe: the expert policy must provide `template <class T> struct weights_of`, "
                 "static validate(w, count, hidden, ffn, name), tensors(w), flops_per_row(hidden, "
@@ -171,8 +170,8 @@ class moe_layer {
         layout_(layout_of(cfg_, width_, placement_.slots_per_rank(), chunks_max_, capacity_)),
         plan_(space_, layout_, dedup),
         ex_(comm_, space_, layout_),
-        clock_(space_.make_clock(), 16 + 2 * layout_.blocks, 3 * units_max(),
-               2 * units_max() + 1) {
+        clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks,
+               3 * units_max(), 2 * units_max() + 1) {
     allocate_workspace();
     adopt_router_bias();  // a bias given with the router starts the layer's own
   }
@@ -266,8 +265,16 @@ class moe_layer {
   std::uint64_t passes() const { return pass_; }
   /// The workspace's sizes (the same on every space).
   const workspace_layout& layout() const { return layout_; }
-  /// Waits for the rank's last pass (a no-op on the host).
-  void synchronize() const { space_.synchronize(); }
+  /// Waits for the rank's last pass (a no-op on the host). With static shapes on a device
+  /// (padded capacity, one chunk: nothing waits during a pass) this is where a pass whose
+  /// inputs a rank rejected throws input_error; it wrote nothing to y.
+  void synchronize() const { stats(); }
+  /// Whether passes have static shapes (padded capacity, one chunk, a router that decides per
+  /// token): the layout is fixed by max_tokens, and on a device a pass never waits for the
+  /// host, so it can be captured in a CUDA graph.
+  bool static_shapes() const {
+    return capacity_type::pads && token_router<router_type> && chunks_ == 1;
+  }
 
   /// The router's per-expert selection bias [E] (routers with has_bias), the layer's own
   /// host copy: read it, or write a trained model's bias into it (checked at the next
@@ -369,7 +376,7 @@ class moe_layer {
       router_cap = router_type::capacity(cfg, cfg.max_tokens);  // expert choice
     return workspace_layout::of(
         cfg, width, L, chunks, units_in_flight, capacity_type::pads,
-        [&](index_t T) { return capacity.limit(cfg, T); }, router_cap);
+        [&](index_t T) { return capacity.limit(cfg, T); }, router_cap, sizeof(value_type));
   }
   // Most exchange units of a pass (chunks, or with a bound every round of every chunk).
   int units_max() const { return chunks_max_ * static_cast<int>(layout_.max_rounds); }
@@ -447,10 +454,18 @@ class moe_layer {
     const mark start = clock_.now();
     stage_runner stages{*this};
     schedule_type::run(stages);
+    space_.for_each(1, count_pass{pass_counter_.device()});
     clock_.stage(&stage_times::total, start, clock_.now());
     space_.leave();
     ++pass_;
+    // Static shapes on a device: this rank's own error, once its part of the pass is queued.
+    if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
   }
+
+  struct count_pass {
+    std::uint64_t* counter;
+    EPMOE_HD void operator()(index_t) const { ++*counter; }
+  };
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -516,6 +531,10 @@ class moe_layer {
   void allocate_workspace() {
     const index_t T = cfg_.max_tokens, K = width_, E = cfg_.experts, H = cfg_.hidden;
     const index_t N = cfg_.shared_experts;
+    // A pass's grouped GEMMs: three per unit and per shared expert (the gate's are not).
+    space_.reserve(3 * units_max() + 3 * static_cast<int>(N) + 2,
+                   std::max(1, placement_.slots_per_rank()),
+                   std::max(layout_.plan_keys(), layout_.recv_buffer_rows) + 1);
     logits_ = space_.template allocate_mirror<float>(router_type::uses_gate ? T * E : 0);
     if constexpr (router_with_noise_gate<router_type>)
       noise_logits_ = space_.template allocate<float>(T * E);
@@ -535,13 +554,16 @@ class moe_layer {
       global_load_.resize(static_cast<std::size_t>(E));
     }
     ids_ = space_.template allocate_mirror<std::int32_t>(T * K);
+    pass_counter_ = space_.template allocate_mirror<std::uint64_t>(1);
+    shared_offsets_ = space_.template allocate_mirror<index_t>(2);
     weights_ = space_.template allocate_mirror<float>(T * K);
     const index_t shared_scratch =
-        N > 0 ? T * expert_type::scratch_per_row(cfg_.shared_width()) : 0;
-    scratch_ = space_.template allocate<value_type>(
-        std::max(layout_.expert_rows * expert_type::scratch_per_row(cfg_.ffn), shared_scratch));
+        N > 0 ? T * expert_type::scratch_per_row(layout_.padded(cfg_.shared_width())) : 0;
+    scratch_ = space_.template allocate<value_type>(std::max(
+        layout_.expert_rows * expert_type::scratch_per_row(layout_.padded(cfg_.ffn)),
+        shared_scratch));
     if (N > 0) {
-      shared_in_ = space_.template allocate<value_type>(T * H);
+      shared_in_ = space_.template allocate<value_type>(T * layout_.row_stride);
       shared_out_ = space_.template allocate<float>(T * H);
     }
     stats_.timeline.reserve(static_cast<std::size_t>(3 * units_max()));
@@ -553,7 +575,7 @@ class moe_layer {
   routing_view device_routing() const {
     return {ids_view(tokens_), weights_view(tokens_)};
   }
-  exchange_context<space_type> context() {
+  exchange_context<space_type> context() const {
     return {space_, plan_.host(), plan_.device(), plan_.recv_blocks(), clock_, stats_};
   }
 
@@ -618,11 +640,12 @@ class moe_layer {
                  gate_pass<value_type>{x_, w_.gate, w_.noise_gate, logits, noise,
                                        gate_scratch_.data(),
                                        token_ids_.empty() ? nullptr : token_ids_.data(), first,
-                                       pass_});
+                                       pass_, pass_counter_.device()});
     const router::route_options opt{.noise = noise,
                                     .token_ids = token_ids_,
                                     .first_token = first,
                                     .pass = pass_,
+                                    .pass_counter = pass_counter_.device(),
                                     .float_scratch = batch_floats_,
                                     .int_scratch = batch_ints_};
     if constexpr (token_router<router_type>) {
@@ -657,8 +680,9 @@ class moe_layer {
                               std::int64_t{rank()} * cfg_.max_tokens};
     build_send_plan(space_, device_routing(), placement_view(placement_), cfg_.experts, limit_,
                     layout_.pad_rows, origin, p, plan_.device(), plan_.scratch());
-    if constexpr (dedup) build_dedup_plan(space_, device_routing(), p, plan_.device(), plan_.scratch());
-    space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
+    if constexpr (dedup)
+      build_dedup_plan(space_, device_routing(), p, plan_.device(), plan_.scratch());
+    if (!deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
   }
 
   // Send rows: one per assignment, or with dedup one per (token, destination rank); their
@@ -679,22 +703,27 @@ class moe_layer {
     const index_t N = cfg_.shared_experts, T = tokens_, H = cfg_.hidden;
     stats_.shared_flops = 0;
     if (N == 0 || T == 0) return;
-    const matrix_view<value_type> in(shared_in_.data(), T, H);
-    const index_t offsets[2] = {0, T};
+    const matrix_view<value_type> in(shared_in_.data(), T, H, layout_.row_stride);
+    shared_offsets_.host()[1] = T;
+    space_.to_device(shared_offsets_, 0, 2);
     for (index_t n = 0; n < N; ++n) {
       space_.for_each_row(T, H, rows::copy<value_type>{x_, in});
       expert_type::forward(space_, expert_type::slice(w_.shared, n, 1),
-                           grouped_rows<value_type>{in.data, H, H, 1, offsets, offsets},
+                           grouped_rows<value_type>{in.data, H, in.stride, 1,
+                                                    shared_offsets_.host(),
+                                                    shared_offsets_.device(), layout_.align},
                            scratch_.data());
       space_.for_each_row(T, H, rows::accumulate<value_type>{in, shared_out_.data(), n == 0});
     }
     stats_.shared_flops = double(N * T) * expert_type::flops_per_row(H, cfg_.shared_width());
   }
 
-  // The counts exchange; it also tells every rank whether all accepted their inputs.
+  // The counts exchange; it also tells every rank whether all accepted their inputs (with
+  // static shapes on a device: after the pass, see synchronize()).
   void do_counts() {
     auto x = context();
-    const int rejected = ex_.counts(x, !input_error_);
+    const int rejected = ex_.counts(x, !input_error_, static_shapes() ? layout_.pad_rows : 0);
+    if (deferred()) return;
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
     if (rejected >= 0)
       throw input_error("forward inputs of rank " + std::to_string(rejected), "rejected",
@@ -704,7 +733,7 @@ class moe_layer {
   }
 
   // The plan's counts into the stats (its host arrays arrived with the counts).
-  void count_plan_stats() {
+  void count_plan_stats() const {
     dispatch_plan& p = plan_.host();
     count_send_plan(p, cfg_.experts);
     stats_.tokens = tokens_;
@@ -740,18 +769,29 @@ class moe_layer {
                                                        shared, y_});
     else
       space_.for_each_row(tokens_, cfg_.hidden,
-                          rows::weighted_reduce<value_type>{send_view(), p.slot,
-                                                            weights_view(tokens_), shared, y_});
+                          rows::weighted_reduce<value_type>{
+                              send_view(), p.slot, weights_view(tokens_), shared, y_,
+                              ex_.verdicts(p), ex_.verdict_stride(p), cfg_.ranks});
   }
 
   matrix_view<value_type> send_view() const {
-    return {ex_.send_buffer(), layout_.send_rows, cfg_.hidden};
+    return {ex_.send_buffer(), layout_.send_rows, cfg_.hidden, layout_.row_stride};
   }
 
   // Fills what a pass leaves for later: stage times from the clock's marks and the router's
   // losses from the pass's logits (after the space finished the pass).
   void resolve_stats() const {
+    if (deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
     space_.synchronize();
+    pending_ = false;
+    if (deferred()) {
+      auto x = context();
+      const int rejected = ex_.resolve(x);
+      if (rejected >= 0)
+        throw input_error("forward inputs of rank " + std::to_string(rejected), "rejected",
+                          "every rank must pass valid inputs; no rank wrote y in that pass");
+      count_plan_stats();
+    }
     clock_.resolve(stats_);
     stats_.losses = {};
     if constexpr (router_type::uses_gate && has_probabilities<router_type>) {
@@ -763,8 +803,9 @@ class moe_layer {
                        std::span<double>(loss_acc_), stats_.losses);
       }
     }
-    pending_ = false;
   }
+  // Static shapes on a device: the pass's counts are read after it (resolve_stats).
+  bool deferred() const { return device_space<space_type> && static_shapes(); }
 
   layer_config cfg_;
   comm_type comm_;
@@ -777,12 +818,16 @@ class moe_layer {
   int width_;  // routing slots per token
   int chunks_max_ = 1, chunks_ = 1;
   workspace_layout layout_;
-  plan_storage<space_type> plan_;
-  exchange_type ex_;
+  mutable plan_storage<space_type> plan_;  // (mutable: stats() reads a static pass's counts)
+  mutable exchange_type ex_;
   mutable pass_clock<space_type> clock_;
 
   mirror<float> logits_, weights_, bias_;
   mirror<std::int32_t> ids_;
+  mirror<index_t> shared_offsets_;  // [2]: the shared experts' one group, all T tokens
+  // The pass counter where the routers' noise reads it: a pass captured in a CUDA graph
+  // advances it each time it is replayed.
+  mirror<std::uint64_t> pass_counter_;
   buffer<float> noise_logits_, shared_out_;
   buffer<value_type> gate_scratch_, scratch_, shared_in_;
   std::vector<float> batch_floats_;  // batch routers decide on the host

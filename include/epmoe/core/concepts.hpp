@@ -62,7 +62,8 @@ concept space_policy = std::copyable<S> && requires {
   s.grouped_gemm_nt(grouped_rows<const typename S::value_type>{},
                     stacked_view<const typename S::value_type>{},
                     grouped_rows<typename S::value_type>{});
-  { s.make_clock() } -> std::same_as<typename S::clock>;
+  { s.make_clock(n) } -> std::same_as<typename S::clock>;
+  s.reserve(int{}, int{}, n);
   c.begin_pass();
   { c.seconds(c.now()) } -> std::convertible_to<double>;
   s.enter();
@@ -141,16 +142,25 @@ concept capacity_policy = std::semiregular<C> &&
   { c.limit(cfg, tokens) } -> std::convertible_to<index_t>;
 };
 
-/// Moves rows between ranks: rank/size, a fixed-size all-to-all for counts, an all-to-all-v
-/// for rows (counts and displacements in elements): every element type the layer exchanges
-/// (index_t counts, float rows, int64 dedup metadata).
+/// What the layer calls of a comm itself: rank/size and a fixed-size all-to-all of host
+/// arrays (counts, the start-up agreement, the router's load). Rows move through
+/// transport<Comm, Space> (core/transport.hpp), which for host memory needs host_communicator.
 template <class C>
 concept communicator = std::movable<C> &&
-    requires(C& c, const index_t* si, index_t* ri, const float* sf, float* rf,
-             const std::int64_t* sl, std::int64_t* rl, index_t n) {
+    requires(C& c, const index_t* si, index_t* ri, const std::int64_t* sl, std::int64_t* rl,
+             index_t n) {
   { c.rank() } -> std::convertible_to<int>;
   { c.size() } -> std::convertible_to<int>;
   c.alltoall(si, ri, n);
+  c.alltoall(sl, rl, n);
+};
+
+/// A comm that moves rows in host memory: an all-to-all-v (counts and displacements in
+/// elements) of every element type the layer exchanges (float rows, int64 dedup metadata).
+template <class C>
+concept host_communicator = communicator<C> &&
+    requires(C& c, const index_t* si, const float* sf, float* rf, const std::int64_t* sl,
+             std::int64_t* rl) {
   c.alltoallv(sf, si, si, rf, si, si);
   c.alltoallv(sl, si, si, rl, si, si);
 };

@@ -165,7 +165,7 @@ class exchange {
   exchange() = default;
   exchange(Comm& comm, const Space& space, const workspace_layout& w)
       : tr_(comm, space), w_(w), me_(comm.rank()) {
-    const index_t R = w.ranks, L = w.local_experts, C = w.chunks, H = w.hidden;
+    const index_t R = w.ranks, L = w.local_experts, C = w.chunks, H = w.row_stride;
     bounded_ = w.quota > 0;
     slots_ = bounded_ ? w.units_in_flight : static_cast<int>(C);
     slot_rows_ = R * w.per_source;
@@ -229,9 +229,14 @@ class exchange {
   /// The counts all-to-all: every rank learns the rows it will receive per (chunk, source,
   /// local slot), whether every rank accepted its inputs (`valid`), and with a bound the rounds
   /// each chunk takes. Returns the first rank that rejected its inputs, or -1; then no row
-  /// moved and the caller throws. The plan's host arrays must be on the host before the call
-  /// returns control to the exchange's host code: the space's synchronize() here makes them so.
-  int counts(context& x, bool valid) {
+  /// moved and the caller throws. The space's synchronize() here also brings the plan's host
+  /// arrays (copied before the call).
+  /// Static shapes (`static_rows` > 0: padded capacity, one chunk): every block holds
+  /// static_rows rows, so the layout needs no counts. On a device nothing then waits (the
+  /// pass can be captured in a graph): the counts arrive for stats and for the verdict on
+  /// the inputs, which resolve() reads after the pass; the reduce writes nothing when a rank
+  /// rejected its inputs. On the host the counts are read at once and must agree.
+  int counts(context& x, bool valid, index_t static_rows = 0) {
     dispatch_plan& p = x.plan;
     const int R = w_.ranks, L = p.local_experts, C = p.chunks;
     const index_t P = exchange_ops::count_message::per_peer(L, C);
@@ -247,14 +252,34 @@ class exchange {
                             valid ? 1 : 0, msg_send_.data()});
     tr_.alltoall(msg_send_.data(), msg_recv_.device(), P);
     x.space.to_host(msg_recv_, 0, R * P);
+    static_rows_ = static_rows;
+    deferred_ = static_rows > 0 && device_space<Space>;
+    if (deferred_) {
+      static_layout(x);
+      x.clock.exchange(t0, x.clock.now(), t0, t0, 0);
+      return -1;
+    }
     x.space.synchronize();
     const mark t1 = x.clock.now();
     x.clock.exchange(t0, t1, t1, t1, 0);
-    const index_t* in = msg_recv_.host();
-    for (int s = 0; s < R; ++s)
-      if (in[s * P + C * (2 * L + 1) + C] == 0) return s;
-    read_counts(x, in);
-    return -1;
+    return read_message(x);
+  }
+
+  /// Static shapes on a device: after the pass, the counts that arrived (stats) and the
+  /// first rank that rejected its inputs, or -1. Call after the space's synchronize().
+  int resolve(context& x) {
+    if (!deferred_) return -1;
+    deferred_ = false;
+    return read_message(x);
+  }
+  /// Where the reduce finds every rank's verdict on its inputs (static shapes on a device:
+  /// nothing is written when one rank rejected), else nullptr.
+  const index_t* verdicts(const dispatch_plan& p) const {
+    return deferred_ ? msg_recv_.device() + verdict_at(p) : nullptr;
+  }
+  /// Elements between two ranks' verdicts.
+  index_t verdict_stride(const dispatch_plan& p) const {
+    return exchange_ops::count_message::per_peer(p.local_experts, p.chunks);
   }
 
   void start_dispatch(context& x, int u) {
@@ -312,12 +337,12 @@ class exchange {
     const int L = p.local_experts;
     if (bounded_) {
       const unit_state& us = units_[slot_of(u)];
-      return {x_expert_.data(), w_.hidden, w_.hidden, L, us.host + expert_at(),
-              us.dev + expert_at()};
+      return {x_expert_.data(), w_.hidden, w_.row_stride, L, us.host + expert_at(),
+              us.dev + expert_at(), w_.align};
     }
     const index_t first = p.expert_offsets[u * L];
-    return {x_expert_.data() + first * w_.hidden, w_.hidden, w_.hidden, L,
-            p.expert_offsets + u * L, x.dev.expert_offsets + u * L};
+    return {x_expert_.data() + first * w_.row_stride, w_.hidden, w_.row_stride, L,
+            p.expert_offsets + u * L, x.dev.expert_offsets + u * L, w_.align};
   }
 
   void start_combine(context& x, int u) {
@@ -352,7 +377,7 @@ class exchange {
     x.clock.exchange(marks_[4 * k + 2], marks_[4 * k + 3], w0, w1, modeled);
     units_[k].busy = false;
     index_t rows = 0;
-    for (int r = 0; r < w_.ranks; ++r) rows += counts_[k].recv_n[r] / w_.hidden;
+    for (int r = 0; r < w_.ranks; ++r) rows += counts_[k].recv_n[r] / w_.row_stride;
     x.clock.event(chunk_of_unit(x.plan, u), stage_kind::combine, round_of_unit(x.plan, u), rows,
                   crossing_bytes(counts_[k].recv_n), marks_[4 * k + 2], w1);
   }
@@ -390,11 +415,50 @@ class exchange {
                      "); a peer passed more tokens than max_tokens?");
   }
 
+  // Bytes of the rows (H elements each; the alignment padding is not counted) that crossed
+  // to or from other ranks.
   index_t crossing_bytes(const index_t* n) const {
     index_t e = 0;
     for (int r = 0; r < w_.ranks; ++r)
       if (r != me_) e += n[r];
-    return e * static_cast<index_t>(sizeof(value_type));
+    return e / w_.row_stride * w_.hidden * static_cast<index_t>(sizeof(value_type));
+  }
+
+  index_t verdict_at(const dispatch_plan& p) const {
+    return p.chunks * (2 * p.local_experts + 1) + p.chunks;
+  }
+
+  // The counts message that arrived: the verdicts, then the receive plan (static shapes: it
+  // must equal the fixed one).
+  int read_message(context& x) {
+    const dispatch_plan& p = x.plan;
+    const index_t* in = msg_recv_.host();
+    const index_t P = verdict_stride(p);
+    for (int s = 0; s < w_.ranks; ++s)
+      if (in[s * P + verdict_at(p)] == 0) return s;
+    read_counts(x, in);
+    if (static_rows_ > 0)
+      for (int b = 0; b < p.blocks(); ++b)
+        if (p.recv_counts[b] != static_rows_)
+          throw comm_error("epmoe: rank " + std::to_string(me_) + " expected " +
+                           std::to_string(static_rows_) + " rows per block (padded capacity) "
+                           "and got " + std::to_string(p.recv_counts[b]) +
+                           ": every rank must use the same config and capacity");
+    return -1;
+  }
+
+  // Static shapes: every block (one chunk) holds static_rows_ rows on both sides.
+  void static_layout(context& x) {
+    dispatch_plan& p = x.plan;
+    const int B = p.blocks();
+    p.send_offsets[0] = 0;
+    for (int b = 0; b < B; ++b) {
+      p.recv_counts[b] = p.send_counts[b] = static_rows_;
+      p.send_offsets[b + 1] = p.send_offsets[b] + static_rows_;
+    }
+    build_recv_plan(p);
+    set_rank_counts(p, 0);
+    x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
   }
 
   // The received counts: the receive plan, the rounds, the exchanges' counts and the stats.
@@ -449,7 +513,7 @@ class exchange {
     const dispatch_plan& p = x.plan;
     const int R = w_.ranks, L = p.local_experts, k = slot_of(u);
     const int c = chunk_of_unit(p, u), i = round_of_unit(p, u);
-    const index_t H = w_.hidden, lo = i * w_.quota, hi = lo + w_.quota;
+    const index_t H = w_.row_stride, lo = i * w_.quota, hi = lo + w_.quota;
     unit_state& us = units_[k];
     if (us.busy)
       throw std::logic_error("epmoe: the schedule keeps more than " + std::to_string(slots_) +
@@ -499,7 +563,7 @@ class exchange {
   // assignment, or unique with dedup) and, with dedup, the per-assignment metadata.
   void set_rank_counts(const dispatch_plan& p, int c) {
     const int R = w_.ranks;
-    const index_t H = w_.hidden;
+    const index_t H = w_.row_stride;  // elements per row moved (the padding rides along)
     rank_counts& n = counts_[c];
     for (int r = 0; r < R; ++r) {
       const int b = p.block(c, r, 0);
@@ -605,16 +669,17 @@ class exchange {
   matrix_view<value_type> chunk_unique_view(const dispatch_plan& p, int c) const {
     const int R = w_.ranks;
     const index_t u0 = p.recv_unique_offsets[c * R];
-    return {x_recv_.data() + u0 * w_.hidden, p.recv_unique_offsets[(c + 1) * R] - u0, w_.hidden};
+    return {x_recv_.data() + u0 * w_.row_stride, p.recv_unique_offsets[(c + 1) * R] - u0,
+            w_.hidden, w_.row_stride};
   }
   matrix_view<value_type> recv_view(const dispatch_plan& p) const {
-    return {x_recv_.data(), p.recv_rows(), w_.hidden};
+    return {x_recv_.data(), p.recv_rows(), w_.hidden, w_.row_stride};
   }
   matrix_view<value_type> slot_view(int k) const {
-    return {x_recv_.data(), (k + 1) * slot_rows_, w_.hidden};
+    return {x_recv_.data(), (k + 1) * slot_rows_, w_.hidden, w_.row_stride};
   }
   matrix_view<value_type> expert_view() const {
-    return {x_expert_.data(), w_.expert_rows, w_.hidden};
+    return {x_expert_.data(), w_.expert_rows, w_.hidden, w_.row_stride};
   }
   static matrix_view<const value_type> const_view(matrix_view<value_type> v) { return v; }
 
@@ -625,6 +690,8 @@ class exchange {
   index_t slot_rows_ = 0;
   int slots_ = 1;
   int expert_owner_ = -1;  // bounded: the unit whose rows are in the expert buffer
+  index_t static_rows_ = 0;  // static shapes: rows of every block (0: counted)
+  bool deferred_ = false;    // static shapes on a device: the counts are read after the pass
   buffer<value_type> x_send_, x_recv_, x_expert_;
   buffer<index_t> msg_send_;
   mirror<index_t> msg_recv_;

@@ -27,9 +27,11 @@ struct route_tokens {
   std::int64_t first_token;
   std::uint64_t pass;
   int experts;
+  const std::uint64_t* pass_counter = nullptr;  // the pass read on the device, else `pass`
   EPMOE_HD void operator()(index_t t) const {
     const token_input in{logits.data ? logits.row(t) : nullptr, noise.data ? noise.row(t) : nullptr,
-                         experts, token_ids ? token_ids[t] : first_token + t, pass};
+                         experts, token_ids ? token_ids[t] : first_token + t,
+                         pass_counter ? *pass_counter : pass};
     router.route_token(in, ids.row(t), weights.row(t));
   }
 };
@@ -90,8 +92,13 @@ struct weighted_reduce {
   matrix_view<const float> weights;  // [T, K]
   const float* shared;               // [T, H] or nullptr
   matrix_view<T> y;                  // [T, H]
+  const index_t* verdicts = nullptr;  // every rank's 1/0 (inputs accepted), `stride` apart:
+  index_t stride = 0;                 //   with one 0 nothing is written (static shapes)
+  int ranks = 0;
   EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
     const index_t K = weights.cols;
+    for (int r = 0; verdicts && r < ranks; ++r)
+      if (verdicts[r * stride] == 0) return;
     for (index_t h = h0; h < h1; h += piece) {
       const index_t n = h1 - h < piece ? h1 - h : piece;
       float acc[piece] = {};

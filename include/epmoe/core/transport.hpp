@@ -35,6 +35,10 @@ class transport {
   static_assert(!device_space<Space>,
                 "epmoe: no transport for this comm on this device space: use comm::nccl, "
                 "comm::threads or comm::local with space::cuda (space/cuda/transport.cuh)");
+  static_assert(host_communicator<Comm>,
+                "epmoe: the comm policy must provide alltoallv(send, counts, displs, recv, "
+                "counts, displs) for float and int64 elements to move rows in host memory (see "
+                "comm/local.hpp)");
 
  public:
   /// Whether an exchange can be started and waited for later (the comm's ialltoallv); without

@@ -87,19 +87,23 @@ struct grouped_rows {
   int groups = 0;
   const index_t* offsets = nullptr;         // [groups + 1], host
   const index_t* device_offsets = nullptr;  // [groups + 1], the space's memory
+  index_t align = 1;  // rows of matrices over() makes start at multiples of align elements
 
   index_t rows() const { return groups > 0 ? offsets[groups] - offsets[0] : 0; }
   /// Group g as a matrix.
   matrix_view<T> group(int g) const {
     return {data + (offsets[g] - offsets[0]) * stride, offsets[g + 1] - offsets[g], cols, stride};
   }
-  /// The same groups over another matrix of the same rows (e.g. an expert's hidden layer).
+  /// The same groups over another matrix of the same rows with c columns (e.g. an expert's
+  /// hidden layer), its row stride c rounded up to the alignment.
   template <class U>
   grouped_rows<U> over(U* d, index_t c) const {
-    return {d, c, c, groups, offsets, device_offsets};
+    return {d, c, (c + align - 1) / align * align, groups, offsets, device_offsets, align};
   }
+  /// Elements a matrix of these rows with c columns takes (what over() lays out).
+  index_t elements(index_t c) const { return rows() * ((c + align - 1) / align * align); }
   operator grouped_rows<const T>() const requires(!std::is_const_v<T>) {
-    return {data, cols, stride, groups, offsets, device_offsets};
+    return {data, cols, stride, groups, offsets, device_offsets, align};
   }
 };
 

@@ -22,6 +22,8 @@ struct workspace_layout {
   int local_experts = 1;   // L: physical slots per rank
   int chunks = 1;          // C: most chunks of a pass
   index_t hidden = 0;      // H
+  index_t align = 1;       // rows of every buffer start 16-byte aligned: strides a multiple
+  index_t row_stride = 0;  //   of `align` elements (H rounded up)
   index_t blocks = 0;      // C * R * L
   index_t per_expert = 0;  // most rows one source sends one slot (capacity, T, the router)
   index_t pad_rows = 0;    // padded capacity: rows every slot's blocks hold (0: no padding)
@@ -37,13 +39,18 @@ struct workspace_layout {
 
   /// `limit(T)` is the capacity policy's rows per slot for T tokens; `router_cap` the router's
   /// own bound on a slot's rows (expert choice), or 0.
+  /// `elem_bytes` is the size of the space's element type (rows are padded to 16 bytes:
+  /// vector loads and 16-bit GEMMs need aligned rows whatever H is).
   template <class Limit>
   static workspace_layout of(const layer_config& cfg, int width, int local_experts, int chunks,
-                             int units_in_flight, bool pads, Limit&& limit, index_t router_cap) {
+                             int units_in_flight, bool pads, Limit&& limit, index_t router_cap,
+                             index_t elem_bytes) {
     workspace_layout w;
     const index_t T = cfg.max_tokens, K = width, R = cfg.ranks, L = local_experts;
     w.tokens = T, w.width = width, w.experts = cfg.experts, w.ranks = cfg.ranks;
     w.local_experts = local_experts, w.chunks = chunks, w.hidden = cfg.hidden;
+    w.align = std::max<index_t>(1, 16 / elem_bytes);
+    w.row_stride = w.padded(cfg.hidden);
     w.blocks = chunks * R * L;
     // Rows one source sends one slot: bounded by capacity, and by T (distinct experts).
     w.per_expert = std::min(T, limit(T));
@@ -69,6 +76,9 @@ struct workspace_layout {
     }
     return w;
   }
+
+  /// A row of n elements padded to the alignment.
+  index_t padded(index_t n) const { return (n + align - 1) / align * align; }
 
   /// Keys the plan sorts: the blocks, or dedup's (chunk, rank) groups.
   index_t plan_keys() const { return std::max<index_t>(blocks, index_t{chunks} * ranks); }

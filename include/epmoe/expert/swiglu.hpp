@@ -50,7 +50,8 @@ struct swiglu {
     return flops_per_row(cfg.hidden, cfg.ffn);
   }
 
-  /// Scratch floats per row: the two [rows, F] projections.
+  /// Scratch elements per row: the two [rows, F] projections (the layer passes F padded to
+  /// its row alignment).
   static index_t scratch_per_row(index_t ffn) { return 2 * ffn; }
   static index_t scratch_per_row(const layer_config& cfg) { return scratch_per_row(cfg.ffn); }
 
@@ -80,15 +81,16 @@ struct swiglu {
   /// once both up-projections are done). scratch holds x.rows() * scratch_per_row elements.
   template <class Space, class T>
   static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch) {
-    const index_t n = x.rows(), F = w.w1.rows;
+    const index_t F = w.w1.rows, n = x.elements(F);  // the [rows, F] hidden layers
     if (n == 0) return;
-    const grouped_rows<T> h1 = x.over(scratch, F), h3 = x.over(scratch + n * F, F);
+    const grouped_rows<T> h1 = x.over(scratch, F), h3 = x.over(scratch + n, F);
     space.grouped_gemm_nt(x, w.w1, h1);
     space.grouped_gemm_nt(x, w.w3, h3);
-    if constexpr (requires { space.silu_mul(h1.data, h3.data, n * F); })
-      space.silu_mul(h1.data, h3.data, n * F);  // the space's vectorised loop (space::host)
+    // The gate over whole padded rows (padding elements are never read).
+    if constexpr (requires { space.silu_mul(h1.data, h3.data, n); })
+      space.silu_mul(h1.data, h3.data, n);  // the space's vectorised loop (space::host)
     else
-      space.for_each(n * F, silu_mul_rows<T>{h1.data, h3.data});
+      space.for_each(n, silu_mul_rows<T>{h1.data, h3.data});
     space.grouped_gemm_nt(h1, w.w2, x);
   }
 

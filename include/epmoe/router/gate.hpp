@@ -24,6 +24,7 @@ struct gate_pass {
   const std::int64_t* token_ids = nullptr;  // [T] or nullptr: then first_token + t
   std::int64_t first_token = 0;
   std::uint64_t pass = 0;  // the layer's pass counter (seeded training noise)
+  const std::uint64_t* pass_counter = nullptr;  // the same in the space's memory, when set
 };
 
 namespace router {

@@ -39,9 +39,11 @@ struct jitter : Inner {
     const std::int64_t* ids;
     std::int64_t first;
     std::uint64_t pass;
+    const std::uint64_t* pass_counter;  // read on the device when set
     EPMOE_HD void operator()(index_t i) const {
       const index_t t = i / x.cols, h = i % x.cols;
-      out[i] = from_float<T>(to_float(x(t, h)) * router.factor(pass, ids ? ids[t] : first + t, h));
+      const std::uint64_t p = pass_counter ? *pass_counter : pass;
+      out[i] = from_float<T>(to_float(x(t, h)) * router.factor(p, ids ? ids[t] : first + t, h));
     }
   };
 
@@ -50,7 +52,7 @@ struct jitter : Inner {
   void gate(const Space& space, const gate_pass<T>& g) const {
     if (!training) return router::gate(static_cast<const Inner&>(*this), space, g);
     space.for_each(g.x.rows * g.x.cols, jittered<T>{*this, g.x, g.scratch, g.token_ids,
-                                                    g.first_token, g.pass});
+                                                    g.first_token, g.pass, g.pass_counter});
     gate_pass<T> in = g;
     in.x = {g.scratch, g.x.rows, g.x.cols};
     router::gate(static_cast<const Inner&>(*this), space, in);

@@ -34,6 +34,8 @@ struct route_options {
                                               //   empty: token t is first_token + t
   std::int64_t first_token = 0;               // the layer: rank * max_tokens
   std::uint64_t pass = 0;                     // pass counter of seeded training noise
+  const std::uint64_t* pass_counter = nullptr;  // or the counter in the executor's memory (a
+                                                //   captured graph reads it when replayed)
   std::span<float> float_scratch{};           // batch routers: >= scratch_floats(cfg) with
   std::span<std::int32_t> int_scratch{};      //   max_tokens = T; empty: route() allocates
 };
@@ -85,7 +87,7 @@ void run_router(const Router& router, const layer_config& cfg, matrix_view<const
                           router, Router::uses_gate ? logits : matrix_view<const float>{},
                           opt.noise, out.ids, out.weights,
                           opt.token_ids.empty() ? nullptr : opt.token_ids.data(), opt.first_token,
-                          opt.pass, cfg.experts});
+                          opt.pass, cfg.experts, opt.pass_counter});
   } else {
     // Batch scratch scales with the batch: size it for these T tokens.
     layer_config batch = cfg;

@@ -220,7 +220,10 @@ class host {
    private:
     std::chrono::steady_clock::time_point start_{};
   };
-  clock make_clock() const { return {}; }
+  /// A clock (any number of marks).
+  clock make_clock(index_t = 0) const { return {}; }
+  /// What a layer needs beyond buffers (a device's GEMM and scan storage): nothing here.
+  void reserve(int, int, index_t) const {}
 
   /// Orders the layer's pass after the caller's work and the caller's after the pass: on
   /// the host both run on the calling thread already.
