@@ -454,18 +454,13 @@ class moe_layer {
     const mark start = clock_.now();
     stage_runner stages{*this};
     schedule_type::run(stages);
-    space_.for_each(1, count_pass{pass_counter_.device()});
+    space_.for_each(1, rows::advance{pass_counter_.device()});
     clock_.stage(&stage_times::total, start, clock_.now());
     space_.leave();
     ++pass_;
     // Static shapes on a device: this rank's own error, once its part of the pass is queued.
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
   }
-
-  struct count_pass {
-    std::uint64_t* counter;
-    EPMOE_HD void operator()(index_t) const { ++*counter; }
-  };
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();

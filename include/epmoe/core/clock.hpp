@@ -80,8 +80,9 @@ class pass_clock {
   double since_start(mark m) const { return clock_.seconds(m) - clock_.seconds(start_); }
 
  private:
+  using stage_field = double stage_times::*;
   struct stage_span {
-    double stage_times::*field;
+    stage_field field;
     mark a, b;
   };
   struct event_span {

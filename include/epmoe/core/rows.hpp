@@ -36,6 +36,12 @@ struct route_tokens {
   }
 };
 
+/// ++counter (the pass counter, in the space's memory).
+struct advance {
+  std::uint64_t* counter;
+  EPMOE_HD void operator()(index_t) const { ++*counter; }
+};
+
 /// Send row i = token row_token[i] of x, or zeros for a padding row.
 template <class T>
 struct gather {

@@ -102,7 +102,8 @@ struct grouped_rows {
   }
   /// Elements a matrix of these rows with c columns takes (what over() lays out).
   index_t elements(index_t c) const { return rows() * ((c + align - 1) / align * align); }
-  operator grouped_rows<const T>() const requires(!std::is_const_v<T>) {
+  template <class U = T>
+  requires(!std::is_const_v<U>) operator grouped_rows<const U>() const {
     return {data, cols, stride, groups, offsets, device_offsets, align};
   }
 };

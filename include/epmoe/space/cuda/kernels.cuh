@@ -63,22 +63,26 @@ __global__ void copy_blocks(matrix_view<const T> src, matrix_view<T> dst, index_
   }
 }
 
+// (Kernels in a header are templates, so every translation unit may instantiate them.)
+
 /// out[k] += 1 for every key k in [0, bins) (out zeroed first).
-__global__ inline void histogram(const std::int32_t* keys, index_t n, index_t bins,
-                                 unsigned long long* out) {
+template <class Key>
+__global__ void histogram(const Key* keys, index_t n, index_t bins, unsigned long long* out) {
   EPMOE_GRID_STRIDE(i, n) {
-    const std::int32_t k = keys[i];
+    const Key k = keys[i];
     if (k >= 0 && k < bins) atomicAdd(out + k, 1ull);
   }
 }
 
 /// out[i] = i: the values a key sort carries.
-__global__ inline void iota(std::int32_t* out, index_t n) {
-  EPMOE_GRID_STRIDE(i, n) out[i] = static_cast<std::int32_t>(i);
+template <class Int>
+__global__ void iota(Int* out, index_t n) {
+  EPMOE_GRID_STRIDE(i, n) out[i] = static_cast<Int>(i);
 }
 
 /// out[n] = out[n-1] + in[n-1]: the total after CUB's exclusive scan of n entries.
-__global__ inline void scan_total(const index_t* in, index_t* out, index_t n) {
+template <class Int>
+__global__ void scan_total(const Int* in, Int* out, index_t n) {
   if (blockIdx.x == 0 && threadIdx.x == 0) out[n] = n > 0 ? out[n - 1] + in[n - 1] : 0;
 }
 

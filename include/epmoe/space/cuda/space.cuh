@@ -57,7 +57,8 @@ class cuda {
   /// The caller's stream (0: the legacy default stream): each pass waits for the work on it
   /// so far, and work queued on it later waits for the pass. The layer works on its own
   /// streams; pass the caller's current stream (PyTorch's) to order the two.
-  explicit cuda(cudaStream_t caller = nullptr) : ctx_(std::make_shared<context>(caller)) {}
+  cuda() : cuda(nullptr) {}
+  explicit cuda(cudaStream_t caller) : ctx_(std::make_shared<context>(caller)) {}
 
   /// The stream the layer's work runs on, and the one its non-blocking exchanges use.
   cudaStream_t stream() const { return ctx_->work; }
@@ -175,6 +176,8 @@ class cuda {
   /// c [M, N] = a [M, K] x b [N, K]^T, fp32 accumulate; c is T or fp32 (the gate's logits).
   template <class C>
   void gemm_nt(matrix_view<const T> a, matrix_view<const T> b, matrix_view<C> c) const {
+    const auto [ws, bytes] = ctx_->next_workspace();
+    EPMOE_CUDA_CHECK(cublasSetWorkspace(ctx_->blas, ws, bytes));
     cuda_detail::gemm_nt(ctx_->blas, dtype<T>::cuda, a.data, a.stride, b.data, b.stride,
                          dtype<C>::cuda, c.data, c.stride, c.rows, c.cols, a.cols, 0.f);
   }
@@ -185,11 +188,24 @@ class cuda {
   // --- the stage clock: events on the work stream, read after a synchronisation ---------
 
   class clock {
+    // A clock's own events (two layers on one space time their passes apart).
+    struct events {
+      explicit events(int n) : e(static_cast<std::size_t>(n)) {
+        for (cudaEvent_t& x : e) EPMOE_CUDA_CHECK(cudaEventCreate(&x));
+      }
+      events(const events&) = delete;
+      events& operator=(const events&) = delete;
+      ~events() {
+        for (cudaEvent_t x : e) cudaEventDestroy(x);
+      }
+      std::vector<cudaEvent_t> e;
+    };
+
    public:
     using mark = int;
     clock() = default;
-    explicit clock(std::shared_ptr<void> ctx, cudaEvent_t* events, int n, cudaStream_t s)
-        : keep_(std::move(ctx)), events_(events), n_(n), stream_(s) {}
+    clock(int n, cudaStream_t s)
+        : keep_(std::make_shared<events>(n)), events_(keep_->e.data()), n_(n), stream_(s) {}
     void begin_pass() {
       next_ = 0;
       cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
@@ -210,7 +226,7 @@ class cuda {
     }
 
    private:
-    std::shared_ptr<void> keep_;
+    std::shared_ptr<events> keep_;
     cudaEvent_t* events_ = nullptr;
     int n_ = 0, next_ = 0;
     cudaStream_t stream_ = nullptr;
@@ -218,8 +234,7 @@ class cuda {
   };
   /// A clock with room for `marks` marks per pass.
   clock make_clock(index_t marks = 256) const {
-    return clock(ctx_, ctx_->clock_events(static_cast<int>(marks)), static_cast<int>(marks),
-                 ctx_->work);
+    return clock(static_cast<int>(std::max<index_t>(marks, 2)), ctx_->work);
   }
 
   /// What the layer's workspace needs of the space beyond buffers: grouped GEMM calls per
@@ -271,19 +286,10 @@ class cuda {
     context& operator=(const context&) = delete;
     ~context() {  // no throws from here: a failed release leaks
       cudaStreamSynchronize(work);
-      for (cudaEvent_t e : events) cudaEventDestroy(e);
       for (cudaEvent_t e : {entered, left, done}) cudaEventDestroy(e);
       cublasDestroy(blas);
       cudaStreamDestroy(comm);
       cudaStreamDestroy(work);
-    }
-    cudaEvent_t* clock_events(int n) {
-      while (static_cast<int>(events.size()) < n) {
-        cudaEvent_t e;
-        EPMOE_CUDA_CHECK(cudaEventCreate(&e));
-        events.push_back(e);
-      }
-      return events.data();
     }
     void reserve_scan(index_t n) {
       std::size_t bytes = 0;
@@ -309,7 +315,6 @@ class cuda {
 
     cudaStream_t caller = nullptr, work = nullptr, comm = nullptr;
     cudaEvent_t entered = nullptr, left = nullptr, done = nullptr;
-    std::vector<cudaEvent_t> events;
     cublasHandle_t blas = nullptr;
     cuda_detail::grouped_gemm grouped;
     device_buffer<char> workspace, scan_buffer;
