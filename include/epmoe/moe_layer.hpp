@@ -17,6 +17,7 @@
 #include "epmoe/capacity/dropless.hpp"
 #include "epmoe/comm/local.hpp"
 #include "epmoe/core/agreement.hpp"
+#include "epmoe/core/checks.hpp"
 #include "epmoe/core/clock.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
@@ -77,35 +78,14 @@ class moe_layer {
   /// Element type of activations and weights (float on the host; float/bf16/fp16 on CUDA).
   using value_type = typename space_type::value_type;
 
-  static_assert(space_policy<space_type>,
-                "epmoe: the space policy must provide value_type, buffer<T>/mirror<T>, "
-                "allocate<T>(n), allocate_mirror<T>(n), to_host/to_device, for_each, "
-                "for_each_row, fill, copy_blocks, count, exclusive_scan, sort_by_key, gemm_nt, "
-                "grouped_gemm_nt, a clock, enter/leave and synchronize (see space/host.hpp)");
-  static_assert(router_policy<router_type>,
-                "epmoe: the router policy must provide `static constexpr int top_k`, "
-                "`static constexpr bool uses_gate` and either route_token(const token_input&, "
-                "int* ids, float* weights) const (see router/topk_softmax.hpp) or "
-                "route_batch(...) with scratch_floats/scratch_ints (see router/expert_choice.hpp)");
-  static_assert(placement_policy<placement_type>,
-                "epmoe: the placement policy must be constructible from layer_config and "
-                "provide slots_per_rank(), expert_at(rank, j) and slot_for(expert, home rank, "
-                "token id) (see placement/block.hpp)");
-  static_assert(capacity_policy<capacity_type>,
-                "epmoe: the capacity policy must provide `static constexpr bool pads` and "
-                "limit(const layer_config&, index_t tokens) const (see capacity/factor.hpp)");
-  static_assert(communicator<comm_type>,
-                "epmoe: the comm policy must provide rank(), size() and alltoall(send, recv, n) "
-                "for index_t and int64 host arrays (see comm/local.hpp)");
-  static_assert(expert_policy<expert_type, space_type>,
-                "epmoe: the expert policy must provide `template <class T> struct weights_of`, "
-                "static validate(w, count, hidden, ffn, name), tensors(w), flops_per_row(hidden, "
-                "ffn), scratch_per_row(ffn) and forward(space, w, grouped_rows, scratch) (see "
-                "expert/swiglu.hpp)");
-  static_assert(schedule_policy<schedule_type>,
-                "epmoe: the schedule policy must provide static run(stages&) calling route, "
-                "plan, permute, shared, counts, then per unit dispatch_start/wait, experts, "
-                "combine_start/wait, then reduce (see schedule/sequential.hpp)");
+  // One check per member each slot must provide; a missing one is named (core/checks.hpp).
+  static_assert(checks::space<space_type>());
+  static_assert(checks::router<router_type>());
+  static_assert(checks::placement<placement_type>());
+  static_assert(checks::capacity<capacity_type>());
+  static_assert(checks::comm<comm_type>());
+  static_assert(checks::expert<expert_type, space_type>());
+  static_assert(checks::schedule<schedule_type>());
   static_assert(
       !requires { Policies::dedup; },
       "epmoe: declare per-rank dedup as `static constexpr epmoe::layer_options options{.dedup = "
