@@ -20,6 +20,7 @@
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/random.hpp"
 #include "epmoe/core/stats.hpp"
+#include "epmoe/expert/swiglu.hpp"
 #include "epmoe/placement/block.hpp"
 #include "epmoe/placement/table.hpp"
 #include "epmoe/sim/cost.hpp"
@@ -30,12 +31,14 @@
 // and the cost model prices them.
 namespace epmoe::sim {
 
-/// The policy slots the planner reads (the layer's Policies work as they are).
+/// The policy slots the planner and the cost model read (the layer's Policies work as they
+/// are; without an expert slot the expert is SwiGLU).
 template <class Placement = placement::block, class Capacity = capacity::dropless,
-          bool Dedup = false>
+          bool Dedup = false, class Expert = expert::swiglu>
 struct policies {
   using placement = Placement;
   using capacity = Capacity;
+  using expert = Expert;
   static constexpr layer_options options{.dedup = Dedup};
 };
 
@@ -102,6 +105,17 @@ struct result {
 };
 
 namespace detail {
+
+/// The expert a bundle names, else SwiGLU (the simulator's bundles may omit it).
+template <class P>
+struct expert_of {
+  using type = expert::swiglu;
+};
+template <class P>
+requires requires { typename P::expert; }
+struct expert_of<P> {
+  using type = typename P::expert;
+};
 
 /// The one plan workspace simulate() reuses for every rank.
 struct plan_workspace {
@@ -278,6 +292,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                 const typename Policies::capacity& cap = {}) {
   using placement_type = typename Policies::placement;
   using capacity_type = typename Policies::capacity;
+  using expert_type = typename detail::expert_of<Policies>::type;
   constexpr bool dedup = epmoe::detail::options_of<Policies>().dedup;
   static_assert(!(dedup && capacity_type::pads),
                 "epmoe::sim: per-rank dedup does not combine with padded capacity (as in the "
@@ -511,6 +526,9 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   const double counts_time =
       counts_seconds(topo, double(C) * (2 * L + 1) * double(sizeof(index_t)));
   const int N = cfg.shared_experts;
+  // Each expert priced by its own policy's FLOPs (and so weight bytes).
+  const double expert_flops = expert_type::flops_per_row(cfg.hidden, cfg.ffn);
+  const double shared_flops = expert_type::flops_per_row(cfg.hidden, cfg.shared_width());
   for (int r = 0; r < R; ++r) {
     rank_result& me = out.per_rank[r];
     out.assignments += me.assignments;
@@ -519,7 +537,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     me.route = route_seconds(topo, T, cfg.hidden, E);
     me.permute = copy_seconds(topo, double(me.send_rows), row_bytes);
     if (N > 0 && T > 0)  // per shared expert: copy the tokens in, one [T, H] x [H, F'] FFN
-      me.shared = N * (slot_seconds(topo, cfg.hidden, cfg.shared_width(), T) +
+      me.shared = N * (slot_seconds(topo, shared_flops, T) +
                        copy_seconds(topo, T, row_bytes));
     me.counts = counts_time;
     // Reduce reads each expert output row once (one per kept assignment, or per unique row
@@ -544,7 +562,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       double x = 0, received = 0;  // received: assignment rows of this chunk, padding in
       for (int j = 0; j < L; ++j) {
         const double rows = double(unit_slot_rows[static_cast<std::size_t>(c) * P + r * L + j]);
-        x += slot_seconds(topo, cfg.hidden, cfg.ffn, rows);
+        x += slot_seconds(topo, expert_flops, rows);
         received += rows;
       }
       // Local copies: its rows to itself, and every received row regrouped by expert (and
