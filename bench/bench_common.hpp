@@ -22,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "../examples/args.hpp"  // --help and bad flags, as the examples
 #include <epmoe/epmoe.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
 
@@ -99,6 +100,16 @@ inline std::vector<index_t> parse_list(const std::string& list) {
   std::string item;
   while (std::getline(ss, item, ',')) out.push_back(std::atoll(item.c_str()));
   return out;
+}
+
+/// The token counts after the current flag ("1,16,128"): at least one, each >= 1.
+inline std::vector<index_t> token_list(cli::command_line& cl) {
+  const std::string text = cl.value();
+  const std::vector<index_t> list = parse_list(text);
+  if (list.empty()) cl.fail("needs at least one token count: " + text);
+  for (index_t t : list)
+    if (t < 1) cl.fail("token counts must be >= 1: " + text);
+  return list;
 }
 
 // Policy bundles of the two shapes, for any comm, with or without per-rank dedup.

@@ -36,59 +36,50 @@ struct options {
   std::string json_path;
 };
 
-[[noreturn]] void usage(const char* why) {
-  std::fprintf(stderr,
-               "epmoe_bench: %s\n"
-               "usage: epmoe_bench [--shapes all|tiny|NAME,...] [--tokens 1,16,...] "
-               "[--min-reps N] [--max-reps N] [--min-seconds S] [--batches N] [--no-flush] "
-               "[--scaling] [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer] "
-               "[--quick-machine] [--read-gbs GB/s] [--json FILE|-]\n",
-               why);
-  std::exit(2);
-}
+constexpr const char* usage_text =
+    "usage: epmoe_bench [--shapes all|tiny|NAME,...] [--tokens 1,16,...] [--min-reps N]\n"
+    "  [--max-reps N] [--min-seconds S] [--batches N] [--no-flush] [--scaling]\n"
+    "  [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer] [--quick-machine]\n"
+    "  [--read-gbs GB/s] [--json FILE|-]\n"
+    "  The layer forward against one BLAS GEMM of its expert FLOPs, its own GEMMs alone and\n"
+    "  the read bandwidth; --scaling: 1 vs 2 in-process ranks (bench/README.md).\n";
 
 options parse(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value after " + a).c_str());
-      return argv[++i];
-    };
-    if (a == "--shapes")
-      o.shapes = value();
-    else if (a == "--tokens")
-      o.tokens = parse_list(value());
-    else if (a == "--min-reps")
-      o.point.reps.min_reps = std::atoi(value().c_str());
-    else if (a == "--max-reps")
-      o.point.reps.max_reps = std::atoi(value().c_str());
-    else if (a == "--min-seconds")
-      o.point.reps.min_seconds = std::atof(value().c_str());
-    else if (a == "--batches")
-      o.point.batches = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--no-flush")
+  cli::command_line cl(argc, argv, usage_text);
+  const auto integer = [&] { return static_cast<int>(cl.integer()); };
+  while (cl.next()) {
+    if (cl.is("--shapes"))
+      o.shapes = cl.value();
+    else if (cl.is("--tokens"))
+      o.tokens = token_list(cl);
+    else if (cl.is("--min-reps"))
+      o.point.reps.min_reps = integer();
+    else if (cl.is("--max-reps"))
+      o.point.reps.max_reps = integer();
+    else if (cl.is("--min-seconds"))
+      o.point.reps.min_seconds = cl.number();
+    else if (cl.is("--batches"))
+      o.point.batches = std::max(1, integer());
+    else if (cl.is("--no-flush"))
       o.point.flush = false;
-    else if (a == "--scaling")
+    else if (cl.is("--scaling"))
       o.scaling = true;
-    else if (a == "--scaling-tokens")
-      o.scaling_tokens = parse_list(value());
-    else if (a == "--scaling-reps")
-      o.scaling_reps = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--no-layer")
+    else if (cl.is("--scaling-tokens"))
+      o.scaling_tokens = token_list(cl);
+    else if (cl.is("--scaling-reps"))
+      o.scaling_reps = std::max(1, integer());
+    else if (cl.is("--no-layer"))
       o.layer = false;
-    else if (a == "--quick-machine")
+    else if (cl.is("--quick-machine"))
       o.quick_machine = true;
-    else if (a == "--read-gbs")
-      o.read_gbs = std::atof(value().c_str());
-    else if (a == "--json")
-      o.json_path = value();
+    else if (cl.is("--read-gbs"))
+      o.read_gbs = cl.number();
+    else if (cl.is("--json"))
+      o.json_path = cl.value();
     else
-      usage(("unknown argument " + a).c_str());
+      cl.unknown();
   }
-  if (o.tokens.empty()) usage("--tokens needs at least one value");
-  for (index_t t : o.tokens)
-    if (t < 1) usage("--tokens must be >= 1");
   return o;
 }
 

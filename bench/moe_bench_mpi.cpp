@@ -26,32 +26,24 @@ struct options {
 
 options parse(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "epmoe_bench_mpi: missing value after %s\n", a.c_str());
-        std::exit(2);
-      }
-      return argv[++i];
-    };
-    if (a == "--shapes")
-      o.shapes = value();
-    else if (a == "--scaling-tokens")
-      o.tokens = parse_list(value());
-    else if (a == "--scaling-reps")
-      o.reps = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--batches")
-      o.batches = std::max(1, std::atoi(value().c_str()));
-    else if (a == "--json")
-      o.json_path = value();
-    else {
-      std::fprintf(stderr,
-                   "epmoe_bench_mpi: unknown argument %s\nusage: epmoe_bench_mpi [--shapes ...] "
-                   "[--scaling-tokens 128,1024] [--scaling-reps N] [--batches N] [--json FILE|-]\n",
-                   a.c_str());
-      std::exit(2);
-    }
+  cli::command_line cl(
+      argc, argv,
+      "usage: mpiexec -n R epmoe_bench_mpi [--shapes all|tiny|NAME,...]\n"
+      "  [--scaling-tokens 128,1024] [--scaling-reps N] [--batches N] [--json FILE|-]\n"
+      "  Expert-parallel scaling over R MPI processes, without and with per-rank dedup.\n");
+  while (cl.next()) {
+    if (cl.is("--shapes"))
+      o.shapes = cl.value();
+    else if (cl.is("--scaling-tokens"))
+      o.tokens = token_list(cl);
+    else if (cl.is("--scaling-reps"))
+      o.reps = std::max(1, static_cast<int>(cl.integer()));
+    else if (cl.is("--batches"))
+      o.batches = std::max(1, static_cast<int>(cl.integer()));
+    else if (cl.is("--json"))
+      o.json_path = cl.value();
+    else
+      cl.unknown();
   }
   return o;
 }
@@ -79,8 +71,8 @@ std::vector<rank_run> gather(const rank_run& mine, int R, int me) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  const options o = parse(argc, argv);  // before MPI starts: --help needs no mpiexec
   epmoe::comm::mpi_session session(argc, argv);
-  const options o = parse(argc, argv);
   int R = 1, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &R);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../examples/args.hpp"
 #include <epmoe/comm/throttled.hpp>
 #include <epmoe/epmoe.hpp>
 #include <epmoe/reference/weights.hpp>
@@ -113,7 +114,24 @@ void table(const layer_config base, EachRank each_rank, int me_for_print) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int T = argc > 1 ? std::atoi(argv[1]) : 256;
+#if defined(EPMOE_BENCH_MPI)
+  cli::command_line cl(argc, argv,
+                       "usage: mpiexec -n R epmoe_bench_overlap_mpi [TOKENS]\n"
+                       "  Sequential vs pipelined (C = 1, 2, 4, 8) over a plain and a throttled\n"
+                       "  link, R MPI processes, TOKENS per rank (default 256).\n");
+#else
+  cli::command_line cl(argc, argv,
+                       "usage: epmoe_bench_overlap [TOKENS]\n"
+                       "  Sequential vs pipelined (C = 1, 2, 4, 8) over a plain and a throttled\n"
+                       "  link, 2 in-process ranks, TOKENS per rank (default 256).\n");
+#endif
+  int T = 256;  // parsed before MPI starts: --help needs no mpiexec
+  for (int given = 0; cl.next(); ++given)
+    if (cl.positional() && given == 0)
+      T = static_cast<int>(cl.integer_here());
+    else
+      cl.unknown();
+  if (T < 1) cl.fail("TOKENS must be >= 1");
 #if defined(EPMOE_BENCH_MPI)
   comm::mpi_session session(argc, argv);
   int R = 1, me = 0;

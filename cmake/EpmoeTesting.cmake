@@ -18,28 +18,64 @@ function(_epmoe_sources_exist out what)
   set(${out} TRUE PARENT_SCOPE)
 endfunction()
 
-# epmoe_add_test(<name> <sources...> [LIBS <targets...>] [LABELS <labels...>])
+# epmoe_add_test(<name> <sources...> [LIBS <targets...>] [LABELS <labels...>] [TIMEOUT <s>])
 # One Catch2 executable; Catch2WithMain supplies main(), each TEST_CASE becomes a CTest test
 # named "<name>:<case>" (Catch passes the prefix through cmake -D, which drops a trailing
-# space) labelled "unit" plus <labels>.
+# space) labelled "unit" plus <labels>, plus count.<name> (see epmoe_discover_tests).
+# TIMEOUT: seconds per test, 60 by default: the slowest case takes 0.2 s in Release on 2
+# cores, so 60 s leaves room for Debug and sanitizer builds and only stops a deadlock.
 function(epmoe_add_test name)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "" "LIBS;LABELS")
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "TIMEOUT" "LIBS;LABELS")
   _epmoe_sources_exist(ok "test ${name}" ${arg_UNPARSED_ARGUMENTS})
   if(NOT ok)
     return()
+  endif()
+  if(NOT arg_TIMEOUT)
+    set(arg_TIMEOUT 60)
   endif()
   add_executable(${name} ${arg_UNPARSED_ARGUMENTS})
   target_link_libraries(${name} PRIVATE epmoe::epmoe ${arg_LIBS} Catch2::Catch2WithMain)
   target_compile_options(${name} PRIVATE
     $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang,AppleClang>:-Wall -Wextra -Wpedantic>)
-  catch_discover_tests(${name} TEST_PREFIX "${name}:" TEST_LIST ${name}_TESTS)
+  epmoe_discover_tests(${name} TIMEOUT ${arg_TIMEOUT} LABELS unit ${arg_LABELS})
+endfunction()
+
+# epmoe_discover_tests(<target> TIMEOUT <s> [LABELS <labels...>] [PROPERTIES <name value>...])
+# Registers each TEST_CASE of the Catch2 binary <target> as the CTest test "<target>:<case>",
+# with these labels, TIMEOUT and properties, and so that no test can pass without running:
+# - each runs with --warn NoTests, so a name that matches no test case exits 2, not 0;
+# - count.<target> fails unless CTest holds as many "<target>:" tests as the binary lists
+#   (a ';' in a name splits it in two, and discovery can drop one).
+function(epmoe_discover_tests name)
+  cmake_parse_arguments(PARSE_ARGV 1 arg "" "TIMEOUT" "LABELS;PROPERTIES")
+  if(NOT arg_TIMEOUT)
+    message(FATAL_ERROR "epmoe_discover_tests(${name}): TIMEOUT is required")
+  endif()
+  catch_discover_tests(${name} TEST_PREFIX "${name}:" TEST_LIST ${name}_TESTS
+                       EXTRA_ARGS --warn NoTests PROPERTIES ${arg_PROPERTIES})
   # Catch's discovery script splits a PROPERTIES list, so labels are set after its tests load.
-  set(labels unit ${arg_LABELS})
   set(labels_file "${CMAKE_CURRENT_BINARY_DIR}/${name}_labels.cmake")
   file(WRITE "${labels_file}" "if(${name}_TESTS)\n"
-    "  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${labels}\")\n"
+    "  set_tests_properties(\${${name}_TESTS} PROPERTIES LABELS \"${arg_LABELS}\"\n"
+    "                       TIMEOUT ${arg_TIMEOUT})\n"
     "endif()\n")
   set_property(DIRECTORY APPEND PROPERTY TEST_INCLUDE_FILES "${labels_file}")
+  add_test(NAME count.${name}
+    COMMAND "${CMAKE_COMMAND}" "-DEXE=$<TARGET_FILE:${name}>" "-DPREFIX=${name}:"
+            "-DCTEST=${CMAKE_CTEST_COMMAND}" "-DBUILD_DIR=${PROJECT_BINARY_DIR}"
+            -P "${_epmoe_testing_dir}/check_test_count.cmake")
+  set_tests_properties(count.${name} PROPERTIES LABELS "unit;count" TIMEOUT 60)
+endfunction()
+
+# epmoe_add_timeouts_check()
+# The test tests.timeouts: fails if any test of this build tree has no TIMEOUT, so that a
+# test added later cannot hang CI. Call once, from the top test directory.
+function(epmoe_add_timeouts_check)
+  add_test(NAME tests.timeouts
+    COMMAND "${CMAKE_COMMAND}" "-DCTEST=${CMAKE_CTEST_COMMAND}"
+            "-DBUILD_DIR=${PROJECT_BINARY_DIR}"
+            -P "${_epmoe_testing_dir}/check_test_timeouts.cmake")
+  set_tests_properties(tests.timeouts PROPERTIES LABELS "unit;count" TIMEOUT 60)
 endfunction()
 
 # epmoe_add_compile_fail_test(<name> <source> <regex>)

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "args.hpp"
 #include <epmoe/epmoe.hpp>
 #include <epmoe/reference/weights.hpp>
 
@@ -15,7 +16,11 @@ struct policies : epmoe::default_policies {
   using comm = epmoe::comm::threads;              // ranks are threads of this process
 };
 
-int main() {
+int main(int argc, char** argv) {
+  cli::no_arguments(
+      argc, argv,
+      "usage: epmoe_quickstart\n"
+      "  The README's usage example: 4 in-process ranks, 8 experts, top-2. No arguments.\n");
   const epmoe::layer_config cfg{.hidden = 64,
                                 .ffn = 128,
                                 .experts = 8,

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "args.hpp"
 #include <epmoe/epmoe.hpp>
 #include <epmoe/reference/weights.hpp>
 
@@ -18,7 +19,12 @@ struct mixtral_policies : default_policies {
   using comm = epmoe::comm::threads;
 };
 
-int main() {
+int main(int argc, char** argv) {
+  cli::no_arguments(
+      argc, argv,
+      "usage: epmoe_mixtral\n"
+      "  A Mixtral-8x7B-like layer (widths / 8) on 2 in-process ranks: load per expert, bytes,\n"
+      "  losses and stage times per pass. No arguments.\n");
   const layer_config cfg{
       .hidden = 512, .ffn = 1792, .experts = 8, .top_k = 2, .ranks = 2, .max_tokens = 128};
   const auto full = reference::full_weights::random(cfg, 8);

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "args.hpp"
 #include <epmoe/epmoe.hpp>
 #include <epmoe/reference/weights.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
@@ -23,7 +24,13 @@ struct deepseek_policies : default_policies {
   using comm = epmoe::comm::threads;
 };
 
-int main() {
+int main(int argc, char** argv) {
+  cli::no_arguments(
+      argc, argv,
+      "usage: epmoe_deepseek_v3\n"
+      "  A DeepSeek-V3-like layer (256 experts in 8 groups, top-8, a shared expert) on 8\n"
+      "  in-process ranks: load per group and rank, then 200 passes of bias balancing. No\n"
+      "  arguments.\n");
   const layer_config cfg{.hidden = 128,
                          .ffn = 32,
                          .experts = 256,

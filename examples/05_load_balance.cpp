@@ -12,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "args.hpp"
 #include <epmoe/epmoe.hpp>
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/table.hpp>
@@ -26,7 +27,17 @@ struct policies : default_policies {
 };
 
 int main(int argc, char** argv) {
-  const double s = argc > 1 ? std::atof(argv[1]) : 1.0;
+  cli::command_line cl(argc, argv,
+                       "usage: epmoe_load_balance [ZIPF]\n"
+                       "  ZIPF: skew of the token stream (default 1.0) over 64 experts on 8\n"
+                       "  in-process ranks; prints the straggler's excess before and after\n"
+                       "  balancing with 0, 8 and 16 extra slots.\n");
+  double s = 1.0;
+  for (int given = 0; cl.next(); ++given)
+    if (cl.positional() && given == 0)
+      s = cl.number_here();
+    else
+      cl.unknown();
   const int E = 64, R = 8;
   const index_t T = 256, H = 64;
   std::printf(

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "args.hpp"
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/epmoe.hpp>
@@ -45,90 +46,98 @@ struct args {
   std::uint64_t seed = 1;
 };
 
-[[noreturn]] void usage() {
-  std::puts(
-      "usage: epmoe_simulate [--ranks R] [--nodes N] [--experts E] [--top-k K] [--hidden H]\n"
-      "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced]\n"
-      "  [--extra-slots S (balanced; default R)] [--capacity dropless|FACTOR] [--dedup]\n"
-      "  [--schedule sequential|pipelined] [--chunks C] [--max-recv-rows N] [--skew ZIPF]\n"
-      "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
-      "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
-      "  [--compare | --no-compare]: block vs balanced x sequential vs pipelined, and the\n"
-      "      answer (who straggles, by how much, what replication and overlap recover); the\n"
-      "      default unless --placement or --schedule names one configuration\n"
-      "  --calibrate FILE [--ranks R (2)] [--tokens T (256)] [--hidden H] [--ffn F] [--experts E]\n"
-      "      [--top-k K]: measure comm::threads, host GEMM and memory rates; write a topology\n"
-      "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P] [--shared "
-      "N]\n"
-      "      [--skew Z] [--max-recv-rows N] ...:\n"
-      "      predicted vs measured per-stage times of a real layer on comm::threads");
+constexpr const char* usage_text =
+    "usage: epmoe_simulate [--ranks R] [--nodes N] [--experts E] [--top-k K] [--hidden H]\n"
+    "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced]\n"
+    "  [--extra-slots S (balanced; default R)] [--capacity dropless|FACTOR] [--dedup]\n"
+    "  [--schedule sequential|pipelined] [--chunks C] [--max-recv-rows N] [--skew ZIPF]\n"
+    "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
+    "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
+    "  [--compare | --no-compare]: block vs balanced x sequential vs pipelined, and the\n"
+    "      answer (who straggles, by how much, what replication and overlap recover); the\n"
+    "      default unless --placement or --schedule names one configuration\n"
+    "  --calibrate FILE [--ranks R (2)] [--tokens T (256)] [--hidden H] [--ffn F] [--experts E]\n"
+    "      [--top-k K]: measure comm::threads, host GEMM and memory rates; write a topology\n"
+    "  --validate [--ranks R (2)] [--tokens T (256)] [--topology FILE] [--passes P]\n"
+    "      [--shared N] [--skew Z] [--max-recv-rows N] ...:\n"
+    "      predicted vs measured per-stage times of a real layer on comm::threads\n";
+
+// A bad setting found after parsing: what was wrong and the usage, on stderr; exit 2.
+[[noreturn]] void usage_error(const std::string& why) {
+  std::fprintf(stderr, "epmoe_simulate: %s\n%s", why.c_str(), usage_text);
   std::exit(2);
 }
 
 args parse(int argc, char** argv) {
   args a;
-  for (int i = 1; i < argc; ++i) {
-    const std::string k = argv[i];
-    auto next = [&]() -> std::string {
-      if (i + 1 >= argc) usage();
-      return argv[++i];
-    };
-    if (k == "--ranks")
-      a.ranks = std::stoi(next());
-    else if (k == "--nodes")
-      a.nodes = std::stoi(next());
-    else if (k == "--experts")
-      a.experts = std::stoi(next());
-    else if (k == "--top-k")
-      a.top_k = std::stoi(next());
-    else if (k == "--hidden")
-      a.hidden = std::stoi(next());
-    else if (k == "--ffn")
-      a.ffn = std::stoi(next());
-    else if (k == "--tokens")
-      a.tokens = std::stoi(next());
-    else if (k == "--chunks")
-      a.chunks = std::stoi(next());
-    else if (k == "--max-recv-rows")
-      a.max_recv_rows = std::stoi(next());
-    else if (k == "--extra-slots")
-      a.extra_slots = std::stoi(next());
-    else if (k == "--show")
-      a.show = std::stoi(next());
-    else if (k == "--placement")
-      a.placement = next(), a.single = true;
-    else if (k == "--capacity")
-      a.capacity = next();
-    else if (k == "--schedule")
-      a.schedule = next(), a.single = true;
-    else if (k == "--topology")
-      a.topology = next(), a.topology_set = true;
-    else if (k == "--calibrate")
-      a.calibrate = next();
-    else if (k == "--validate")
+  cli::command_line cl(argc, argv, usage_text);
+  const auto integer = [&] { return static_cast<int>(cl.integer()); };
+  while (cl.next()) {
+    if (cl.is("--ranks"))
+      a.ranks = integer();
+    else if (cl.is("--nodes"))
+      a.nodes = integer();
+    else if (cl.is("--experts"))
+      a.experts = integer();
+    else if (cl.is("--top-k"))
+      a.top_k = integer();
+    else if (cl.is("--hidden"))
+      a.hidden = integer();
+    else if (cl.is("--ffn"))
+      a.ffn = integer();
+    else if (cl.is("--tokens"))
+      a.tokens = integer();
+    else if (cl.is("--chunks"))
+      a.chunks = integer();
+    else if (cl.is("--max-recv-rows"))
+      a.max_recv_rows = integer();
+    else if (cl.is("--extra-slots"))
+      a.extra_slots = integer();
+    else if (cl.is("--show"))
+      a.show = integer();
+    else if (cl.is("--placement"))
+      a.placement = cl.value(), a.single = true;
+    else if (cl.is("--capacity"))
+      a.capacity = cl.value();
+    else if (cl.is("--schedule"))
+      a.schedule = cl.value(), a.single = true;
+    else if (cl.is("--topology"))
+      a.topology = cl.value(), a.topology_set = true;
+    else if (cl.is("--calibrate"))
+      a.calibrate = cl.value();
+    else if (cl.is("--validate"))
       a.validate = true;
-    else if (k == "--passes")
-      a.passes = std::stoi(next());
-    else if (k == "--shared")
-      a.shared = std::stoi(next());
-    else if (k == "--rounds")
-      a.rounds = std::stoi(next());
-    else if (k == "--trace")
-      a.trace = next();
-    else if (k == "--stats")
-      a.stats = next();
-    else if (k == "--skew")
-      a.skew = std::stod(next());
-    else if (k == "--seed")
-      a.seed = std::stoull(next());
-    else if (k == "--dedup")
+    else if (cl.is("--passes"))
+      a.passes = integer();
+    else if (cl.is("--shared"))
+      a.shared = integer();
+    else if (cl.is("--rounds"))
+      a.rounds = integer();
+    else if (cl.is("--trace"))
+      a.trace = cl.value();
+    else if (cl.is("--stats"))
+      a.stats = cl.value();
+    else if (cl.is("--skew"))
+      a.skew = cl.number();
+    else if (cl.is("--seed"))
+      a.seed = static_cast<std::uint64_t>(cl.integer());
+    else if (cl.is("--dedup"))
       a.dedup = true;
-    else if (k == "--compare")
+    else if (cl.is("--compare"))
       a.compare = a.compare_set = true;
-    else if (k == "--no-compare")
+    else if (cl.is("--no-compare"))
       a.compare = false, a.compare_set = true;
     else
-      usage();
+      cl.unknown();
+  }
+  if (a.placement != "block" && a.placement != "round_robin" && a.placement != "balanced")
+    cl.fail("--placement must be block, round_robin or balanced, not " + a.placement);
+  if (a.schedule != "sequential" && a.schedule != "pipelined")
+    cl.fail("--schedule must be sequential or pipelined, not " + a.schedule);
+  if (a.capacity != "dropless") {
+    char* end = nullptr;
+    const double cf = std::strtod(a.capacity.c_str(), &end);
+    if (*end != '\0' || !(cf > 0)) cl.fail("--capacity must be dropless or a factor > 0");
   }
   if (!a.calibrate.empty() || a.validate) {  // this machine: small defaults unless given
     auto given = [&](const char* f) {
@@ -156,12 +165,11 @@ sim::topology make_topology(const args& a) {
   sim::topology t = a.topology.find('/') != std::string::npos || a.topology.ends_with(".txt")
                         ? sim::load_file(a.topology)
                         : sim::preset(a.topology);
+  if (a.nodes < 1 || a.ranks % a.nodes != 0)
+    usage_error("--nodes " + std::to_string(a.nodes) + " must divide --ranks " +
+                std::to_string(a.ranks));
   t.nodes = a.nodes;
   t.ranks_per_node = a.ranks / a.nodes;  // the flags decide the shape, the preset the rates
-  if (t.nodes * t.ranks_per_node != a.ranks) {
-    std::fprintf(stderr, "--nodes %d must divide --ranks %d\n", a.nodes, a.ranks);
-    std::exit(2);
-  }
   return t;
 }
 
@@ -198,7 +206,7 @@ sim::result run(const args& a, const std::string& where, int chunks, const layer
   if (where == "round_robin")
     return run_with(a, cfg, topo, src, placement::round_robin(cfg), chunks);
   if (where == "balanced") return run_with(a, cfg, topo, src, balanced(a, src), chunks);
-  usage();
+  usage_error("unknown placement " + where + " (block, round_robin, balanced)");
 }
 
 void print(const sim::result& r, int show) {

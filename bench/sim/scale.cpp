@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../../examples/args.hpp"
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/table.hpp>
 #include <epmoe/sim/simulate.hpp>
@@ -25,22 +26,25 @@ static double since(clk::time_point t) {
 
 int main(int argc, char** argv) {
   int R = 1024, N = 128, E = 256, K = 8, T = 4096, reps = 3, threads = 0;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i];
-    const int v = std::stoi(argv[i + 1]);
-    if (k == "--ranks")
-      R = v;
-    else if (k == "--nodes")
-      N = v;
-    else if (k == "--experts")
-      E = v;
-    else if (k == "--tokens")
-      T = v;
-    else if (k == "--reps")
-      reps = v;
-    else if (k == "--threads")
-      threads = v;
+  cli::command_line cl(
+      argc, argv,
+      "usage: epmoe_sim_scale [--ranks 1024] [--nodes 128] [--experts 256] [--tokens 4096]\n"
+      "  [--reps 3] [--threads N (0: the hardware's)]\n"
+      "  Wall time of the simulator's plan at scale (top-8; uniform and Zipf 1.2), best of\n"
+      "  --reps runs.\n");
+  while (cl.next()) {
+    int* field = cl.is("--ranks")     ? &R
+                 : cl.is("--nodes")   ? &N
+                 : cl.is("--experts") ? &E
+                 : cl.is("--tokens")  ? &T
+                 : cl.is("--reps")    ? &reps
+                 : cl.is("--threads") ? &threads
+                                      : nullptr;
+    if (!field) cl.unknown();
+    *field = static_cast<int>(cl.integer());
   }
+  if (R < 1 || N < 1 || R % N != 0 || E < K || T < 1 || reps < 1 || threads < 0)
+    cl.fail("needs ranks, nodes, tokens, reps >= 1, nodes dividing ranks, experts >= 8");
   const layer_config cfg{
       .hidden = 7168, .ffn = 2048, .experts = E, .top_k = K, .ranks = R, .max_tokens = T};
   const auto topo = sim::h100_nvlink_ib(N);

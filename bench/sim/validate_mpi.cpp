@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "../../examples/args.hpp"
 #include <epmoe/comm/mpi.hpp>  // brings <mpi.h>
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/validate.hpp>
@@ -19,40 +20,39 @@
 using namespace epmoe;
 
 int main(int argc, char** argv) try {
+  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 5, rounds = 11, bound = 0;
+  double skew = 0;
+  std::uint64_t seed = 1;
+  cli::command_line cl(
+      argc, argv,
+      "usage: mpiexec -n R epmoe_sim_validate_mpi [--tokens 256] [--hidden 512] [--ffn 1024]\n"
+      "  [--experts 8] [--top-k 2] [--skew 0] [--shared 0] [--passes 5] [--rounds 11]\n"
+      "  [--seed 1] [--max-recv-rows 0]\n"
+      "  The simulator's predicted per-stage times against a real layer on R MPI processes.\n");
+  while (cl.next()) {  // before MPI starts: --help needs no mpiexec
+    int* field = cl.is("--tokens")          ? &T
+                 : cl.is("--hidden")        ? &H
+                 : cl.is("--ffn")           ? &F
+                 : cl.is("--experts")       ? &E
+                 : cl.is("--top-k")         ? &K
+                 : cl.is("--shared")        ? &shared
+                 : cl.is("--passes")        ? &passes
+                 : cl.is("--rounds")        ? &rounds
+                 : cl.is("--max-recv-rows") ? &bound
+                                            : nullptr;
+    if (field)
+      *field = static_cast<int>(cl.integer());
+    else if (cl.is("--skew"))
+      skew = cl.number();
+    else if (cl.is("--seed"))
+      seed = static_cast<std::uint64_t>(cl.integer());
+    else
+      cl.unknown();
+  }
   comm::mpi_session session(argc, argv);
   int R = 1, me = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &R);
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
-  int T = 256, H = 512, F = 1024, E = 8, K = 2, shared = 0, passes = 5, rounds = 11, bound = 0;
-  double skew = 0;
-  std::uint64_t seed = 1;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--tokens")
-      T = std::stoi(v);
-    else if (k == "--hidden")
-      H = std::stoi(v);
-    else if (k == "--ffn")
-      F = std::stoi(v);
-    else if (k == "--experts")
-      E = std::stoi(v);
-    else if (k == "--top-k")
-      K = std::stoi(v);
-    else if (k == "--skew")
-      skew = std::stod(v);
-    else if (k == "--shared")
-      shared = std::stoi(v);
-    else if (k == "--passes")
-      passes = std::stoi(v);
-    else if (k == "--rounds")
-      rounds = std::stoi(v);
-    else if (k == "--max-recv-rows")
-      bound = std::stoi(v);
-    else if (k == "--seed")
-      seed = std::stoull(v);
-    else
-      throw config_error("argument", k, "unknown (see the usage at the top of validate_mpi.cpp)");
-  }
   const layer_config cfg{.hidden = H,
                          .ffn = F,
                          .experts = E,

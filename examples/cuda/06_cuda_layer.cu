@@ -15,8 +15,10 @@
 #include <thread>
 #include <vector>
 
+#include "../args.hpp"
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/cuda/moe_layer.cuh>
+#include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
 #include <epmoe/router/topk_softmax.hpp>
@@ -73,19 +75,21 @@ std::vector<float> reference_forward(const epmoe::reference::full_weights& w,
   return y;
 }
 
-double relative_error(const std::vector<float>& got, const std::vector<float>& want) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < got.size(); ++i) {
-    diff = std::max(diff, std::abs(double{got[i]} - want[i]));
-    if (std::isnan(got[i])) diff = 1e30;  // std::max would skip a NaN
-    scale = std::max(scale, std::abs(double{want[i]}));
-  }
-  return diff / std::max(scale, 1e-30);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) try {
+  cli::command_line cl(argc, argv,
+                       "usage: epmoe_cuda_layer [TOKENS]\n"
+                       "  A Mixtral-like layer (H=1024, F=3584, E=8, top-2) on one GPU in bf16,\n"
+                       "  TOKENS tokens (default 512): stats and the error against the host\n"
+                       "  reference. Exits 77 without a usable GPU.\n");
+  epmoe::index_t T = 512;
+  for (int given = 0; cl.next(); ++given)
+    if (cl.positional() && given == 0)
+      T = cl.integer_here();
+    else
+      cl.unknown();
+  if (T < 1) cl.fail("TOKENS must be >= 1");
   int devices = 0;
   const cudaError_t e = cudaGetDeviceCount(&devices);
   if (e != cudaSuccess || devices == 0) {
@@ -97,7 +101,6 @@ int main(int argc, char** argv) try {
   cudaDeviceProp prop{};
   EPMOE_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
 
-  const epmoe::index_t T = argc > 1 ? std::atoi(argv[1]) : 512;
   epmoe::layer_config cfg{.hidden = 1024,
                           .ffn = 3584,
                           .experts = 8,
@@ -170,7 +173,8 @@ int main(int argc, char** argv) try {
       cudaMemcpy(y_dev.data(), y.data(), sizeof(bf16) * y_dev.size(), cudaMemcpyDeviceToHost));
   std::vector<float> got(y_dev.size());
   for (std::size_t i = 0; i < got.size(); ++i) got[i] = __bfloat162float(y_dev[i]);
-  const double err = relative_error(got, reference_forward(w, x_host, T));
+  // Infinite on any NaN/Inf: a row left as the 0xff poison (NaN in bf16) fails.
+  const double err = epmoe::reference::max_relative_error(got, reference_forward(w, x_host, T));
   const bool ok = err <= tolerance;
   std::printf("\nmax relative error vs reference::forward: %.3e (bf16 tolerance %.0e): %s\n", err,
               tolerance, ok ? "ok" : "FAILED");

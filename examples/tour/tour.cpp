@@ -4,13 +4,14 @@
 // epmoe tour: the eight facts of expert parallelism, each shown by a measurement on the real
 // layer (tour.hpp holds the experiments; this file prints them).
 //
-//   epmoe_tour [--step N] [--json FILE] [--small] [--ranks R]
+//   epmoe_tour [--step N] [--json FILE] [--small] [--ranks R] [--help]
 //
 // Ranks are threads of this process (R = 4 by default); under mpiexec, when built with MPI,
 // they are the MPI processes (mpiexec -n 4 epmoe_tour). R must divide the 8 experts.
 #include "tour.hpp"
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +36,16 @@ void header(const char* label, int n, const char* name) {
   std::printf("  %-28s", label);
   for (int i = 0; i < n; ++i) std::printf(" %7s%d", name, i);
   std::printf("\n");
+}
+
+/// The load check of a timed step: what it saw, and whether to trust the times.
+void print(const machine_load& m) {
+  const std::string busy = busy_because(m);
+  std::printf(
+      "  load check: a fixed kernel took %.2f ms before and %.2f ms after, at %.0f%% of a core; "
+      "median pass %.2fx the fastest: %s\n",
+      m.calibration_ms_before, m.calibration_ms_after, 100 * m.core_share, 1 + m.pass_spread,
+      busy.empty() ? "quiet" : "busy, rerun");
 }
 
 void print(const distribution_result& r) {
@@ -68,6 +79,7 @@ void print(const compute_result& r) {
               r.flops_per_token_dense / 1e6, r.expert_seconds_dense * 1e3);
   std::printf("  FLOP ratio %.4f, K/E = %.4f, time ratio %.2f\n", r.flop_ratio,
               double(r.k) / r.experts, r.time_ratio);
+  print(r.load);
 }
 
 void print(const routing_result& r) {
@@ -111,6 +123,11 @@ void print(const overlap_result& r) {
   std::printf("  %-22s %12.2f %12.2f %10.2f %7.0f%%\n", format("pipelined<%d>", r.chunks).c_str(),
               r.comm_pipelined * 1e3, r.exposed_pipelined * 1e3, r.total_pipelined * 1e3,
               100 * r.overlap_pipelined);
+  std::printf(
+      "  timeline (pipelined, all ranks): chunk c+1's dispatch started before chunk c's experts "
+      "ended at %d of %d chunk boundaries\n",
+      r.overlapped_boundaries, r.boundaries);
+  print(r.load);
 }
 
 void print(const trace_result& r) {
@@ -122,7 +139,7 @@ void print(const trace_result& r) {
   for (std::size_t k = 0; k < r.experts.size(); ++k)
     std::printf(
         "    k=%zu: expert %d (rank %d, local slot %d), weight %.4f; send row %.0f; the row "
-        "rank %d received differs from x[t] by %.1g\n",
+        "rank %d received differs from x[t] by %.1g (relative)\n",
         k, r.experts[k], r.ranks[k], r.slots[k], r.weights[k], r.send_rows[k], r.ranks[k],
         r.input_diff[k]);
   const auto first = [](const std::vector<double>& v) {
@@ -161,6 +178,7 @@ void print(const straggler_result& r) {
   row("waits for the straggler, ms", r.wait_ms_after, " %8.2f");
   std::printf("  straggler excess (max - mean) / mean: %.0f%% -> %.0f%%\n", 100 * r.excess_before,
               100 * r.excess_after);
+  print(r.load);
 }
 
 // --- JSON ----------------------------------------------------------------------------------
@@ -196,6 +214,14 @@ struct json {
   }
 };
 
+std::string to_json(const machine_load& m) {
+  json j;
+  j("calibration_ms_before", m.calibration_ms_before)(
+      "calibration_ms_after", m.calibration_ms_after)("core_share", m.core_share)(
+      "pass_spread", m.pass_spread)("busy", busy_because(m));
+  return "{" + j.s + "}";
+}
+
 std::string to_json(const distribution_result& r) {
   json j;
   j("experts_of_rank", r.experts_of_rank)("bytes_per_rank", r.bytes_per_rank)(
@@ -218,6 +244,8 @@ std::string to_json(const compute_result& r) {
       "flops_per_token_dense", r.flops_per_token_dense)("flop_ratio", r.flop_ratio)(
       "expert_seconds_topk", r.expert_seconds_topk)("expert_seconds_dense", r.expert_seconds_dense)(
       "time_ratio", r.time_ratio);
+  j.key("load");
+  j.s += to_json(r.load);
   return j.s;
 }
 std::string to_json(const routing_result& r) {
@@ -256,7 +284,10 @@ std::string to_json(const overlap_result& r) {
       "experts_seconds", r.experts_seconds)("comm_sequential", r.comm_sequential)(
       "exposed_sequential", r.exposed_sequential)("total_sequential", r.total_sequential)(
       "comm_pipelined", r.comm_pipelined)("exposed_pipelined", r.exposed_pipelined)(
-      "total_pipelined", r.total_pipelined)("overlap_pipelined", r.overlap_pipelined);
+      "total_pipelined", r.total_pipelined)("overlap_pipelined", r.overlap_pipelined)(
+      "boundaries", r.boundaries)("overlapped_boundaries", r.overlapped_boundaries);
+  j.key("load");
+  j.s += to_json(r.load);
   return j.s;
 }
 std::string to_json(const trace_result& r) {
@@ -278,6 +309,8 @@ std::string to_json(const straggler_result& r) {
       "excess_after", r.excess_after)("predicted_max_over_mean", r.predicted_max_over_mean)(
       "extra_slots", r.extra_slots)("hot_copies", r.hot_copies)("experts_of_rank_after",
                                                                 r.experts_of_rank_after);
+  j.key("load");
+  j.s += to_json(r.load);
   return j.s;
 }
 
@@ -354,10 +387,15 @@ bool under_mpiexec() {
   return false;
 }
 
-int usage() {
-  std::fprintf(
-      stderr, "usage: epmoe_tour [--step N (1-8)] [--json FILE] [--small] [--ranks R (2, 4, 8)]\n");
-  return 2;
+/// --help: the usage on stdout, exit 0; a wrong argument: the usage on stderr, exit 2.
+int usage(std::FILE* to, int code) {
+  std::fprintf(to,
+               "usage: epmoe_tour [--step N (1-8)] [--json FILE] [--small] [--ranks R (2, 4, 8)] "
+               "[--help]\n"
+               "  the eight facts of expert parallelism, each shown by a measurement on the real "
+               "layer\n"
+               "  (docs/expert-parallelism.md); under mpiexec the ranks are MPI processes\n");
+  return code;
 }
 
 }  // namespace
@@ -366,20 +404,36 @@ int main(int argc, char** argv) {
   int only = 0, ranks = 4;
   bool small = false;
   const char* json_path = nullptr;
+  // A wrong argument is named on stderr, then the usage (the examples' convention).
+  const auto wrong = [](const char* what, const char* arg) {
+    std::fprintf(stderr, "epmoe_tour: %s %s\n", what, arg);
+    return usage(stderr, 2);
+  };
+  const auto integer = [](const char* s, int& out) {
+    char* end = nullptr;
+    const long v = std::strtol(s, &end, 10);
+    out = static_cast<int>(v);
+    return end != s && *end == '\0';
+  };
   for (int i = 1; i < argc; ++i) {
-    const bool more = i + 1 < argc;
-    if (!std::strcmp(argv[i], "--step") && more)
-      only = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--json") && more)
+    const char* a = argv[i];
+    const bool takes_value =
+        !std::strcmp(a, "--step") || !std::strcmp(a, "--json") || !std::strcmp(a, "--ranks");
+    if (takes_value && i + 1 >= argc) return wrong("missing the value after", a);
+    if (!std::strcmp(a, "--step")) {
+      if (!integer(argv[++i], only) || only < 1 || only > 8)
+        return wrong("--step wants 1 to 8, not", argv[i]);
+    } else if (!std::strcmp(a, "--json"))
       json_path = argv[++i];
-    else if (!std::strcmp(argv[i], "--ranks") && more)
-      ranks = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--small"))
+    else if (!std::strcmp(a, "--ranks")) {
+      if (!integer(argv[++i], ranks)) return wrong("--ranks wants a number, not", argv[i]);
+    } else if (!std::strcmp(a, "--small"))
       small = true;
+    else if (!std::strcmp(a, "--help") || !std::strcmp(a, "-h"))
+      return usage(stdout, 0);
     else
-      return usage();
+      return wrong("unknown argument", a);
   }
-  if (only < 0 || only > 8) return usage();
   const auto opts = [&](int r) { return small ? options::small(r) : options{.ranks = r}; };
   const auto check = [](int r) {
     if (r >= 2 && experts % r == 0) return true;

@@ -6,29 +6,29 @@
 // numbers and a one-line conclusion computed from them. `World` is where the ranks run
 // (ranks.hpp: threads, or MPI processes); every rank returns the same result.
 #include <algorithm>
+#include <chrono>
 #include <cmath>
-#include <cstdarg>
 #include <cstdint>
-#include <cstdio>
+#include <ctime>
+#include <limits>
 #include <mutex>
-#include <numeric>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "conclusions.hpp"
 #include "ranks.hpp"
 #include <epmoe/comm/throttled.hpp>
 #include <epmoe/epmoe.hpp>
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/table.hpp>
+#include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
 namespace epmoe::tour {
-
-inline constexpr int experts = 8;  // E: fixed, so that "all E experts" is a compile-time top-k
-inline constexpr int top_k = 2;    // K: each token runs two experts
 
 /// Shapes of the tour. The defaults run the whole tour in well under a minute on 2 cores;
 /// small() is what the tests use.
@@ -98,22 +98,6 @@ struct experts_in_turn {
 
 // --- helpers -----------------------------------------------------------------------------
 
-/// printf into a std::string: conclusions are computed, then formatted.
-inline std::string format(const char* fmt, ...) {
-  char buf[512];
-  va_list args;
-  va_start(args, fmt);
-  std::vsnprintf(buf, sizeof buf, fmt, args);
-  va_end(args);
-  return buf;
-}
-
-/// A rate in bytes/s, in the unit that reads best.
-inline std::string rate(double bytes_per_second) {
-  return bytes_per_second >= 1e9 ? format("%.2f GB/s", bytes_per_second / 1e9)
-                                 : format("%.1f MB/s", bytes_per_second / 1e6);
-}
-
 /// Rank r's tokens [T, H]: the same in every process.
 inline std::vector<float> tokens_of(const options& o, int rank) {
   return reference::random_tokens(o.tokens, o.hidden, o.seed + 1 + static_cast<unsigned>(rank));
@@ -133,10 +117,11 @@ inline std::vector<float> skewed(std::vector<float> x, const reference::full_wei
   return x;
 }
 
+/// One pass; y is filled with NaN first, so a row the layer leaves unwritten cannot pass.
 template <class Layer>
 void forward(Layer& layer, const std::vector<float>& x, std::vector<float>& y) {
   const index_t H = layer.config().hidden, T = static_cast<index_t>(x.size()) / H;
-  y.resize(x.size());
+  y.assign(x.size(), std::numeric_limits<float>::quiet_NaN());
   layer.forward({x.data(), T, H}, {y.data(), T, H});
 }
 
@@ -154,29 +139,50 @@ struct rank_layer {
       : rank_layer(cfg, std::move(comm), full, typename P::placement(cfg)) {}
 };
 
-inline double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
-inline double max_of(const std::vector<double>& v) { return *std::max_element(v.begin(), v.end()); }
-inline int argmax(const std::vector<double>& v) {
-  return static_cast<int>(std::max_element(v.begin(), v.end()) - v.begin());
-}
-inline double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 inline double max_over_mean(const std::vector<double>& v) { return imbalance::of(v).max_over_mean; }
 
-// --- 1. what EP distributes --------------------------------------------------------------
-
-struct distribution_result {
-  int ranks = 0;
-  std::vector<std::vector<int>> experts_of_rank;  // [R][L]: the experts each rank holds
-  std::vector<double> bytes_per_rank;  // weights each rank's layer was built with (expert + gate)
-  double gate_bytes = 0;               // the router's gate: on every rank
-  double replicated_bytes = 0;         // all E experts + gate, on every rank
-  double saving = 0;                   // replicated / the largest rank
-  std::string conclusion;
+/// A fixed single-thread kernel (~7 ms a run on the 2-core VM; shorter runs fit between the
+/// scheduler's preemptions and miss the load), timed `runs` times: its median wall time in ms
+/// and the share of a core it got (CPU time / wall time). Run where no rank of this process
+/// runs, it sees only other work on the machine.
+struct calibration {
+  double ms = 0;
+  double core_share = 1;
 };
+
+inline calibration calibrate(int runs = 5) {
+  static volatile float sink = 1;  // the chain starts from memory: no compile-time answer
+  std::vector<double> wall;
+  double cpu = 0, elapsed = 0;
+  for (int i = 0; i < runs; ++i) {
+    const std::clock_t c0 = std::clock();
+    const auto t0 = std::chrono::steady_clock::now();
+    float s = sink;
+    for (int n = 0; n < 5'000'000; ++n) s = s * 0.9999f + 1e-4f;  // dependent: fixed latency
+    sink = s;
+    const double w = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    cpu += double(std::clock() - c0) / CLOCKS_PER_SEC;
+    elapsed += w;
+    wall.push_back(1e3 * w);
+  }
+  return {median(wall), elapsed > 0 ? std::min(1.0, cpu / elapsed) : 1.0};
+}
+
+/// The load check around a timed step: calibrate() before and after, and the spread of the
+/// step's passes (the worst rank's).
+struct load_probe {
+  calibration before = calibrate();
+
+  machine_load finish(double pass_spread) const {
+    const calibration after = calibrate();
+    return {.calibration_ms_before = before.ms,
+            .calibration_ms_after = after.ms,
+            .core_share = std::min(before.core_share, after.core_share),
+            .pass_spread = pass_spread};
+  }
+};
+
+// --- 1. what EP distributes --------------------------------------------------------------
 
 template <class World>
 distribution_result what_ep_distributes(const World& world, const options& o) {
@@ -209,30 +215,11 @@ distribution_result what_ep_distributes(const World& world, const options& o) {
     r.experts_of_rank.push_back(in.get<int>(static_cast<std::size_t>(L)));
   }
   r.saving = r.replicated_bytes / max_of(r.bytes_per_rank);
-  r.conclusion = format(
-      "each rank holds %d of %d experts: %.2f MB of weights instead of %.2f MB replicated "
-      "(%.2fx less; only the %.0f KB gate is on every rank)",
-      L, experts, max_of(r.bytes_per_rank) / 1e6, r.replicated_bytes / 1e6, r.saving,
-      r.gate_bytes / 1e3);
+  r.conclusion = conclusion(r);
   return r;
 }
 
 // --- 2. the communication pattern --------------------------------------------------------
-
-struct exchanges_result {
-  int passes = 0;
-  int counts_exchanges_per_pass = 0;  // alltoall of row counts (small, fixed size)
-  int row_exchanges_per_pass = 0;     // alltoallv of token rows: dispatch, combine
-  bool same_on_every_rank_and_pass = false;
-  double counts_bytes = 0;                   // per rank and pass, to other ranks
-  std::vector<double> dispatch_bytes;        // [R]: first row exchange, seen by the comm
-  std::vector<double> combine_bytes;         // [R]: second row exchange
-  std::vector<double> stats_dispatch_bytes;  // [R]: what the layer's stats report
-  std::vector<double> stats_combine_bytes;   // [R]
-  double row_bytes = 0;                      // H * 4
-  bool stats_match = false;
-  std::string conclusion;
-};
 
 template <class World>
 exchanges_result communication_pattern(const World& world, const options& o, int passes = 5) {
@@ -288,28 +275,11 @@ exchanges_result communication_pattern(const World& world, const options& o, int
       }
     }
   }
-  r.conclusion = format(
-      "%d all-to-alls of rows per pass%s (dispatch %.0f KB, combine %.0f KB per rank on "
-      "average), plus %d small exchange of counts (%.0f B)%s",
-      r.row_exchanges_per_pass, r.same_on_every_rank_and_pass ? " on every rank, every pass" : "",
-      sum(r.dispatch_bytes) / o.ranks / 1e3, sum(r.combine_bytes) / o.ranks / 1e3,
-      r.counts_exchanges_per_pass, r.counts_bytes,
-      r.stats_match ? "; the layer's stats report the same bytes" : "; STATS DISAGREE");
+  r.conclusion = conclusion(r);
   return r;
 }
 
 // --- 3. compute per token ------------------------------------------------------------------
-
-struct compute_result {
-  int k = top_k, experts = tour::experts;
-  double flops_per_token_topk = 0;   // measured: expert FLOPs of all ranks / tokens
-  double flops_per_token_dense = 0;  // the same layer with every token on all E experts
-  double flop_ratio = 0;             // = K/E
-  double expert_seconds_topk = 0;    // experts stage summed over ranks (best pass of each)
-  double expert_seconds_dense = 0;
-  double time_ratio = 0;  // top-K / dense
-  std::string conclusion;
-};
 
 template <class World>
 compute_result compute_per_token(const World& world, const options& o, int passes = 5) {
@@ -318,56 +288,50 @@ compute_result compute_per_token(const World& world, const options& o, int passe
   using Dense = policies<typename World::comm_type, capacity::dropless, experts_in_turn,
                          placement::block, experts>;
   const auto full = reference::full_weights::random(o.config(), o.seed);
-  // Passes of the two layers alternate, so that both see the same load of the machine.
+  const load_probe probe;
+  // After a warm-up pass each (first touches), passes of the two layers alternate, so that
+  // both see the same load of the machine; each rank's time is the median of its passes.
   const auto all = world.run([&](typename World::comm_type c) {
     rank_layer<Top> top(o.config(), another(c), full);
     rank_layer<Dense> dense(o.config(experts), std::move(c), full);
     const auto x = tokens_of(o, top.layer.rank());
     std::vector<float> y;
-    double top_s = 1e30, dense_s = 1e30;  // best pass: the first also pays for first touches
+    forward(top.layer, x, y);
+    forward(dense.layer, x, y);
+    std::vector<double> top_s, dense_s;
     for (int p = 0; p < passes; ++p) {
       forward(top.layer, x, y);
-      top_s = std::min(top_s, top.layer.stats().time.experts);
+      top_s.push_back(top.layer.stats().time.experts);
       forward(dense.layer, x, y);
-      dense_s = std::min(dense_s, dense.layer.stats().time.experts);
+      dense_s.push_back(dense.layer.stats().time.experts);
     }
     numbers n;
     n.put(top.layer.stats().expert_flops);
-    n.put(top_s);
+    n.put(median(top_s));
     n.put(dense.layer.stats().expert_flops);
-    n.put(dense_s);
+    n.put(median(dense_s));
+    n.put(std::max(spread(top_s), spread(dense_s)));
     return n;
   });
   compute_result r;
+  r.ranks = o.ranks;
   const double tokens = double(o.tokens) * o.ranks;
+  double worst_spread = 0;
   for (const auto& v : all) {
     r.flops_per_token_topk += v[0] / tokens;
     r.expert_seconds_topk += v[1];
     r.flops_per_token_dense += v[2] / tokens;
     r.expert_seconds_dense += v[3];
+    worst_spread = std::max(worst_spread, v[4]);
   }
   r.flop_ratio = r.flops_per_token_topk / r.flops_per_token_dense;
   r.time_ratio = r.expert_seconds_topk / r.expert_seconds_dense;
-  r.conclusion = format(
-      "top-%d of %d runs %.2f MFLOP per token instead of %.2f: a ratio of %.3f = K/E, and "
-      "the experts took %.1f ms instead of %.1f ms (%.2fx); parameters grow with E, compute "
-      "per token does not",
-      top_k, experts, r.flops_per_token_topk / 1e6, r.flops_per_token_dense / 1e6, r.flop_ratio,
-      r.expert_seconds_topk * 1e3, r.expert_seconds_dense * 1e3, r.time_ratio);
+  r.load = probe.finish(worst_spread);
+  r.conclusion = conclusion(r);
   return r;
 }
 
 // --- 4. data-dependent routing -> imbalance ------------------------------------------------
-
-struct routing_result {
-  int hot_expert = 0;
-  std::vector<double> expert_rows_uniform, expert_rows_skewed;  // [E], all ranks' tokens
-  std::vector<double> rank_rows_uniform, rank_rows_skewed;      // [R]: rows each rank computed
-  double expert_max_over_mean_uniform = 0, expert_max_over_mean_skewed = 0;
-  double rank_max_over_mean_uniform = 0, rank_max_over_mean_skewed = 0;
-  int busiest_expert_skewed = 0;
-  std::string conclusion;
-};
 
 template <class World>
 routing_result routing_imbalance(const World& world, const options& o) {
@@ -399,34 +363,11 @@ routing_result routing_imbalance(const World& world, const options& o) {
   r.rank_max_over_mean_uniform = max_over_mean(r.rank_rows_uniform);
   r.rank_max_over_mean_skewed = max_over_mean(r.rank_rows_skewed);
   r.busiest_expert_skewed = argmax(r.expert_rows_skewed);
-  r.conclusion = format(
-      "the same router sends expert %d %.0f%% of all rows on skewed inputs (%.0f%% on uniform): "
-      "max/mean per expert %.2f -> %.2f, per rank %.2f -> %.2f",
-      r.busiest_expert_skewed, 100 * max_of(r.expert_rows_skewed) / sum(r.expert_rows_skewed),
-      100 * r.expert_rows_uniform[r.busiest_expert_skewed] / sum(r.expert_rows_uniform),
-      r.expert_max_over_mean_uniform, r.expert_max_over_mean_skewed, r.rank_max_over_mean_uniform,
-      r.rank_max_over_mean_skewed);
+  r.conclusion = conclusion(r);
   return r;
 }
 
 // --- 5. capacity and padding ---------------------------------------------------------------
-
-struct capacity_row {
-  double factor = 0;
-  double capacity = 0;      // rows one source rank may send one expert: ceil(cf * T * K / E)
-  double buffer_rows = 0;   // rows each expert's GEMM gets, padding included (all sources)
-  double drop_uniform = 0;  // share of (token, expert) assignments dropped
-  double drop_skewed = 0;
-  bool shapes_fixed = false;  // exchange counts and expert rows equal for both inputs
-};
-
-struct capacity_result {
-  std::vector<capacity_row> padded;  // capacity::factor<true>, one row per factor
-  bool dropless_shapes_fixed = false;
-  std::vector<double> dropless_busiest_rows;  // [uniform, skewed]: the busiest expert's rows
-  std::vector<double> dropless_drop;          // [uniform, skewed]: share dropped (none)
-  std::string conclusion;
-};
 
 template <class World>
 capacity_result capacity_and_padding(const World& world, const options& o,
@@ -496,36 +437,11 @@ capacity_result capacity_and_padding(const World& world, const options& o,
   r.dropless_shapes_fixed = d.fixed;
   r.dropless_busiest_rows = {d.rows[0], d.rows[1]};
   r.dropless_drop = {d.drop[0], d.drop[1]};
-  bool all_fixed = true;
-  for (const auto& row : r.padded) all_fixed &= row.shapes_fixed;
-  const capacity_row& lo = r.padded.front();
-  const capacity_row& hi = r.padded.back();
-  r.conclusion = format(
-      "padded to capacity, shapes are %s across inputs; capacity factor %.2f -> %.2f grows "
-      "each expert's buffer %.0f -> %.0f rows and cuts drops on skewed inputs %.1f%% -> %.1f%%; "
-      "dropless keeps every row but its shapes %s (busiest expert %.0f -> %.0f rows)",
-      all_fixed ? "fixed" : "NOT fixed", lo.factor, hi.factor, lo.buffer_rows, hi.buffer_rows,
-      100 * lo.drop_skewed, 100 * hi.drop_skewed,
-      r.dropless_shapes_fixed ? "stay fixed" : "change with the data", d.rows[0], d.rows[1]);
+  r.conclusion = conclusion(r);
   return r;
 }
 
 // --- 6. hiding all-to-all latency ----------------------------------------------------------
-
-struct overlap_result {
-  int chunks = 4;
-  double bandwidth = 0;        // the modelled link, bytes/s: sized so comm ~ compute
-  double latency = 20e-6;      // seconds per exchange
-  double experts_seconds = 0;  // expert compute of one pass (unthrottled, slowest rank)
-  double comm_sequential = 0;  // all-to-all time of a pass, slowest rank (median pass)
-  double exposed_sequential = 0;
-  double total_sequential = 0;
-  double comm_pipelined = 0;
-  double exposed_pipelined = 0;
-  double total_pipelined = 0;
-  double overlap_pipelined = 0;  // share of the all-to-all time hidden behind experts
-  std::string conclusion;
-};
 
 template <class World>
 overlap_result hiding_latency(const World& world, const options& o, int passes = 5) {
@@ -535,19 +451,21 @@ overlap_result hiding_latency(const World& world, const options& o, int passes =
   using Pipe = policies<comm::throttled<Comm>, capacity::dropless, schedule::pipelined<4>>;
   const auto full = reference::full_weights::random(o.config(), o.seed);
   overlap_result r;
+  const load_probe load;
   // Size the link from a free-running pass: one exchange as long as all the expert compute,
   // the regime of a cluster where the all-to-alls cost as much as the GEMMs.
   const auto probe = world.run([&](Comm c) {
     rank_layer<Free> l(o.config(), std::move(c), full);
     const auto x = tokens_of(o, l.layer.rank());
     std::vector<float> y;
-    double experts_s = 1e30;
+    forward(l.layer, x, y);  // warm-up
+    std::vector<double> experts_s;
     for (int p = 0; p < passes; ++p) {
       forward(l.layer, x, y);
-      experts_s = std::min(experts_s, l.layer.stats().time.experts);
+      experts_s.push_back(l.layer.stats().time.experts);
     }
     numbers n;
-    n.put(experts_s);
+    n.put(median(experts_s));
     n.put(std::max(l.layer.stats().dispatch_bytes_sent, l.layer.stats().dispatch_bytes_received));
     return n;
   });
@@ -582,11 +500,33 @@ overlap_result hiding_latency(const World& world, const options& o, int passes =
     }
     numbers n;
     for (const auto& v : m) n.put(median(v));  // a shared machine may stall one pass
+    n.put(std::max(spread(m[2]), spread(m[5])));
+    // The last pipelined pass's timeline: an order of events, not a duration, so a loaded
+    // machine cannot blur it. Boundary c -> c+1 overlaps when chunk c+1's dispatch started
+    // before chunk c's experts ended.
+    const auto& events = pipe.layer.stats().timeline;
+    const auto when = [&](int chunk, stage_kind k, bool end) {
+      double t = end ? -1 : std::numeric_limits<double>::infinity();
+      for (const timeline_event& e : events)
+        if (e.chunk == chunk && e.stage == k) t = end ? std::max(t, e.end) : std::min(t, e.start);
+      return t;
+    };
+    const int C = pipe.layer.stats().chunks;
+    int overlapped = 0;
+    for (int c = 0; c + 1 < C; ++c)
+      overlapped += when(c + 1, stage_kind::dispatch, false) < when(c, stage_kind::experts, true);
+    n.put(C - 1);
+    n.put(overlapped);
     return n;
   });
   std::vector<double> worst(6, 0.0);  // the slowest rank's
-  for (const auto& v : all)
+  double worst_spread = 0;
+  for (const auto& v : all) {
     for (int i = 0; i < 6; ++i) worst[i] = std::max(worst[i], v[i]);
+    worst_spread = std::max(worst_spread, v[6]);
+    r.boundaries += static_cast<int>(v[7]);
+    r.overlapped_boundaries += static_cast<int>(v[8]);
+  }
   r.comm_sequential = worst[0];
   r.exposed_sequential = worst[1];
   r.total_sequential = worst[2];
@@ -594,12 +534,8 @@ overlap_result hiding_latency(const World& world, const options& o, int passes =
   r.exposed_pipelined = worst[4];
   r.total_pipelined = worst[5];
   r.overlap_pipelined = 1 - r.exposed_pipelined / r.comm_pipelined;
-  r.conclusion = format(
-      "over a link where one all-to-all costs as much as the experts (%s), pipelining %d "
-      "chunks cuts the exposed all-to-all time %.1f -> %.1f ms (%.0f%% of it hidden) and the "
-      "pass %.1f -> %.1f ms",
-      rate(r.bandwidth).c_str(), r.chunks, r.exposed_sequential * 1e3, r.exposed_pipelined * 1e3,
-      100 * r.overlap_pipelined, r.total_sequential * 1e3, r.total_pipelined * 1e3);
+  r.load = load.finish(worst_spread);
+  r.conclusion = conclusion(r);
   return r;
 }
 
@@ -618,44 +554,43 @@ struct trace_point {
 /// SwiGLU that also records one row's input and output: the tour's window into the rows
 /// the layer dispatches and returns (they live in its private workspace).
 struct traced_swiglu : expert::swiglu {
-  struct weights : expert::swiglu::weights {
+  using base = expert::swiglu;
+  template <class T>
+  struct weights_of : base::weights_of<T> {
     trace_point* trace = nullptr;
   };
+  template <class T>
+  static auto tensors(weights_of<T>& w) {
+    return base::tensors(static_cast<base::weights_of<T>&>(w));
+  }
+  template <class T>
+  static weights_of<T> slice(const weights_of<T>& w, index_t first, index_t n) {
+    return {base::slice(w, first, n), nullptr};  // a shared expert: not traced
+  }
 
-  template <class Space>
-  static void forward(const Space& space, const weights& w, index_t j, matrix_view<float> x,
-                      float* scratch) {
+  template <class Space, class T>
+  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch) {
     trace_point* tp = w.trace;
-    bool hit = tp && tp->slot == j;
+    bool hit = tp && tp->slot < x.groups;
     index_t row = 0;
-    if (hit) {  // the block (chunk 0, source, j) sits in expert j's rows at regroup_offsets
+    if (hit) {  // the block (chunk 0, source, slot) sits at regroup_offsets, expert-major
       const dispatch_plan& p = *tp->plan;
-      row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position -
-            p.expert_offsets[tp->slot];
-      hit = row >= 0 && row < x.rows;  // else nothing is recorded and the step reports it
-      if (hit) tp->in.assign(x.row(row), x.row(row) + x.cols);
+      row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position - x.offsets[0];
+      // else nothing is recorded and the step reports it
+      hit = row >= x.offsets[tp->slot] - x.offsets[0] && row < x.offsets[tp->slot + 1] - x.offsets[0];
+      if (hit) tp->in.assign(x.data + row * x.stride, x.data + row * x.stride + x.cols);
     }
-    expert::swiglu::forward(space, w, j, x, scratch);
-    if (hit) tp->out.assign(x.row(row), x.row(row) + x.cols);
+    base::forward(space, static_cast<const base::weights_of<T>&>(w), x, scratch);
+    if (hit) tp->out.assign(x.data + row * x.stride, x.data + row * x.stride + x.cols);
   }
 };
 
-struct trace_result {
-  bool found = false;
-  int home_rank = 0;
-  int token = -1;
-  std::vector<int> experts, ranks, slots;    // [K]: chosen experts, their ranks and local slots
-  std::vector<double> weights;               // [K]: router weights (sum to 1)
-  std::vector<double> send_rows;             // [K]: row of the home rank's send buffer
-  std::vector<double> input_diff;            // [K]: max |row the expert got - x[t]|
-  std::vector<std::vector<double>> outputs;  // [K][H]: what each expert returned
-  std::vector<double> combined;              // [H]: sum_k weight_k * output_k
-  std::vector<double> layer_row;             // [H]: the layer's y[t]
-  std::vector<double> reference_row;         // [H]: the reference forward pass's y[t]
-  double combined_vs_layer = 0;              // max |combined - layer| (float order: 0)
-  double combined_vs_reference = 0;          // max |combined - reference| / max |reference|
-  std::string conclusion;
-};
+/// Step 7's errors, with the shared NaN-aware measure: a NaN, an Inf or a row the layer left
+/// unwritten (the output is NaN-filled before the pass) is an infinite error.
+inline void compare_rows(trace_result& r) {
+  r.combined_vs_layer = reference::max_relative_error(r.layer_row, r.combined);
+  r.combined_vs_reference = reference::max_relative_error(r.combined, r.reference_row);
+}
 
 template <class World>
 trace_result trace_one_token(const World& world, const options& o) {
@@ -696,7 +631,10 @@ trace_result trace_one_token(const World& world, const options& o) {
   });
   reader pick{choose[r.home_rank]};
   r.token = static_cast<int>(pick.get());
-  if (r.token < 0) return r;
+  if (r.token < 0) {
+    r.conclusion = conclusion(r);
+    return r;
+  }
   std::vector<index_t> position;
   for (int k = 0; k < top_k; ++k) {
     const int e = static_cast<int>(pick.get());
@@ -739,12 +677,11 @@ trace_result trace_one_token(const World& world, const options& o) {
                  r.ranks[k], r.experts[k]));
     const auto got = in.get(static_cast<std::size_t>(o.hidden));
     const auto out = in.get<float>(static_cast<std::size_t>(o.hidden));
-    double diff = 0;
-    for (int h = 0; h < o.hidden; ++h) {
-      diff = std::max(diff, std::abs(got[h] - x[r.token * o.hidden + h]));
+    const std::span<const float> xt(x.data() + r.token * o.hidden,
+                                    static_cast<std::size_t>(o.hidden));
+    r.input_diff.push_back(reference::max_relative_error(std::span<const double>(got), xt));
+    for (int h = 0; h < o.hidden; ++h)
       acc[h] += static_cast<float>(r.weights[k]) * out[h];  // as the layer's reduce: in float
-    }
-    r.input_diff.push_back(diff);
     r.outputs.emplace_back(out.begin(), out.end());
   }
   r.combined.assign(acc.begin(), acc.end());
@@ -755,43 +692,19 @@ trace_result trace_one_token(const World& world, const options& o) {
   }
   // The reference forward pass on this token alone: dropless, a token's output depends on
   // nothing but its own row.
-  std::vector<float> ref(static_cast<std::size_t>(o.hidden));
+  std::vector<float> ref(static_cast<std::size_t>(o.hidden),
+                         std::numeric_limits<float>::quiet_NaN());
   reference::forward(full, typename P::router{}, capacity::dropless{},
                      {x.data() + r.token * o.hidden, 1, o.hidden}, std::vector<index_t>{1},
                      {ref.data(), 1, o.hidden});
   r.reference_row.assign(ref.begin(), ref.end());
-  double scale = 0;
-  for (int h = 0; h < o.hidden; ++h) {
-    r.combined_vs_layer = std::max(r.combined_vs_layer, std::abs(r.combined[h] - r.layer_row[h]));
-    r.combined_vs_reference =
-        std::max(r.combined_vs_reference, std::abs(r.combined[h] - r.reference_row[h]));
-    scale = std::max(scale, std::abs(r.reference_row[h]));
-  }
-  r.combined_vs_reference /= std::max(scale, 1e-30);
+  compare_rows(r);
   r.found = r.ranks[0] != r.ranks[1];
-  r.conclusion = format(
-      "token %d of rank %d went to expert %d on rank %d (weight %.3f) and expert %d on rank %d "
-      "(weight %.3f); the weighted sum of the two returned rows is the layer's output "
-      "(max diff %.1e) and the reference's (relative error %.1e)",
-      r.token, r.home_rank, r.experts[0], r.ranks[0], r.weights[0], r.experts[1], r.ranks[1],
-      r.weights[1], r.combined_vs_layer, r.combined_vs_reference);
+  r.conclusion = conclusion(r);
   return r;
 }
 
 // --- 8. the straggler ----------------------------------------------------------------------
-
-struct straggler_result {
-  int hot_expert = 0, hot_rank = 0;
-  std::vector<double> rows_before, rows_after;            // [R]: rows each rank's experts computed
-  std::vector<double> expert_ms_before, expert_ms_after;  // [R]: measured, best of passes
-  std::vector<double> wait_ms_before, wait_ms_after;      // [R]: slowest rank's - own
-  int straggler_before = 0, straggler_after = 0;          // by rows
-  double excess_before = 0, excess_after = 0;             // (max - mean) / mean of rows per rank
-  double predicted_max_over_mean = 0;                     // the balancer's own estimate
-  int extra_slots = 0, hot_copies = 0;
-  std::vector<std::vector<int>> experts_of_rank_after;  // [R][slots]
-  std::string conclusion;
-};
 
 template <class World>
 straggler_result the_straggler(const World& world, const options& o, int passes = 5) {
@@ -805,38 +718,44 @@ straggler_result the_straggler(const World& world, const options& o, int passes 
   r.hot_expert = o.hot_expert;
   r.hot_rank = placement::block(cfg).rank_of(o.hot_expert);
   r.extra_slots = extra;
+  const load_probe probe;
   const auto all = world.run([&](Comm c) {
     const int me = c.rank();
     const auto x = skewed(tokens_of(o, me), full, o);
     std::vector<float> y;
     numbers n;
-    const auto best_pass = [&](auto& layer) {  // expert seconds: best of the passes
-      double s = 1e30;
-      for (int p = 0; p < passes; ++p) {
-        forward(layer, x, y);
-        s = std::min(s, layer.stats().time.experts);
-      }
-      return s;
-    };
     rank_layer<Block> before(cfg, another(c), full);
-    n.put(best_pass(before.layer));
+    forward(before.layer, x, y);  // warm-up, and the load to balance
     const auto load = before.layer.gather_load();
-    n.put_all(load.per_rank);
-    n.put(load.ranks.excess);
     // Balance on the measured load (the same on every rank), then a layer on the new table.
     const std::vector<double> per_expert(load.per_expert.begin(), load.per_expert.end());
     const auto plan = placement::balance(per_expert, {.ranks = R, .extra_slots = extra});
     rank_layer<Table> after(cfg, std::move(c), full, plan.refined);
-    n.put(best_pass(after.layer));
+    forward(after.layer, x, y);  // warm-up
+    // The two placements' passes alternate, so that both see the same load of the machine;
+    // each rank's expert time is the median of its passes.
+    std::vector<double> before_s, after_s;
+    for (int p = 0; p < passes; ++p) {
+      forward(before.layer, x, y);
+      before_s.push_back(before.layer.stats().time.experts);
+      forward(after.layer, x, y);
+      after_s.push_back(after.layer.stats().time.experts);
+    }
     const auto load2 = after.layer.gather_load();
+    n.put(median(before_s));
+    n.put_all(load.per_rank);
+    n.put(load.ranks.excess);
+    n.put(median(after_s));
     n.put_all(load2.per_rank);
     n.put(load2.ranks.excess);
     n.put(plan.refined_max_over_mean);
     n.put(plan.refined.copies(o.hot_expert));
     n.put_all(plan.refined.phy_to_log());
+    n.put(std::max(spread(before_s), spread(after_s)));
     return n;
   });
   const int S = (experts + extra) / R;
+  double worst_spread = 0;
   for (const auto& v : all) {
     reader in{v};
     r.expert_ms_before.push_back(1e3 * in.get());
@@ -851,17 +770,14 @@ straggler_result the_straggler(const World& world, const options& o, int passes 
     r.experts_of_rank_after.clear();
     for (int s = 0; s < R; ++s)
       r.experts_of_rank_after.emplace_back(phy.begin() + s * S, phy.begin() + (s + 1) * S);
+    worst_spread = std::max(worst_spread, in.get());
   }
+  r.load = probe.finish(worst_spread);
   for (double t : r.expert_ms_before) r.wait_ms_before.push_back(max_of(r.expert_ms_before) - t);
   for (double t : r.expert_ms_after) r.wait_ms_after.push_back(max_of(r.expert_ms_after) - t);
   r.straggler_before = argmax(r.rows_before);
   r.straggler_after = argmax(r.rows_after);
-  r.conclusion = format(
-      "hot expert %d makes rank %d the straggler with %.0f%% more rows than the mean (the others "
-      "wait up to %.1f ms for it); %d replicas from the balancer (expert %d on %d ranks) cut "
-      "the excess to %.0f%% and the wait to %.1f ms",
-      r.hot_expert, r.straggler_before, 100 * r.excess_before, max_of(r.wait_ms_before), extra,
-      r.hot_expert, r.hot_copies, 100 * r.excess_after, max_of(r.wait_ms_after));
+  r.conclusion = conclusion(r);
   return r;
 }
 

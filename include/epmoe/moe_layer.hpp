@@ -383,7 +383,11 @@ class moe_layer {
     if constexpr (requires { router_.check(cfg_, w_.noise_gate); })
       router_.check(cfg_, w_.noise_gate);  // e.g. noisy top-k's noise gate while training
     adopt_router_bias();
-    if constexpr (router_with_validate<router_type>) router_.validate(cfg_);
+    if constexpr (router_with_validate<router_type>) {
+      router_type r = router_;  // its bias checked where the host can read it
+      if constexpr (router_with_bias<router_type>) r.bias = bias_.host();
+      r.validate(cfg_);
+    }
   }
 
   // Every entry of a user-supplied routing, before anything is written.

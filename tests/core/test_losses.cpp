@@ -336,3 +336,63 @@ TEST_CASE("losses: an empty pass is valid and zero", "[losses]") {
   CHECK(out.seq_aux == 0);
   CHECK(out.z == 0);
 }
+
+namespace {
+
+// Hugging Face Mixtral's load_balancing_loss_func (modeling_mixtral.py, no attention mask),
+// written out in plain double: softmax over the experts, top-K, one-hot mask [T, K, E]
+// averaged over tokens to [K, E], times the mean probability [E], summed, times E.
+double hf_mixtral_loss(const pass& p, int K) {
+  std::vector<double> tokens_per_expert(static_cast<std::size_t>(K * p.E), 0);
+  std::vector<double> prob_per_expert(static_cast<std::size_t>(p.E), 0);
+  for (int t = 0; t < p.T; ++t) {
+    const auto prob = softmax_row(p.logits.data() + t * p.E, p.E);
+    std::vector<int> order(static_cast<std::size_t>(p.E));
+    for (int e = 0; e < p.E; ++e) order[e] = e;
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return prob[a] > prob[b]; });
+    for (int k = 0; k < K; ++k) tokens_per_expert[k * p.E + order[k]] += 1.0 / p.T;
+    for (int e = 0; e < p.E; ++e) prob_per_expert[e] += prob[e] / p.T;
+  }
+  double loss = 0;
+  for (int k = 0; k < K; ++k)
+    for (int e = 0; e < p.E; ++e) loss += tokens_per_expert[k * p.E + e] * prob_per_expert[e];
+  return loss * p.E;
+}
+
+}  // namespace
+
+TEST_CASE("losses: aux is Switch's, Hugging Face Mixtral's value is K / alpha times it",
+          "[losses][hf]") {
+  CHECK(layer_config{}.aux_loss_coef == 0.01);  // Switch's alpha, as docs/routers.md says
+  std::mt19937 rng(77);
+  int checked = 0;
+  for (int trial = 0; trial < 24; ++trial) {
+    const int E = 4 + static_cast<int>(rng() % 6), T = 3 + static_cast<int>(rng() % 20);
+    const int K = 1 + trial % 3;
+    auto p = random_pass(rng, T, E, 1.5f);
+    INFO("T = " << T << ", E = " << E << ", K = " << K);
+    const double alpha = 0.01, hf = hf_mixtral_loss(p, K);
+    router_losses out;
+    if (K == 1) {
+      route_all(router::mixtral<1>{}, p);
+      out = losses(router::mixtral<1>{}, config(E, 1, T, alpha), p);
+    } else if (K == 2) {
+      route_all(router::mixtral<2>{}, p);
+      out = losses(router::mixtral<2>{}, config(E, 2, T, alpha), p);
+    } else {
+      route_all(router::mixtral<3>{}, p);
+      out = losses(router::mixtral<3>{}, config(E, 3, T, alpha), p);
+    }
+    REQUIRE(out.valid);
+    CHECK(out.aux * K / alpha == Approx(hf).epsilon(1e-5));
+    // HF's training term router_aux_loss_coef * loss: aux with aux_loss_coef = K * coef.
+    const double coef = 0.02;
+    pass q = p;
+    const auto scaled = K == 1   ? losses(router::mixtral<1>{}, config(E, 1, T, K * coef), q)
+                        : K == 2 ? losses(router::mixtral<2>{}, config(E, 2, T, K * coef), q)
+                                 : losses(router::mixtral<3>{}, config(E, 3, T, K * coef), q);
+    CHECK(scaled.aux == Approx(coef * hf).epsilon(1e-5));
+    ++checked;
+  }
+  CHECK(checked == 24);
+}

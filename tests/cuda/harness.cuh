@@ -8,6 +8,8 @@
 // values the GPU computes with; what is left is the rounding of intermediates.
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "../layer/harness.hpp"
@@ -108,12 +110,15 @@ struct cuda_result {
   std::vector<pass_stats> stats;
 };
 
-/// `passes` forward passes of the CUDA layer on cfg.ranks ranks over the same tokens.
+/// `passes` forward passes of the CUDA layer on cfg.ranks ranks over the same tokens. Each
+/// pass writes into a y poisoned with 0xff bytes (NaN in fp32, bf16 and fp16), so a row the
+/// layer leaves unwritten fails every comparison.
 template <class P>
 cuda_result run_cuda(const layer_config& cfg, const reference::full_weights& w,
                      const global_tokens& g, const run_options<P>& opt = {}) {
   using T = typename P::space::value_type;
-  cuda_result out{std::vector<float>(g.x.size()), std::vector<pass_stats>(cfg.ranks)};
+  cuda_result out{std::vector<float>(g.x.size(), std::numeric_limits<float>::quiet_NaN()),
+                  std::vector<pass_stats>(cfg.ranks)};
   auto body = [&](typename P::comm c) {
     const int r = c.rank();
     EPMOE_CUDA_CHECK(cudaSetDevice(0));
@@ -136,8 +141,11 @@ cuda_result run_cuda(const layer_config& cfg, const reference::full_weights& w,
       EPMOE_CUDA_CHECK(cudaDeviceSynchronize());
       id_span = {ids.data(), static_cast<std::size_t>(Tn)};
     }
-    for (int p = 0; p < opt.passes; ++p)
+    for (int p = 0; p < opt.passes; ++p) {
+      if (Tn > 0)  // on the layer's stream: ordered before this pass, after the last
+        EPMOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xff, sizeof(T) * Tn * H, layer.stream()));
       layer.forward({x.data(), Tn, H}, {y.data(), Tn, H}, id_span);
+    }
     out.stats[r] = layer.stats();  // waits for the pass
     const std::vector<float> yh = download(y.data(), Tn * H);
     std::copy(yh.begin(), yh.end(), out.y.begin() + g.offset(r) * H);
@@ -149,6 +157,19 @@ cuda_result run_cuda(const layer_config& cfg, const reference::full_weights& w,
     world.run(body);
   }
   return out;
+}
+
+/// The CUDA layer's error against the reference (reference::max_relative_error: infinite on
+/// NaN/Inf), with weights and tokens rounded to the layer's element type first, so that what
+/// is left is the rounding of intermediates that tolerance<T>() bounds.
+template <class P>
+double error_vs_reference(const layer_config& cfg, std::vector<index_t> per_rank,
+                          std::uint64_t seed, const run_options<P>& opt = {}) {
+  using T = typename P::space::value_type;
+  const auto w = rounded<T>(reference::full_weights::random(cfg, seed));
+  global_tokens g = make_tokens(std::move(per_rank), cfg.hidden, seed + 1);
+  g.x = rounded<T>(g.x);
+  return relative_error(run_cuda<P>(cfg, w, g, opt).y, run_reference<P>(cfg, w, g, opt));
 }
 
 }  // namespace epmoe::test

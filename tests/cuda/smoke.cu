@@ -3,8 +3,9 @@
 //
 // CUDA smoke test: every core and policy header the CUDA build uses compiles under nvcc, and
 // the per-token EPMOE_HD code (routing, gather, weighted reduce, SwiGLU activation,
-// placement) runs in a kernel. Without a usable GPU it exits 77 (CTest "skipped"); with one
-// it checks that the device computes what the host computes from the same functions.
+// placement) runs in a kernel. Without a GPU on the machine it exits 77 (CTest "skipped"); on
+// a machine with a GPU that CUDA cannot use it fails; otherwise it checks that the device
+// computes what the host computes from the same functions.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@
 #include "epmoe/router/sigmoid_bias.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/sequential.hpp"
+#include "skip.hpp"
 
 namespace {
 
@@ -81,10 +83,10 @@ bool check(cudaError_t e, const char* what) {
 
 int main() {
   int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::printf("cuda smoke: no usable GPU, skipped\n");
-    return 77;
-  }
+  const cudaError_t e = cudaGetDeviceCount(&devices);
+  if (e != cudaSuccess || devices == 0)
+    return epmoe::test::no_usable_gpu("cuda smoke",
+                                      e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
   // Host inputs: logits with ties and a NaN, token rows, slots with a dropped assignment.
   std::vector<float> logits(T * E), x(T * H), w(T * K), y_host(T * H), y_dev(T * H);
   for (int i = 0; i < T * E; ++i) logits[i] = static_cast<float>((i * 7919) % 23) / 4.f;
@@ -127,6 +129,7 @@ int main() {
   cudaMemcpy(d_x, x.data(), sizeof(float) * T * H, cudaMemcpyHostToDevice);
   cudaMemcpy(d_slot, slot.data(), sizeof(std::int32_t) * T * K, cudaMemcpyHostToDevice);
   cudaMemcpy(d_row_token, row_token.data(), sizeof(std::int32_t) * T * K, cudaMemcpyHostToDevice);
+  cudaMemset(d_y, 0xff, sizeof(float) * T * H);  // NaN: a row the reduce skips mismatches
 
   for_each_kernel<<<1, 64>>>(
       T, epmoe::rows::route_tokens<router>{

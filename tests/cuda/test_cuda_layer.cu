@@ -27,13 +27,8 @@ template <class P>
 void check_against_reference(const layer_config& cfg, std::vector<index_t> per_rank,
                              std::uint64_t seed, const run_options<P>& opt = {}) {
   using T = typename P::space::value_type;
-  const auto w = rounded<T>(reference::full_weights::random(cfg, seed));
-  global_tokens g = make_tokens(std::move(per_rank), cfg.hidden, seed + 1);
-  g.x = rounded<T>(g.x);
-  const cuda_result got = run_cuda<P>(cfg, w, g, opt);
-  const std::vector<float> want = run_reference<P>(cfg, w, g, opt);
   INFO("dtype " << dtype<T>::name << ", ranks " << cfg.ranks << ", experts " << cfg.experts);
-  CHECK(relative_error(got.y, want) <= tolerance<T>());
+  CHECK(error_vs_reference<P>(cfg, std::move(per_rank), seed, opt) <= tolerance<T>());
 }
 
 template <class T>

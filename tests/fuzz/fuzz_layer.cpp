@@ -13,6 +13,7 @@
 // Seeded driver (any compiler): epmoe_fuzz [--runs N] [--seed S] [--quiet]
 // libFuzzer (clang, -DEPMOE_FUZZ_LIBFUZZER=ON): each input's bytes seed one case.
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -84,7 +85,11 @@ struct fuzz_case {
   std::vector<float> y;  // [sum tokens, H], prefilled with a sentinel
 };
 
-constexpr float sentinel = -12345.5f;
+// The sentinel is a NaN with a payload no input carries: a row a valid pass leaves unwritten
+// fails (NaN), and "a rejected pass wrote nothing" compares bits.
+constexpr std::uint32_t sentinel_bits = 0x7fc01234u;
+const float sentinel = std::bit_cast<float>(sentinel_bits);
+bool untouched(float v) { return std::bit_cast<std::uint32_t>(v) == sentinel_bits; }
 
 template <class Rng>
 float odd_value(Rng& rng) {
@@ -312,7 +317,7 @@ void check_case(const fuzz_case& c, tally& seen) {
   seen.bad_input += cfg_ok && !in_ok;
   if (!cfg_ok || !in_ok) {
     for (float v : c.y)
-      if (!(v == sentinel)) fail(c, "a rejected pass wrote to an output");
+      if (!untouched(v)) fail(c, "a rejected pass wrote to an output");
     return;
   }
   ++seen.valid;
@@ -353,7 +358,10 @@ void check_case(const fuzz_case& c, tally& seen) {
     if (std::isfinite(v)) scale = std::max(scale, double(std::abs(v)));
   for (index_t t = 0; t < n; ++t) {
     bool finite = true;
-    for (index_t h = 0; h < H; ++h) finite &= std::isfinite(c.x[t * H + h]);
+    for (index_t h = 0; h < H; ++h) {
+      finite &= std::isfinite(c.x[t * H + h]);
+      if (untouched(c.y[t * H + h])) fail(c, "token " + std::to_string(t) + "'s row not written");
+    }
     if (!finite) continue;
     for (index_t h = 0; h < H; ++h) {
       const float got = c.y[t * H + h];

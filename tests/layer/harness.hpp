@@ -5,11 +5,13 @@
 // Runs a layer on R in-process ranks and the plain reference on the same tokens.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <vector>
 
 #include <epmoe/epmoe.hpp>
+#include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
 
@@ -58,18 +60,30 @@ struct run_options {
   std::optional<typename P::placement> placement{};  // default: P::placement(cfg)
 };
 
+/// The weights a layer with expert type X takes, from a rank's slice and the full weights:
+/// SwiGLU's w1, w3, w2; another expert specialises this (tests/policies/test_user_policies).
+template <class X>
+struct expert_weights {
+  static auto routed(const reference::rank_weights& mine) { return mine.experts(); }
+  static auto shared(const reference::full_weights& w) { return w.shared(); }
+};
+
 /// Runs `passes` forward passes of moe_layer<P> on cfg.ranks threads over the same tokens
-/// (y is the last pass).
+/// (y is the last pass; every pass starts from NaN, so a row the layer leaves unwritten fails
+/// any comparison).
 template <class P>
 run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
                      const global_tokens& g, const run_options<P>& opt = {}) {
-  run_result out{std::vector<float>(g.x.size()), std::vector<std::vector<pass_stats>>(cfg.ranks)};
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  run_result out{std::vector<float>(g.x.size(), nan),
+                 std::vector<std::vector<pass_stats>>(cfg.ranks)};
   comm::threads_world world(cfg.ranks);
   world.run([&](comm::threads c) {
     const int r = c.rank();
     const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
     const auto mine = reference::slice(w, where, r);
-    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()},
+    using X = expert_weights<typename P::expert>;
+    moe_layer<P> layer(cfg, c, {w.gate_view(), X::routed(mine), X::shared(w), w.noise_gate_view()},
                        opt.router, opt.capacity, where);
     if constexpr (router_with_bias<typename P::router>)
       if (!opt.bias.empty())
@@ -78,9 +92,10 @@ run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
     std::span<const std::int64_t> ids;
     if (!opt.token_ids.empty())
       ids = {opt.token_ids.data() + g.offset(r), static_cast<std::size_t>(T)};
+    float* y = out.y.data() + g.offset(r) * H;
     for (int p = 0; p < opt.passes; ++p) {
-      const float* x = g.x.data() + g.offset(r) * H;
-      layer.forward({x, T, H}, {out.y.data() + g.offset(r) * H, T, H}, ids);
+      std::fill(y, y + T * H, nan);  // this rank's rows: a row only an earlier pass wrote fails
+      layer.forward({g.x.data() + g.offset(r) * H, T, H}, {y, T, H}, ids);
       out.stats[r].push_back(layer.stats());
     }
   });
@@ -92,25 +107,25 @@ template <class P>
 std::vector<float> run_reference(const layer_config& cfg, const reference::full_weights& w,
                                  const global_tokens& g, const run_options<P>& opt = {},
                                  std::uint64_t pass = 0) {
-  std::vector<float> y(g.x.size());
+  std::vector<float> y(g.x.size(), std::numeric_limits<float>::quiet_NaN());  // rows it skips fail
   const index_t n = g.total(), H = cfg.hidden;
   typename P::router router = opt.router;
   if constexpr (router_with_bias<typename P::router>)
     router.bias = opt.bias.empty() ? nullptr : opt.bias.data();
   const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
-  reference::forward(w, router, opt.capacity, where, {g.x.data(), n, H}, g.per_rank,
-                     {y.data(), n, H}, {opt.token_ids, pass});
+  // The run's config rules, as in the layer (weights made for another one may carry more
+  // shared experts than cfg switches on).
+  reference::full_weights run_w = w;
+  run_w.cfg = cfg;
+  reference::forward<typename P::expert>(run_w, router, opt.capacity, where, {g.x.data(), n, H},
+                                         g.per_rank, {y.data(), n, H}, {opt.token_ids, pass});
   return y;
 }
 
-/// max |a - b| / max(max |b|, tiny): the error measure of the acceptance tests.
+/// The acceptance tests' error measure, reference::max_relative_error: max |a - b| /
+/// max(max |b|, tiny), +inf on any NaN/Inf or a size mismatch.
 inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, scale = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff = std::max(diff, std::abs(double{a[i]} - b[i]));
-    scale = std::max(scale, std::abs(double{b[i]}));
-  }
-  return diff / std::max(scale, 1e-30);
+  return reference::max_relative_error(a, b);
 }
 
 /// Calls f.template operator()<K>() for the run-time K in {1, 2, 4}.

@@ -1,5 +1,6 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -223,7 +224,7 @@ TEMPLATE_LIST_TEST_CASE("layer errors: forward with more than max_tokens rows is
   epmoe::moe_layer<TestType> layer(s.cfg, epmoe::comm::local{}, s.weights<TestType>());
   const index_t T = s.cfg.max_tokens + 1, H = s.cfg.hidden;
   const auto x = epmoe::reference::random_tokens(T, H, 2);
-  std::vector<float> y(static_cast<std::size_t>(T * H));
+  std::vector<float> y(static_cast<std::size_t>(T * H), std::numeric_limits<float>::quiet_NaN());
   try {
     layer.forward({x.data(), T, H}, {y.data(), T, H});
     FAIL("forward accepted " << T << " tokens with max_tokens " << s.cfg.max_tokens);
@@ -231,8 +232,9 @@ TEMPLATE_LIST_TEST_CASE("layer errors: forward with more than max_tokens rows is
     CHECK(e.field() == "x.rows");
     CHECK(e.value() == std::to_string(T));
   }
-  // At the limit it runs.
+  // At the limit it runs, and writes every row (y starts as NaN).
   CHECK_NOTHROW(layer.forward({x.data(), T - 1, H}, {y.data(), T - 1, H}));
+  CHECK(std::all_of(y.begin(), y.begin() + (T - 1) * H, [](float v) { return std::isfinite(v); }));
 }
 
 TEMPLATE_LIST_TEST_CASE("layer errors: forward with x of the wrong width is rejected",
@@ -275,11 +277,12 @@ TEST_CASE("layer errors: NaN inputs do not crash and do not leak into other toke
   for (index_t h = 0; h < H; ++h) x[2 * H + h] = nan_f;  // all NaN
   x[5 * H + 3] = nan_f;                                  // one NaN
 
+  // Outputs start as NaN: a row the layer leaves unwritten fails the comparisons below.
   const index_t Tc = T - 2;
-  std::vector<float> y_clean(static_cast<std::size_t>(Tc * H));
+  std::vector<float> y_clean(static_cast<std::size_t>(Tc * H), nan_f);
   layer.forward({clean.data(), Tc, H}, {y_clean.data(), Tc, H});
 
-  std::vector<float> y(static_cast<std::size_t>(T * H), 0.f);
+  std::vector<float> y(static_cast<std::size_t>(T * H), nan_f);
   REQUIRE_NOTHROW(layer.forward({x.data(), T, H}, {y.data(), T, H}));
 
   const epmoe::routing_view routing = layer.last_routing();
@@ -302,9 +305,10 @@ TEST_CASE("layer errors: NaN inputs do not crash and do not leak into other toke
     }
     ++c;
   }
+  CHECK(c == Tc);  // every clean token was compared
 
   // A NaN pass leaves nothing behind: the clean tokens give the same outputs again.
-  std::vector<float> y_again(static_cast<std::size_t>(Tc * H));
+  std::vector<float> y_again(static_cast<std::size_t>(Tc * H), nan_f);
   layer.forward({clean.data(), Tc, H}, {y_again.data(), Tc, H});
   for (std::size_t i = 0; i < y_again.size(); ++i)
     CHECK(y_again[i] == Approx(y_clean[i]).margin(1e-6));

@@ -1,8 +1,8 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
-#include <mutex>
 #include <string>
+#include <vector>
 
 #include "harness.hpp"
 #include <epmoe/capacity/factor.hpp>
@@ -130,51 +130,53 @@ TEST_CASE("bounded: repeated passes reuse the rounds workspace", "[layer][bounde
   const auto g = test::make_tokens({40, 17}, cfg.hidden, 94);
   const auto got = test::run_layer<policies<2>>(cfg, w, g, opt);
   CHECK(test::relative_error(got.y, test::run_reference<policies<2>>(cfg, w, g)) <= 1e-5);
-  for (int r = 0; r < 2; ++r)
+  for (int r = 0; r < 2; ++r) {
+    REQUIRE(got.stats[r].size() == 3);
     for (const pass_stats& s : got.stats[r]) {
       CHECK(s.rounds > 1);  // the busier pair moves ~40 rows, 3 a round
       CHECK(s.peak_recv_rows <= 6);
       CHECK(s.timeline.size() == static_cast<std::size_t>(3 * s.rounds));
     }
+  }
 }
 
 TEST_CASE("bounded: invalid max_recv_rows and unsupported combinations are rejected",
           "[layer][bounded][error]") {
   layer_config cfg{.hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 8};
   const auto w = reference::full_weights::random(cfg, 95);
-  auto field_of = [&]<class P>(layer_config c, const char* must_contain) {
-    std::string field, what;
-    std::mutex m;
+  // Every rank must throw config_error naming max_recv_rows with the rule; any other
+  // exception escapes world.run and fails the test.
+  auto rejected = [&]<class P>(layer_config c, const char* must_contain) {
+    std::vector<std::string> field(2), what(2);  // per rank: no lock needed
     comm::threads_world world(c.ranks);
-    try {
-      world.run([&](comm::threads comm) {
-        const auto mine = reference::slice(w, placement::block(cfg), comm.rank());
-        try {
-          moe_layer<P> layer(c, comm, {w.gate_view(), mine.experts()});
-        } catch (const config_error& e) {
-          std::lock_guard<std::mutex> lock(m);
-          field = e.field();
-          what = e.what();
-        }
-      });
-    } catch (...) {
+    world.run([&](comm::threads comm) {
+      const auto mine = reference::slice(w, placement::block(cfg), comm.rank());
+      try {
+        moe_layer<P> layer(c, comm, {w.gate_view(), mine.experts()});
+      } catch (const config_error& e) {
+        field[comm.rank()] = e.field();
+        what[comm.rank()] = e.what();
+      }
+    });
+    int ranks = 0;
+    for (int r = 0; r < 2; ++r, ++ranks) {
+      INFO("rank " << r << ": " << what[r]);
+      CHECK(field[r] == "max_recv_rows");
+      CHECK(what[r].find(must_contain) != std::string::npos);
     }
-    INFO(what);
-    CHECK(what.find(must_contain) != std::string::npos);
-    return field;
+    return ranks;
   };
   layer_config c = cfg;
   c.max_recv_rows = -1;
-  CHECK(field_of.operator()<policies<2>>(c, ">= 0") == "max_recv_rows");
+  CHECK(rejected.operator()<policies<2>>(c, ">= 0") == 2);
   c.max_recv_rows = 1;  // < ranks
-  CHECK(field_of.operator()<policies<2>>(c, ">= ranks") == "max_recv_rows");
+  CHECK(rejected.operator()<policies<2>>(c, ">= ranks") == 2);
   c.max_recv_rows = 4;  // >= R, but a pipelined schedule keeps 3 rounds in flight
-  CHECK(field_of.operator()<policies<2, schedule::pipelined<2>>>(c, "ranks * 3") ==
-        "max_recv_rows");
+  CHECK(rejected.operator()<policies<2, schedule::pipelined<2>>>(c, "ranks * 3") == 2);
   c.max_recv_rows = 64;
-  CHECK(field_of.operator()<policies<2, schedule::sequential, capacity::factor<true>>>(
-            c, "capacity::dropless") == "max_recv_rows");
-  CHECK(field_of.operator()<dedup_p>(c, "dedup = false") == "max_recv_rows");
+  CHECK(rejected.operator()<policies<2, schedule::sequential, capacity::factor<true>>>(
+            c, "capacity::dropless") == 2);
+  CHECK(rejected.operator()<dedup_p>(c, "dedup = false") == 2);
 }
 
 TEST_CASE("bounded: ranks that disagree on max_recv_rows all throw naming it",

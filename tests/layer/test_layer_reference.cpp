@@ -1,8 +1,11 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <limits>
 
 #include "harness.hpp"
+#include <epmoe/schedule/pipelined.hpp>
 
 using namespace epmoe;
 using test::with_top_k;
@@ -69,7 +72,60 @@ TEST_CASE("layer: one rank with comm::local equals the reference", "[layer][refe
   const auto g = test::make_tokens({50}, cfg.hidden, 4);
   const auto mine = reference::slice(w, placement::block(cfg), 0);
   moe_layer<P> layer(cfg, comm::local{}, {w.gate_view(), mine.experts()});
-  std::vector<float> y(g.x.size());
+  std::vector<float> y(g.x.size(), std::numeric_limits<float>::quiet_NaN());  // unwritten fails
   layer.forward({g.x.data(), 50, 17}, {y.data(), 50, 17});
   CHECK(test::relative_error(y, test::run_reference<P>(cfg, w, g)) <= 1e-4);
+}
+
+namespace {
+
+template <class Base>
+struct dedup_of : Base {
+  static constexpr epmoe::layer_options options{.dedup = true};
+};
+template <class Base>
+struct pipelined_of : Base {
+  using schedule = epmoe::schedule::pipelined<3>;
+};
+using drop_policies = std::tuple<test::threads_policies<2, capacity::factor<false>>,
+                                 test::threads_policies<2, capacity::factor<true>>,
+                                 dedup_of<test::threads_policies<2, capacity::factor<false>>>,
+                                 pipelined_of<test::threads_policies<2, capacity::factor<false>>>>;
+
+}  // namespace
+
+// A small capacity drops every assignment of the later tokens: their rows must still be
+// written (zero, or the shared experts alone), not left as they were.
+TEMPLATE_LIST_TEST_CASE("layer: a token with every assignment dropped gets zero or shared only",
+                        "[layer][reference][capacity]", drop_policies) {
+  using P = TestType;
+  layer_config cfg{.hidden = 13,
+                   .ffn = 9,
+                   .experts = 8,
+                   .top_k = 2,
+                   .ranks = 2,
+                   .max_tokens = 40,
+                   .capacity_factor = 0.25};  // 3 rows per expert per source rank of 80
+  const auto g = test::make_tokens({40, 29}, cfg.hidden, 41);
+  const index_t H = cfg.hidden;
+  for (int shared : {0, 2}) {
+    cfg.shared_experts = shared;
+    CAPTURE(shared);
+    const auto w = reference::full_weights::random(cfg, 42);
+    const auto got = test::run_layer<P>(cfg, w, g, {.passes = 2});
+    const auto want = test::run_reference<P>(cfg, w, g);
+    CHECK(test::relative_error(got.y, want) <= 1e-4);
+    if (shared > 0) continue;
+    // Without shared experts a fully dropped token's reference row is exactly zero: the case
+    // this test is for happens on both ranks.
+    for (int r = 0; r < cfg.ranks; ++r) {
+      int zero_rows = 0;
+      for (index_t t = g.offset(r); t < g.offset(r) + g.per_rank[r]; ++t)
+        zero_rows += std::all_of(want.begin() + t * H, want.begin() + (t + 1) * H,
+                                 [](float v) { return v == 0.f; });
+      CAPTURE(r);
+      CHECK(zero_rows >= 5);
+      CHECK(got.stats[r][1].dropped > 0);
+    }
+  }
 }

@@ -1,6 +1,9 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <limits>
+#include <vector>
 
 #include "harness.hpp"
 #include <epmoe/router/expert_choice.hpp>
@@ -114,6 +117,7 @@ TEST_CASE("routers through the layer: expert choice gives every expert C tokens 
   const index_t C = router::expert_choice::capacity(cfg, 40);  // ceil(1.0 * 40 * 2 / 8) = 10
   REQUIRE(C == 10);
   for (int r = 0; r < 4; ++r) {
+    REQUIRE(run.stats[r][0].routed_per_expert.size() == 8);
     for (index_t n : run.stats[r][0].routed_per_expert) CHECK(n == C);
     CHECK(run.stats[r][0].assignments == 8 * C);
     index_t rows = 0;
@@ -133,15 +137,19 @@ TEST_CASE("shared experts: every token's output adds N always-on experts", "[lay
     CHECK(layer_vs_reference<policies<router::sigmoid_bias<2>>>(cfg) <= 1e-4);
   }
   // Stats count their FLOPs; without them the output differs.
+  using M = policies<router::mixtral<2>>;
   layer_config cfg = small(1, 2);
   cfg.shared_experts = 1;
   const auto w = reference::full_weights::random(cfg, 5);
   const auto g = test::make_tokens({40}, cfg.hidden, 6);
-  const auto with = test::run_layer<policies<router::mixtral<2>>>(cfg, w, g);
+  const auto with = test::run_layer<M>(cfg, w, g);
   CHECK(with.stats[0][0].shared_flops == Approx(40.0 * 6 * cfg.hidden * cfg.ffn));
-  layer_config none = cfg;
-  none.shared_experts = 0;
-  const auto without = test::run_layer<policies<router::mixtral<2>>>(none, w, g);
+  auto w_none = w;  // the same routed experts, no shared one
+  w_none.cfg.shared_experts = 0;
+  const auto without = test::run_layer<M>(w_none.cfg, w_none, g);
+  // Both right (a NaN output would also make them "differ"), and not the same.
+  CHECK(test::relative_error(with.y, test::run_reference<M>(cfg, w, g)) <= 1e-4);
+  CHECK(test::relative_error(without.y, test::run_reference<M>(w_none.cfg, w_none, g)) <= 1e-4);
   CHECK(test::relative_error(without.y, with.y) > 1e-3);
 }
 
@@ -171,16 +179,26 @@ TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][b
   auto w = reference::full_weights::random(cfg, 10);
   for (int e = 0; e < 4; ++e)
     for (int h = 0; h < cfg.hidden; ++h) w.gate[e * cfg.hidden + h] += 0.25f;
+  using P = policies<router::sigmoid_bias<2>>;
   std::vector<double> curve(200);
+  std::vector<std::vector<float>> bias(2);  // [rank]: after the last update
+  std::vector<float> last_bias;             // rank 0's, as the last pass used it
+  test::global_tokens last_x{{64, 64}, std::vector<float>(2 * 64 * 16)};
+  std::vector<float> last_y(2 * 64 * 16);  // the last pass, every rank
   comm::threads_world world(2);
   world.run([&](comm::threads c) {
-    using P = policies<router::sigmoid_bias<2>>;
-    const auto mine = reference::slice(w, placement::block(cfg), c.rank());
+    const int r = c.rank();
+    const auto mine = reference::slice(w, placement::block(cfg), r);
     moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts()}, {.gamma = 2e-3f});
     std::vector<float> y(64 * 16);
     for (int step = 0; step < 200; ++step) {
-      auto x = reference::random_tokens(64, 16, 1000 * step + c.rank());
+      auto x = reference::random_tokens(64, 16, 1000 * step + r);
       for (float& v : x) v = std::abs(v);  // positive tokens: the skewed rows win
+      if (step == 199) {
+        std::copy(x.begin(), x.end(), last_x.x.begin() + r * 64 * 16);
+        if (r == 0) last_bias.assign(layer.router_bias().begin(), layer.router_bias().end());
+      }
+      std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());
       layer.forward({x.data(), 64, 16}, {y.data(), 64, 16});
       const auto load = layer.update_router();
       double mx = 0, sum = 0;
@@ -188,11 +206,19 @@ TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][b
         mx = std::max(mx, static_cast<double>(n));
         sum += static_cast<double>(n);
       }
-      if (c.rank() == 0) curve[step] = mx / (sum / 16);
+      if (r == 0) curve[step] = mx / (sum / 16);
     }
-    // Every rank holds the same bias after the collective updates.
-    if (c.rank() == 0) CHECK(layer.router_bias()[0] < 0);
+    std::copy(y.begin(), y.end(), last_y.begin() + r * 64 * 16);
+    bias[r].assign(layer.router_bias().begin(), layer.router_bias().end());
   });
+  // Every rank holds the same bias after the collective updates, and the hot expert's fell.
+  REQUIRE(bias[0].size() == 16);
+  CHECK(bias[1] == bias[0]);
+  CHECK(bias[0][0] < 0);
+  // The last pass used the bias of the updates before it, on every rank.
+  CHECK(test::relative_error(
+            last_y, test::run_reference<P>(
+                        cfg, w, last_x, {.router = {.gamma = 2e-3f}, .bias = last_bias})) <= 1e-4);
   const double first = (curve[0] + curve[1] + curve[2]) / 3;
   const double last = (curve[197] + curve[198] + curve[199]) / 3;
   INFO("max/mean load: first passes " << first << ", last passes " << last);

@@ -3,6 +3,7 @@
 #include <catch2/catch.hpp>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -23,13 +24,19 @@ struct policies : test::threads_policies<2> {
   using schedule = epmoe::schedule::pipelined<2>;
 };
 
+struct recorded {
+  std::vector<pass_record> records;  // every rank's, every pass
+  std::vector<float> y, want;        // the last pass's outputs and the reference's
+};
+
 // Two passes on 4 ranks, bounded so that chunks take several rounds; every rank's records.
-std::vector<pass_record> run_recorded(int passes) {
+recorded run_recorded(int passes) {
   layer_config cfg{.hidden = 8, .ffn = 6, .experts = 8, .top_k = 2, .ranks = 4, .max_tokens = 24};
   cfg.max_recv_rows = 12;
   const auto w = reference::full_weights::random(cfg, 121);
   const auto g = test::make_tokens({24, 0, 17, 24}, cfg.hidden, 122);
-  std::vector<float> y(g.x.size());
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> y(g.x.size(), nan);
   std::vector<pass_record> records;
   std::mutex m;
   comm::threads_world world(cfg.ranks);
@@ -39,6 +46,8 @@ std::vector<pass_record> run_recorded(int passes) {
     moe_layer<policies> layer(cfg, c, {w.gate_view(), mine.experts()});
     const index_t T = g.per_rank[r], H = cfg.hidden;
     for (int p = 0; p < passes; ++p) {
+      // Each pass starts from NaN: recording must not stand in for a pass that wrote nothing.
+      std::fill(y.begin() + g.offset(r) * H, y.begin() + (g.offset(r) + T) * H, nan);
       layer.forward({g.x.data() + g.offset(r) * H, T, H}, {y.data() + g.offset(r) * H, T, H});
       pass_record rec = record_pass(layer);  // copies the stats: off the hot path
       std::lock_guard<std::mutex> lock(m);
@@ -51,15 +60,17 @@ std::vector<pass_record> run_recorded(int passes) {
     write_stats_json(stats, records);
     write_trace_json(trace, records);
   }
-  return records;
+  return {std::move(records), std::move(y), test::run_reference<policies>(cfg, w, g)};
 }
 
 }  // namespace
 
 TEST_CASE("report: stats lines parse as JSON and the simulator reads them back",
           "[layer][report]") {
-  const auto records = run_recorded(2);
+  const auto run = run_recorded(2);
+  const auto& records = run.records;
   REQUIRE(records.size() == 8);
+  CHECK(test::relative_error(run.y, run.want) <= 1e-5);  // the recorded passes computed y
   std::ostringstream os;
   write_stats_json(os, records);
   // Every line is one JSON object with the run's numbers.
@@ -124,7 +135,7 @@ TEST_CASE("report: stats lines parse as JSON and the simulator reads them back",
 }
 
 TEST_CASE("report: the trace parses and has every rank, stage and counter", "[layer][report]") {
-  const auto records = run_recorded(2);
+  const auto records = run_recorded(2).records;
   std::ostringstream os;
   write_trace_json(os, records);
   const auto v = test::json::parse(os.str());

@@ -1,6 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -96,7 +97,7 @@ pass_stats check_layer(const layer_config& cfg, const reference::full_weights& w
   for (std::size_t p = 0; p < passes.size(); ++p) {
     const test::global_tokens& g = passes[p];
     const index_t T = g.per_rank[me];
-    std::vector<float> y(T * H, -7.f);
+    std::vector<float> y(T * H, std::numeric_limits<float>::quiet_NaN());  // unwritten fails
     layer.forward({g.x.data() + g.offset(me) * H, T, H}, {y.data(), T, H});
     const std::vector<float> all = gather(y, g, H);
     if (me != 0) continue;

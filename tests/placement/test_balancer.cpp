@@ -1,5 +1,6 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <cstdint>
@@ -101,21 +102,120 @@ TEST_CASE("rank_loads: a copy carries its expert's load over its copies", "[plac
   CHECK(pl::max_over_mean(zero) == 0);
 }
 
-TEST_CASE("balance: deterministic", "[placement][balancer]") {
-  const auto load = GENERATE(zipf(1.0, false), zipf(1.5, true), random_load(E, 4));
-  const auto [nodes, groups, extra] = GENERATE(std::tuple{1, 1, 0}, std::tuple{1, 1, 16},
-                                               std::tuple{2, 8, 16}, std::tuple{2, 8, 0});
-  CAPTURE(nodes, groups, extra);
-  const pl::balance_options o{.ranks = R, .nodes = nodes, .groups = groups, .extra_slots = extra};
-  const auto a = pl::balance(load, o);
-  const std::vector<double> copy = load;
-  const auto b = pl::balance(copy, o);
-  CHECK(a.greedy == b.greedy);
-  CHECK(a.refined == b.refined);
-  CHECK(a.greedy.phy_to_log() == b.greedy.phy_to_log());
-  CHECK(a.refined.phy_to_log() == b.refined.phy_to_log());
-  CHECK(a.greedy_max_over_mean == b.greedy_max_over_mean);
-  CHECK(a.refined_max_over_mean == b.refined_max_over_mean);
+TEST_CASE("balance: the tables of two hand-worked loads", "[placement][balancer]") {
+  // 3 experts {9, 5, 5} on 2 ranks, 3 extra slots: each expert gets a second copy (9 -> 4.5
+  // each, then 5 and 5 -> 2.5 each). EPLB's packing (4.5, 4.5, then 2.5s to the lighter
+  // rank, lower on ties) gives [0 1 1 | 0 2 2], 9.5 each but a twin per rank; the
+  // twin-avoiding packing reaches the same 9.5 with [0 1 2 | 0 2 1], so it is kept.
+  const auto a = pl::balance(std::vector<double>{9, 5, 5}, {.ranks = 2, .extra_slots = 3});
+  CHECK(a.greedy.phy_to_log() == std::vector<int>{0, 1, 2, 0, 2, 1});
+  CHECK(a.refined.phy_to_log() == std::vector<int>{0, 1, 2, 0, 2, 1});
+  CHECK(a.refined_max_over_mean == 1.0);
+  // {10, 2, 6, 4} on 2 ranks, 2 extra: copies 5, 5 (expert 0), 3, 3 (expert 2), 4, 2. Only a
+  // rank holding both copies of expert 2 reaches 11 / 11: [0 3 1 | 0 2 2] (EPLB's own table).
+  // Avoiding the twin costs 12 / 10, so here the twin stays.
+  const auto b = pl::balance(std::vector<double>{10, 2, 6, 4}, {.ranks = 2, .extra_slots = 2});
+  CHECK(b.greedy.phy_to_log() == std::vector<int>{0, 3, 1, 0, 2, 2});
+  CHECK(b.refined.phy_to_log() == std::vector<int>{0, 3, 1, 0, 2, 2});
+  CHECK(b.refined_max_over_mean == 1.0);
+}
+
+TEST_CASE("balance: relabelling the experts relabels the table", "[placement][balancer]") {
+  // The balancer looks at loads, not names: renaming the experts (whole groups among
+  // themselves, experts inside a group) renames the slots and changes nothing else. Distinct
+  // random loads, so no tie is broken by an expert's id; extra slots, so no block start.
+  const auto [ranks, nodes, groups, extra] =
+      GENERATE(std::tuple{8, 1, 1, 8}, std::tuple{8, 1, 1, 16}, std::tuple{8, 2, 8, 16},
+               std::tuple{8, 4, 4, 32}, std::tuple{4, 2, 3, 4});
+  CAPTURE(ranks, nodes, groups, extra);
+  // On EPLB's global path (groups do not divide over nodes) the groups play no part.
+  const int pgroups = groups % nodes == 0 ? groups : 1, size = E / pgroups;
+  const pl::balance_options o{
+      .ranks = ranks, .nodes = nodes, .groups = groups, .extra_slots = extra};
+  int checked = 0;
+  for (std::uint64_t seed = 0; seed < 10; ++seed) {
+    CAPTURE(seed);
+    // new_id[e]: a random permutation of the groups and of the experts inside each group.
+    std::vector<int> group_to(static_cast<std::size_t>(pgroups)), new_id(E);
+    for (int g = 0; g < pgroups; ++g) group_to[static_cast<std::size_t>(g)] = g;
+    const auto shuffle = [&](std::vector<int>& v, std::uint64_t salt) {
+      for (std::size_t i = v.size(); i > 1; --i)
+        std::swap(v[i - 1], v[epmoe::math::hash4(seed, salt, i, 0) % i]);
+    };
+    shuffle(group_to, 1000);
+    for (int g = 0; g < pgroups; ++g) {
+      std::vector<int> inside(static_cast<std::size_t>(size));
+      for (int i = 0; i < size; ++i) inside[static_cast<std::size_t>(i)] = i;
+      shuffle(inside, static_cast<std::uint64_t>(g));
+      for (int i = 0; i < size; ++i)
+        new_id[static_cast<std::size_t>(g * size + i)] =
+            group_to[static_cast<std::size_t>(g)] * size + inside[static_cast<std::size_t>(i)];
+    }
+    const auto load = random_load(E, seed + 100);
+    std::vector<double> renamed(E);
+    for (int e = 0; e < E; ++e)
+      renamed[static_cast<std::size_t>(new_id[static_cast<std::size_t>(e)])] =
+          load[static_cast<std::size_t>(e)];
+    const auto a = pl::balance(load, o), b = pl::balance(renamed, o);
+    for (const auto& [x, y] :
+         {std::pair{&a.greedy, &b.greedy}, std::pair{&a.refined, &b.refined}}) {
+      std::vector<int> expect;
+      for (int e : x->phy_to_log()) expect.push_back(new_id[static_cast<std::size_t>(e)]);
+      REQUIRE(y->phy_to_log() == expect);
+      ++checked;
+    }
+    REQUIRE(b.refined_max_over_mean == a.refined_max_over_mean);
+  }
+  REQUIRE(checked == 20);
+}
+
+TEST_CASE("balance: refinement lowers what the greedy packing leaves", "[placement][balancer]") {
+  // Per 4 ranks: four experts of load 3, six of 2, two of 0 (3 slots per rank). The optimum is
+  // 6 on every rank ({3, 3, 0} and {2, 2, 2}); the greedy packing puts one 3 and one 2 on each
+  // rank, then the last two 2s on two of them: 7 against a mean of 6. Block (expert order)
+  // starts at {3, 3, 3} = 9. Only the swap pass reaches the optimum, 1.
+  std::vector<double> unit = {3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 0, 0};
+  std::vector<double> load;
+  for (int copy = 0; copy < 2; ++copy) load.insert(load.end(), unit.begin(), unit.end());
+  const auto [nodes, groups] = GENERATE(std::pair{1, 1}, std::pair{2, 2});
+  CAPTURE(nodes, groups);
+  const pl::balance_options o{.ranks = 8, .nodes = nodes, .groups = groups};
+  const auto res = pl::balance(load, o);
+  check_valid(res.refined, 24, o);
+  CHECK(res.greedy_max_over_mean == Approx(7.0 / 6.0));
+  CHECK(imbalance(block_table(24, 8), load) == Approx(9.0 / 6.0));
+  CHECK(res.refined_max_over_mean == Approx(1.0).epsilon(1e-12));
+  for (double r : pl::rank_loads(res.refined, load)) CHECK(r == Approx(6.0));
+}
+
+TEST_CASE("balance: swapping groups between nodes lowers the busiest node",
+          "[placement][balancer]") {
+  // EPLB packs groups onto nodes by their sums alone. (a) 6 one-expert groups {3, 3, 2, 2, 2,
+  // 0} on 2 nodes of one rank: heaviest first gives {3, 2, 2} = 7 and {3, 2, 0} = 5; swapping
+  // a 3 and a 2 gives the optimum 6 / 6 (no rank-level step can: one rank per node).
+  {
+    const std::vector<double> load = {3, 3, 2, 2, 2, 0};
+    const pl::balance_options o{.ranks = 2, .nodes = 2, .groups = 6};
+    const auto res = pl::balance(load, o);
+    check_valid(res.refined, 6, o);
+    CHECK(res.greedy_max_over_mean == Approx(7.0 / 6.0));
+    CHECK(res.refined_max_over_mean == Approx(1.0));
+  }
+  // (b) 4 groups of 2, sums {1, 12, 2, 12}, 2 nodes of 2 ranks, 6 slots per node. By sums:
+  // node 0 = {6 6 | 0 2} (14), node 1 = {5 7 | 0 1} (13). Node 0's copies {3 3 3 3 0 2} split
+  // at best 8 / 6, so the max is 8 of a mean 6.75. With the 12s apart from the 2 (node sums
+  // 13 and 14 are the best pairing), {3 3 3 3 0 1} splits 7 / 6 and {3.5 3.5 2.5 2.5 0 2}
+  // 7 / 7: the optimum 7.
+  {
+    const std::vector<double> load = {0, 1, 6, 6, 0, 2, 5, 7};
+    const pl::balance_options o{.ranks = 4, .nodes = 2, .groups = 4, .extra_slots = 4};
+    const auto res = pl::balance(load, o);
+    check_valid(res.refined, 8, o);
+    CHECK(res.greedy_max_over_mean == Approx(8 / 6.75));
+    CHECK(res.refined_max_over_mean == Approx(7 / 6.75));
+    const auto r = pl::rank_loads(res.refined, load);
+    CHECK(*std::max_element(r.begin(), r.end()) == Approx(7.0));
+  }
 }
 
 TEST_CASE("balance: every table is valid and the figures match it", "[placement][balancer]") {
@@ -261,10 +361,12 @@ TEST_CASE("balance: bad options throw config_error naming the field", "[placemen
   CHECK(field({.ranks = R, .extra_slots = 12}) == "extra_slots");  // 76 slots on 8 ranks
   CHECK(field({.ranks = R, .extra_slots = -8}) == "extra_slots");
   CHECK(field({.ranks = 6}) == "extra_slots");  // 64 slots on 6 ranks
-  CHECK(field({.ranks = R, .nodes = 3}) == "nodes");
+  // EPLB's hierarchical path (groups % nodes == 0) needs nodes | ranks and groups | experts.
+  CHECK(field({.ranks = R, .nodes = 3, .groups = 3}) == "nodes");
+  CHECK(field({.ranks = R, .nodes = 16, .groups = 16}) == "nodes");
   CHECK(field({.ranks = R, .nodes = 0}) == "nodes");
-  CHECK(field({.ranks = R, .nodes = 16}) == "nodes");
   CHECK(field({.ranks = R, .groups = 3}) == "groups");
+  CHECK(field({.ranks = R, .nodes = 2, .groups = 6}) == "groups");
   CHECK(field({.ranks = R, .groups = 0}) == "groups");
   CHECK(field({.ranks = R, .groups = 128}) == "groups");
   CHECK(field({.ranks = 0}) == "ranks");
@@ -274,6 +376,36 @@ TEST_CASE("balance: bad options throw config_error naming the field", "[placemen
   auto nan = load;
   nan[63] = std::numeric_limits<double>::quiet_NaN();
   CHECK(field({.ranks = R}, nan) == "load");
+}
+
+TEST_CASE("balance: on the EPLB global path groups and nodes need not divide",
+          "[placement][balancer]") {
+  // EPLB balances globally when num_groups % num_nodes != 0 and checks no other shape there.
+  struct fallback {
+    int nodes, groups, ranks_per_node;
+    const char* says;
+  };
+  const auto f = GENERATE(fallback{3, 1, R, "nodes (3) do not divide ranks (8)"},
+                          fallback{16, 1, R, "nodes (16) do not divide ranks (8)"},
+                          fallback{2, 3, R / 2, "groups (3) do not divide experts (64)"},
+                          fallback{4, 6, R / 4, "groups (6) do not divide experts (64)"},
+                          fallback{2, 1, R / 2, "one level over all 8 ranks"});
+  CAPTURE(f.nodes, f.groups);
+  const auto load = zipf(1.2, true);
+  const pl::balance_options o{.ranks = R, .nodes = f.nodes, .groups = f.groups, .extra_slots = 8};
+  const auto res = pl::balance(load, o);
+  CAPTURE(res.note);
+  CHECK_FALSE(res.hierarchical);
+  CHECK(res.note.rfind("global", 0) == 0);
+  CHECK(res.note.find(f.says) != std::string::npos);
+  check_valid(res.refined, E, o);
+  CHECK(res.refined.ranks_per_node() == f.ranks_per_node);
+  // The same tables as with no groups and one node: those options played no part.
+  const auto plain = pl::balance(load, {.ranks = R, .extra_slots = 8});
+  CHECK(res.refined.phy_to_log() == plain.refined.phy_to_log());
+  const auto hier = pl::balance(load, {.ranks = R, .nodes = 2, .groups = 8, .extra_slots = 8});
+  CHECK(hier.hierarchical);
+  CHECK(hier.note.rfind("hierarchical", 0) == 0);
 }
 
 TEST_CASE("balance: uniform load is perfectly balanced with no extra slots",

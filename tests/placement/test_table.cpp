@@ -325,6 +325,7 @@ TEST_CASE("slot_for: a copy on the token's own rank always wins", "[placement]")
   CAPTURE(rpn);
   const table t(8, 4, replicated_8x4, rpn);
   const int S = t.slots_per_rank();
+  int homes = 0;  // (expert, rank) pairs with a local copy
   for (int e : {0, 1})
     for (int home = 0; home < 4; ++home) {
       int own = -1;
@@ -334,7 +335,9 @@ TEST_CASE("slot_for: a copy on the token's own rank always wins", "[placement]")
       CAPTURE(e, home);
       for (std::uint64_t token = 0; token < 2000; ++token)
         REQUIRE(t.slot_for(e, home, token) == own);
+      ++homes;
     }
+  CHECK(homes == 6);  // expert 0 on ranks 0, 2, 3; expert 1 on ranks 1, 2, 3
 }
 
 TEST_CASE("slot_for: then a copy on the token's own node", "[placement]") {
@@ -407,17 +410,27 @@ TEST_CASE("slot_for: copies on other nodes share a hot expert's rows evenly", "[
 }
 
 TEST_CASE("slot_for: deterministic, and the view agrees with the table", "[placement]") {
+  // Every rank computes a token's copy on its own: the choice must depend on (expert, home,
+  // token) alone, not on the object, the call order or earlier calls.
   const table t(64, 8, random_phy_to_log(64, 16, 9), 4);
-  const table same(64, 8, random_phy_to_log(64, 16, 9), 4);
-  const auto v = same.view();
+  std::vector<int> first;
   for (int e = 0; e < 64; ++e)
     for (int home = 0; home < 8; ++home)
       for (std::uint64_t token = 0; token < 50; ++token) {
         const int s = t.slot_for(e, home, token);
+        REQUIRE((s >= 0 && s < t.slots()));
         REQUIRE(t.phy_to_log()[static_cast<std::size_t>(s)] == e);
-        REQUIRE(t.slot_for(e, home, token) == s);
-        REQUIRE(v.slot_for(e, home, token) == s);
+        first.push_back(s);
       }
+  // Another table from the same arrays, through its view, swept in reverse order.
+  const table same(64, 8, random_phy_to_log(64, 16, 9), 4);
+  const auto v = same.view();
+  std::size_t i = first.size();
+  for (int e = 63; e >= 0; --e)
+    for (int home = 7; home >= 0; --home)
+      for (std::uint64_t token = 50; token-- > 0;)
+        REQUIRE(v.slot_for(e, home, token) == first[--i]);
+  CHECK(i == 0);
 }
 
 TEST_CASE("slot_for: an expert with one copy always gets that slot", "[placement]") {

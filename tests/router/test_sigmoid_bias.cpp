@@ -12,9 +12,12 @@
 #include <tuple>
 #include <vector>
 
+#include <epmoe/comm/threads.hpp>
 #include <epmoe/core/concepts.hpp>
 #include <epmoe/core/error.hpp>
 #include <epmoe/core/losses.hpp>
+#include <epmoe/moe_layer.hpp>
+#include <epmoe/reference/weights.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
 
 using epmoe::layer_config;
@@ -393,4 +396,150 @@ TEST_CASE("sigmoid_bias: validate rejects non-finite scaling and gamma",
   sigmoid_bias<4> g;
   g.gamma = inf_f;
   require_rejected(g, cfg, "router.gamma");
+}
+
+namespace {
+
+struct bias_policies : epmoe::default_policies {
+  using router = sigmoid_bias<2>;
+  using comm = epmoe::comm::threads;
+};
+struct bias_policies_local : epmoe::default_policies {
+  using router = sigmoid_bias<2>;
+};
+using bias_layer = epmoe::moe_layer<bias_policies>;
+
+// How a test hands the layer its bias.
+enum class bias_way { none, constructor, router_bias, router_pointer };
+
+// What one rank saw (Catch asserts on the main thread only, after the ranks join).
+struct rank_seen {
+  std::vector<float> x;                // [6, 8]: the logits (identity gate)
+  std::vector<std::int32_t> ids;       // [6, 2]
+  std::vector<float> weights;          // [6, 2]
+  std::vector<float> bias;             // router_bias() after the pass
+  bool router_reads_own_copy = false;  // router().bias == router_bias().data()
+};
+
+// Two ranks, E = H = 8 with an identity gate (logits = x, exactly), 6 tokens each: every
+// token's routing must be the reference's with `bias` (or without, for none).
+void check_layer_bias(bias_way way) {
+  const layer_config cfg{
+      .hidden = 8, .ffn = 16, .experts = 8, .top_k = 2, .ranks = 2, .max_tokens = 6};
+  const std::vector<float> bias{0.f, -0.3f, 0.f, 0.35f, 0.f, 0.2f, -0.1f, 0.f};
+  std::vector<float> gate(64, 0.f);
+  for (int e = 0; e < 8; ++e) gate[e * 8 + e] = 1.f;
+  const auto full = epmoe::reference::full_weights::random(cfg, 21);
+  const epmoe::placement::block where(cfg);
+  std::vector<rank_seen> seen(2);
+  epmoe::comm::threads_world world(2);
+  world.run([&](epmoe::comm::threads c) {
+    const int r = c.rank();
+    const auto mine = epmoe::reference::slice(full, where, r);
+    std::vector<float> given = bias;  // the constructor must copy it: spoiled right after
+    sigmoid_bias<2> router;
+    if (way == bias_way::constructor) router.bias = given.data();
+    bias_layer layer(cfg, c, {{gate.data(), 8, 8}, mine.experts()}, router);
+    std::fill(given.begin(), given.end(), nan_f);
+    std::vector<float> pointed = bias;
+    if (way == bias_way::router_bias)
+      std::copy(bias.begin(), bias.end(), layer.router_bias().begin());
+    if (way == bias_way::router_pointer) layer.router().bias = pointed.data();
+    std::mt19937 rng(40 + r);
+    rank_seen& s = seen[static_cast<std::size_t>(r)];
+    s.x = normal(rng, 6 * 8, 0.6f);
+    std::vector<float> y(s.x.size(), nan_f);
+    layer.forward({s.x.data(), 6, 8}, {y.data(), 6, 8});
+    const epmoe::routing_view got = layer.last_routing();
+    for (int t = 0; t < 6; ++t)
+      for (int k = 0; k < 2; ++k) {
+        s.ids.push_back(got.ids(t, k));
+        s.weights.push_back(got.weights(t, k));
+      }
+    s.router_reads_own_copy = layer.router().bias == layer.router_bias().data();
+    s.bias.assign(layer.router_bias().begin(), layer.router_bias().end());
+  });
+  int checked = 0, moved = 0;
+  for (int r = 0; r < 2; ++r) {
+    const rank_seen& s = seen[static_cast<std::size_t>(r)];
+    REQUIRE(s.ids.size() == 12);
+    for (int t = 0; t < 6; ++t, ++checked) {
+      const std::vector<float> logits(s.x.begin() + t * 8, s.x.begin() + (t + 1) * 8);
+      const auto want =
+          reference(logits, way == bias_way::none ? std::vector<float>{} : bias, 2, 1.0, true);
+      INFO("rank " << r << " token " << t);
+      for (int k = 0; k < 2; ++k) {
+        CHECK(s.ids[t * 2 + k] == want.ids[k]);
+        CHECK(s.weights[t * 2 + k] == Approx(want.weights[k]).margin(1e-6));
+      }
+      if (want.ids != reference(logits, {}, 2, 1.0, true).ids) ++moved;
+    }
+    // The layer reads its own copy from now on, and reports the values it routed with.
+    CHECK(s.router_reads_own_copy);
+    CHECK(s.bias == (way == bias_way::none ? std::vector<float>(8, 0.f) : bias));
+  }
+  CHECK(checked == 12);
+  if (way != bias_way::none) CHECK(moved > 0);  // the bias changes some token's experts
+}
+
+}  // namespace
+
+TEST_CASE("sigmoid_bias in a layer: every way to set the bias routes with it",
+          "[router][sigmoid_bias][layer]") {
+  SECTION("none") { check_layer_bias(bias_way::none); }
+  SECTION("the router given to the constructor (copied)") {
+    check_layer_bias(bias_way::constructor);
+  }
+  SECTION("layer.router_bias()") { check_layer_bias(bias_way::router_bias); }
+  SECTION("layer.router().bias = values") { check_layer_bias(bias_way::router_pointer); }
+}
+
+TEST_CASE("sigmoid_bias in a layer: update_router starts from a bias just pointed at",
+          "[router][sigmoid_bias][layer]") {
+  const layer_config cfg{.hidden = 8, .ffn = 16, .experts = 8, .top_k = 2, .max_tokens = 6};
+  const auto full = epmoe::reference::full_weights::random(cfg, 22);
+  const auto mine = epmoe::reference::slice(full, epmoe::placement::block(cfg), 0);
+  epmoe::moe_layer<bias_policies_local> layer(cfg, {}, {full.gate_view(), mine.experts()});
+  std::mt19937 rng(3);
+  const auto x = normal(rng, 6 * 8, 1.f);
+  std::vector<float> y(x.size(), nan_f);
+  layer.forward({x.data(), 6, 8}, {y.data(), 6, 8});
+  const std::vector<float> b{1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f};
+  layer.router().bias = b.data();
+  const auto load = layer.update_router();
+  REQUIRE(load.size() == 8);
+  double mean = 0;
+  for (auto n : load) mean += static_cast<double>(n) / 8;
+  for (int e = 0; e < 8; ++e) {
+    const double step = mean > load[e] ? 1e-3 : (mean < load[e] ? -1e-3 : 0.0);
+    CHECK(layer.router_bias()[e] == Approx(b[e] + step).margin(1e-6));
+  }
+}
+
+TEST_CASE("sigmoid_bias in a layer: a non-finite bias is rejected on every rank",
+          "[router][sigmoid_bias][layer]") {
+  const layer_config cfg{
+      .hidden = 8, .ffn = 16, .experts = 8, .top_k = 2, .ranks = 2, .max_tokens = 4};
+  const auto full = epmoe::reference::full_weights::random(cfg, 23);
+  const epmoe::placement::block where(cfg);
+  std::vector<std::string> field(2, "(no error)");
+  std::vector<long> untouched(2, 0);
+  epmoe::comm::threads_world world(2);
+  world.run([&](epmoe::comm::threads c) {
+    const int r = c.rank();
+    const auto mine = epmoe::reference::slice(full, where, r);
+    bias_layer layer(cfg, c, {full.gate_view(), mine.experts()});
+    if (r == 1) layer.router_bias()[3] = nan_f;
+    const std::vector<float> x(32, 0.5f);
+    std::vector<float> y(32, 7.f);
+    try {
+      layer.forward({x.data(), 4, 8}, {y.data(), 4, 8});
+    } catch (const epmoe::config_error& e) {
+      field[static_cast<std::size_t>(r)] = e.field();
+    }
+    untouched[static_cast<std::size_t>(r)] = std::count(y.begin(), y.end(), 7.f);
+  });
+  CHECK(field[1] == "router.bias[3]");
+  CHECK(field[0] == "forward inputs of rank 1");  // the peer is told, not left waiting
+  CHECK(untouched == std::vector<long>{32, 32});  // no rank wrote y
 }

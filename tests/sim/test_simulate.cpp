@@ -453,7 +453,7 @@ TEST_CASE("sim: validation runs a real layer on the source's routing and pairs e
   }
 }
 
-TEST_CASE("sim: each round's calibration predicts its own passes; rows carry medians",
+TEST_CASE("sim: each round's calibration predicts its own passes, and rows carry medians",
           "[sim][calibrate]") {
   // Three rounds on one configuration; the rounds' GEMM rates differ, and so do their passes.
   const layer_config cfg{

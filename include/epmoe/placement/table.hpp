@@ -32,10 +32,11 @@ struct table_view {
     const int* c = log_to_phy + e * max_copies;
     const int n = copies[e];
     if (n == 1) return c[0];
+    const std::uint64_t h = math::hash4(0x706c6163ull, token, static_cast<std::uint64_t>(e), 0);
     const int rank_lo = home * slots_per_rank;
     const int i = first_at_least(c, n, rank_lo);
-    if (i < n && c[i] < rank_lo + slots_per_rank) return c[i];
-    const std::uint64_t h = math::hash4(0x706c6163ull, token, static_cast<std::uint64_t>(e), 0);
+    const int j = first_at_least(c, n, rank_lo + slots_per_rank);
+    if (j > i) return c[i + static_cast<int>(h % static_cast<std::uint64_t>(j - i))];
     const int node_lo = home / ranks_per_node * ranks_per_node * slots_per_rank;
     const int a = first_at_least(c, n, node_lo);
     const int b = first_at_least(c, n, node_lo + ranks_per_node * slots_per_rank);

@@ -83,11 +83,11 @@ void run_router(const Router& router, const layer_config& cfg, matrix_view<const
                 mutable_routing_view out, const router::route_options& opt, const Space& space) {
   const index_t T = out.ids.rows;
   if constexpr (token_router<Router>) {
-    space.for_each(T, rows::route_tokens<Router>{
-                          router, Router::uses_gate ? logits : matrix_view<const float>{},
-                          opt.noise, out.ids, out.weights,
-                          opt.token_ids.empty() ? nullptr : opt.token_ids.data(), opt.first_token,
-                          opt.pass, cfg.experts, opt.pass_counter});
+    space.for_each(
+        T, rows::route_tokens<Router>{
+               router, Router::uses_gate ? logits : matrix_view<const float>{}, opt.noise, out.ids,
+               out.weights, opt.token_ids.empty() ? nullptr : opt.token_ids.data(), opt.first_token,
+               opt.pass, cfg.experts, opt.pass_counter});
   } else {
     // Batch scratch scales with the batch: size it for these T tokens.
     layer_config batch = cfg;
@@ -107,9 +107,9 @@ void run_router(const Router& router, const layer_config& cfg, matrix_view<const
       is = own_ints;
     }
     require(fs.size() >= floats, "options.float_scratch", fs.size(),
-                           "must hold the router's scratch_floats for T tokens");
+            "must hold the router's scratch_floats for T tokens");
     require(is.size() >= ints, "options.int_scratch", is.size(),
-                           "must hold the router's scratch_ints for T tokens");
+            "must hold the router's scratch_ints for T tokens");
     router.route_batch(cfg, logits, out, fs, is);
   }
 }

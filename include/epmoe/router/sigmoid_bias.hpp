@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <span>
+#include <string>
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
@@ -21,8 +22,11 @@ namespace epmoe::router {
 /// With groups > 1 the choice is limited to the best `top_groups` groups, a group scored by
 /// the sum of its two best s + b (DeepSeek-V3: 256 experts, 8 groups, top-4 groups, top-8,
 /// scaling 2.5).
-/// The bias is router state owned by the layer (`moe_layer::router_bias()`), shared by the
-/// ranks, updated between passes by update_bias from the global load of the last pass:
+/// The bias b [E] is read through `bias` (nullptr: all zero). A layer keeps its own copy,
+/// the same on every rank (`moe_layer::router_bias()`: read or write it in place); a `bias`
+/// given with the router to the layer's constructor, or set later through
+/// `layer.router().bias`, is copied into that copy (at construction, or at the next pass).
+/// The layer updates it between passes (update_router) from the global load of the last pass:
 ///   b_i += gamma * sign(mean load - load_i).
 template <int K>
 struct sigmoid_bias {
@@ -36,7 +40,7 @@ struct sigmoid_bias {
   float scaling = 1.f;          // routed scaling factor
   bool normalize = true;        // weights divided by their sum before scaling
   float gamma = 1e-3f;          // bias update speed
-  const float* bias = nullptr;  // [E]; set by the layer; nullptr means all zero
+  const float* bias = nullptr;  // [E] host values, or nullptr (all zero); see above
 
   void validate(const layer_config& cfg) const {
     validate_groups(cfg, K, groups, top_groups);
@@ -44,6 +48,11 @@ struct sigmoid_bias {
                     "must be finite and > 0");
     detail::require(std::isfinite(gamma) && gamma >= 0.f, "router.gamma", gamma,
                     "must be finite and >= 0");
+    if (bias)
+      for (int e = 0; e < cfg.experts; ++e)
+        if (!std::isfinite(bias[e]))
+          throw config_error("router.bias[" + std::to_string(e) + "]", detail::to_text(bias[e]),
+                             "must be finite");
   }
 
   EPMOE_HD float selection(const float* l, int e) const {

@@ -221,8 +221,9 @@ class table_lookup {
       first_[e] = 0, count_[e] = n;
       if (n == 1) continue;
       const int rank_lo = home * spr, i = tv::first_at_least(c, n, rank_lo);
-      if (i < n && c[i] < rank_lo + spr) {
-        first_[e] = i, count_[e] = 1;
+      const int j = tv::first_at_least(c, n, rank_lo + spr);
+      if (j > i) {  // copies on the home rank (more than one: the hash picks)
+        first_[e] = i, count_[e] = j - i;
         continue;
       }
       const int node_lo = home / rpn * rpn * spr;
