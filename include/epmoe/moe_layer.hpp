@@ -153,6 +153,7 @@ class moe_layer {
         clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks,
                3 * units_max(), 2 * units_max() + 1) {
     allocate_workspace();
+    place_placement();
     adopt_router_bias();  // a bias given with the router starts the layer's own
   }
 
@@ -286,6 +287,7 @@ class moe_layer {
     }
     const index_t received = placement::relocate(comm_, placement_, next, owned);
     placement_ = next;
+    place_placement();
     return received;
   }
 
@@ -491,6 +493,26 @@ class moe_layer {
         std::copy_n(v[s].row(i), v.cols, out + s * v.batch_stride + i * v.stride);
   }
 
+  // What the plan's per-assignment step holds of the placement: its view (plain pointers)
+  // with the arrays in the space's memory, or the placement itself (a small value).
+  void place_placement() {
+    if constexpr (requires { placement_.view_in([](std::span<const int>) -> const int* {
+                    return nullptr;
+                  }); } && device_space<space_type>) {
+      placement_arrays_.clear();
+      where_ = placement_.view_in([&](std::span<const int> v) -> const int* {
+        placement_arrays_.push_back(space_.template allocate_mirror<int>(
+            static_cast<index_t>(v.size())));
+        std::copy(v.begin(), v.end(), placement_arrays_.back().host());
+        space_.to_device(placement_arrays_.back(), 0, static_cast<index_t>(v.size()));
+        return placement_arrays_.back().device();
+      });
+      space_.synchronize();
+    } else {
+      where_ = placement_view(placement_);
+    }
+  }
+
   // The router reads the layer's bias; values it was pointed at instead (the constructor's
   // router, router().bias = p) are copied in first, so no setting is silently dropped.
   void adopt_router_bias() {
@@ -657,8 +679,8 @@ class moe_layer {
     limit_ = capacity_.limit(cfg_, tokens_);
     const token_origin origin{rank(), token_ids_.empty() ? nullptr : token_ids_.data(),
                               std::int64_t{rank()} * cfg_.max_tokens};
-    build_send_plan(space_, device_routing(), placement_view(placement_), cfg_.experts, limit_,
-                    layout_.pad_rows, origin, p, plan_.device(), plan_.scratch());
+    build_send_plan(space_, device_routing(), where_, cfg_.experts, limit_, layout_.pad_rows,
+                    origin, p, plan_.device(), plan_.scratch());
     if constexpr (dedup)
       build_dedup_plan(space_, device_routing(), p, plan_.device(), plan_.scratch());
     if (!deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
@@ -793,6 +815,8 @@ class moe_layer {
   capacity_type capacity_;
   space_type space_;
   placement_type placement_;
+  decltype(placement_view(std::declval<const placement_type&>())) where_{placement_view(placement_)};
+  std::vector<mirror<int>> placement_arrays_;  // a device space: the placement's arrays
   mutable pass_stats stats_;
   int width_;  // routing slots per token
   int chunks_max_ = 1, chunks_ = 1;

@@ -76,26 +76,26 @@ struct expert_math<::policies::gelu_mlp> {
 
 template <>
 struct epmoe::test::expert_weights<policies::gelu_mlp> {
-  static policies::gelu_mlp::weights_of<float> routed(const reference::rank_weights& r) {
-    return {{r.w1.data(), r.local, r.ffn, r.hidden}, {r.w2.data(), r.local, r.hidden, r.ffn}};
-  }
-  static policies::gelu_mlp::weights_of<float> shared(const reference::full_weights& w) {
-    const index_t N = w.cfg.shared_experts, H = w.cfg.hidden, F = w.cfg.shared_width();
-    return {{w.shared_w1.data(), N, F, H}, {w.shared_w2.data(), N, H, F}};
+  template <class T>
+  static policies::gelu_mlp::weights_of<T> of(const T* w1, const T*, const T* w2, index_t n,
+                                              index_t ffn, index_t hidden) {
+    return {{w1, n, ffn, hidden}, {w2, n, hidden, ffn}};
   }
 };
 
 namespace {
 template <class Router, class Expert = expert::swiglu,
-          class Capacity = capacity::dropless>
-struct user_policies : test::threads_policies<Router::top_k, Capacity> {
+          class Capacity = capacity::dropless, class Space = space::host>
+struct user_policies : test::threads_policies<Router::top_k, Capacity, Space> {
   using router = Router;
   using expert = Expert;
 };
 }  // namespace
 
-TEST_CASE("user policies: a top-p router takes experts until p of the mass, on 1, 2, 4 ranks",
-          "[policies]") {
+TEMPLATE_LIST_TEST_CASE(
+    "user policies: a top-p router takes experts until p of the mass, on 1, 2, 4 ranks",
+    "[policies]", test::spaces) {
+  using Space = TestType;
   int cases = 0;
   for (int R : {1, 2, 4})
     for (float p : {0.3f, 0.6f, 0.95f}) {
@@ -104,26 +104,29 @@ TEST_CASE("user policies: a top-p router takes experts until p of the mass, on 1
                              .max_tokens = 24, .capacity_factor = 0.6};
       const auto w = reference::full_weights::random(cfg, 11);
       const auto g = test::make_tokens(std::vector<index_t>(R, 24), cfg.hidden, 3 + R);
-      using P = user_policies<policies::top_p<3>>;
+      using P = user_policies<policies::top_p<3>, expert::swiglu, capacity::dropless, Space>;
       const test::run_options<P> opt{.router = {.p = p}};
       const auto got = test::run_layer<P>(cfg, w, g, opt);
-      CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, w, g, opt)) <= 1e-5);
+      CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, w, g, opt)) <=
+            test::tolerance<Space>(1e-5));
       // Fewer than K experts where one or two cover p: empty slots are not assignments.
       index_t assigned = 0;
       for (int r = 0; r < R; ++r) assigned += got.stats[r][0].assignments;
       if (p < 0.5f) CHECK(assigned < 3 * 24 * R);
       // Capacity drops follow the chosen experts only.
-      using D = user_policies<policies::top_p<3>, expert::swiglu, capacity::factor<>>;
+      using D = user_policies<policies::top_p<3>, expert::swiglu, capacity::factor<>, Space>;
       const test::run_options<D> dopt{.router = {.p = p}};
       CHECK(test::relative_error(test::run_layer<D>(cfg, w, g, dopt).y,
-                                 test::run_reference<D>(cfg, w, g, dopt)) <= 1e-5);
+                                 test::run_reference<D>(cfg, w, g, dopt)) <=
+            test::tolerance<Space>(1e-5));
       ++cases;
     }
   CHECK(cases == 9);
 }
 
-TEST_CASE("user policies: a GELU MLP expert (with shared experts) equals its formula",
-          "[policies]") {
+TEMPLATE_LIST_TEST_CASE("user policies: a GELU MLP expert (with shared experts) equals its formula",
+                        "[policies]", test::spaces) {
+  using Space = TestType;
   int cases = 0;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
@@ -132,9 +135,10 @@ TEST_CASE("user policies: a GELU MLP expert (with shared experts) equals its for
                            .max_tokens = 20, .shared_experts = 1};
     const auto w = reference::full_weights::random(cfg, 5);
     const auto g = test::make_tokens(std::vector<index_t>(R, 20), cfg.hidden, 9);
-    using P = user_policies<router::topk_softmax<2>, policies::gelu_mlp>;
+    using P = user_policies<router::topk_softmax<2>, policies::gelu_mlp, capacity::dropless, Space>;
     const auto got = test::run_layer<P>(cfg, w, g);
-    CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, w, g)) <= 1e-5);
+    CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, w, g)) <=
+          test::tolerance<Space>(1e-5));
     // Its FLOPs are its own (two GEMMs), not SwiGLU's.
     index_t rows = 0;
     for (index_t n : got.stats[0][0].rows_per_local_expert) rows += n;
