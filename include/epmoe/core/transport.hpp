@@ -15,12 +15,14 @@
 namespace epmoe {
 
 namespace detail {
+/// The request of an exchange that completed when it started (a blocking transport).
+struct done_request {
+  void wait() {}
+  bool test() { return true; }
+};
 template <class Comm, bool Async>
 struct request_of {
-  struct type {
-    void wait() {}
-    bool test() { return true; }
-  };
+  using type = done_request;
 };
 template <class Comm>
 struct request_of<Comm, true> {

@@ -108,6 +108,22 @@ struct grouped_rows {
   }
 };
 
+namespace space {
+/// Every space's allocation, of its own buffer<T> and mirror<T> types (a space derives from
+/// allocates<itself>): sized once, never during a pass.
+template <class Space>
+struct allocates {
+  template <class T>
+  auto allocate(index_t n) const {
+    return typename Space::template buffer<T>(n);
+  }
+  template <class T>
+  auto allocate_mirror(index_t n) const {
+    return typename Space::template mirror<T>(n);
+  }
+};
+}  // namespace space
+
 namespace detail {
 inline std::string shape_text(index_t r, index_t c) {
   // Appended piecewise: g++ 12 -O3 warns (-Wrestrict, falsely) on "[" + std::to_string(r).

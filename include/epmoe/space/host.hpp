@@ -89,7 +89,7 @@ class host_mirror {
 /// rank = one thread), GEMMs go to BLAS when found (EPMOE_HAS_CBLAS), else a portable loop.
 /// GEMMs of few rows stream their weights on this space's own helper threads: copies of one
 /// space share them; two spaces (two layers built apart) each have their own.
-class host {
+class host : public allocates<host> {
  public:
   using value_type = float;
   template <class T>
@@ -99,14 +99,6 @@ class host {
 
   host() : helpers_(std::make_shared<detail::stream_helpers>()) {}
 
-  template <class T>
-  buffer<T> allocate(index_t n) const {
-    return buffer<T>(n);
-  }
-  template <class T>
-  mirror<T> allocate_mirror(index_t n) const {
-    return mirror<T>(n);
-  }
   /// Elements [first, first + n) of a mirror to the host, or to the space's memory: on the
   /// host one memory, nothing to copy.
   template <class T>

@@ -41,7 +41,7 @@ class cuda_mirror {
 };
 
 template <class T = float>
-class cuda {
+class cuda : public allocates<cuda<T>> {
   static_assert(std::is_same_v<T, float> || std::is_same_v<T, __nv_bfloat16> ||
                     std::is_same_v<T, __half>,
                 "epmoe: space::cuda<T> takes float, __nv_bfloat16 or __half");
@@ -66,14 +66,6 @@ class cuda {
   cudaStream_t caller() const { return ctx_->caller; }
   cublasHandle_t blas() const { return ctx_->blas; }
 
-  template <class U>
-  buffer<U> allocate(index_t n) const {
-    return buffer<U>(n);
-  }
-  template <class U>
-  mirror<U> allocate_mirror(index_t n) const {
-    return mirror<U>(n);
-  }
   template <class U>
   void to_host(const mirror<U>& m, index_t first, index_t n) const {
     if (n > 0)
