@@ -238,9 +238,14 @@ class moe_layer {
   const dispatch_plan& last_plan() const { return plan_.host(); }
   /// Which assignments of the last pass capacity dropped: mask(t, k) for t < T, k < slots
   /// (the last_routing() shape); empty slots are not drops; count() == stats().dropped. A
-  /// view of the plan (no copy; host space): valid until the next pass.
-  drop_mask dropped() const requires(!device_space<space_type>) {
-    return {plan_.host().slot, plan_.host().phys, tokens_, width_};
+  /// view of the plan's host copy (on a device space the call copies it and waits): valid
+  /// until the next pass.
+  drop_mask dropped() const {
+    const auto& m = plan_.routes();
+    const index_t n = layout_.tokens * width_;
+    space_.to_host(m, 0, 2 * n);
+    space_.synchronize();
+    return {m.host(), m.host() + n, tokens_, width_};
   }
   /// Passes run so far (the counter behind seeded training noise).
   std::uint64_t passes() const { return pass_; }
@@ -272,20 +277,22 @@ class moe_layer {
   /// communicator. From the first call on the layer keeps its own copy of its slots'
   /// weights. The move lands in staging first, so a pass sees either the old table and
   /// weights or the new ones. Returns the bytes of weights this rank's slots received.
-  index_t apply_placement(const placement::table& next) requires(
-      std::same_as<placement_type, placement::table> && !device_space<space_type>) {
+  index_t apply_placement(
+      const placement::table& next) requires std::same_as<placement_type, placement::table> {
     auto views = expert_type::tensors(w_.experts);
-    std::array<stacked_view<value_type>, std::tuple_size_v<decltype(views)>> owned;
-    for (std::size_t k = 0; k < views.size(); ++k) {
-      stacked_view<const value_type>& v = *views[k];
-      if (owned_experts_.size() < views.size()) {  // first move: a copy the layer may write
-        owned_experts_.push_back(space_.template allocate<value_type>(v.count * v.batch_stride));
-        copy_stack(v, owned_experts_.back().data());
-        v = {owned_experts_.back().data(), v.count, v.rows, v.cols, v.stride, v.batch_stride};
-      }
-      owned[k] = {owned_experts_[k].data(), v.count, v.rows, v.cols, v.stride, v.batch_stride};
+    constexpr std::size_t N = std::tuple_size_v<decltype(views)>;
+    if (owned_experts_.empty()) own_experts(views);
+    // The move runs on host copies (a device space stages its slots through them).
+    std::array<stacked_view<value_type>, N> staged;
+    for (std::size_t k = 0; k < N; ++k) {
+      const stacked_view<const value_type>& v = *views[k];
+      space_.to_host(owned_experts_[k], 0, owned_experts_[k].size());
+      staged[k] = {owned_experts_[k].host(), v.count, v.rows, v.cols};
     }
-    const index_t received = placement::relocate(comm_, placement_, next, owned);
+    space_.synchronize();
+    const index_t received = placement::relocate(comm_, placement_, next, staged);
+    for (auto& m : owned_experts_) space_.to_device(m, 0, m.size());
+    space_.synchronize();
     placement_ = next;
     place_placement();
     return received;
@@ -487,10 +494,30 @@ class moe_layer {
     return cfg;
   }
 
-  void copy_stack(const stacked_view<const value_type>& v, value_type* out) const {
-    for (index_t s = 0; s < v.count; ++s)
-      for (index_t i = 0; i < v.rows; ++i)
-        std::copy_n(v[s].row(i), v.cols, out + s * v.batch_stride + i * v.stride);
+  // A live re-placement's first move: the layer's own contiguous copy of its slots' weights
+  // (the caller's views stay untouched), copied in the space's memory.
+  template <class Views>
+  void own_experts(Views& views) {
+    for (stacked_view<const value_type>* v : views) {
+      detail::require(v->batch_stride % v->stride == 0, "weights.experts", v->batch_stride,
+                      "a live re-placement needs each tensor's batch stride to be a multiple of "
+                      "its row stride");
+      auto& m = owned_experts_.emplace_back(
+          space_.template allocate_mirror<value_type>(v->count * v->rows * v->cols));
+      auto& d = owned_desc_.emplace_back(space_.template allocate_mirror<index_t>(3 * v->count));
+      for (index_t s = 0; s < v->count; ++s) {  // slot s's rows: from, to, how many
+        d.host()[s] = s * (v->batch_stride / v->stride);
+        d.host()[v->count + s] = s * v->rows;
+        d.host()[2 * v->count + s] = v->rows;
+      }
+      space_.to_device(d, 0, d.size());
+      const index_t rows_in = (v->count - 1) * (v->batch_stride / v->stride) + v->rows;
+      space_.copy_blocks({v->data, rows_in, v->cols, v->stride},
+                         {m.device(), v->count * v->rows, v->cols}, v->count, d.device(),
+                         d.device() + v->count, d.device() + 2 * v->count);
+      *v = {m.device(), v->count, v->rows, v->cols};
+    }
+    space_.synchronize();
   }
 
   // What the plan's per-assignment step holds of the placement: its view (plain pointers)
@@ -838,7 +865,8 @@ class moe_layer {
   mutable std::vector<float> loss_probs_;  // losses are computed on the host
   mutable std::vector<double> loss_acc_;
   std::vector<index_t> load_send_, load_recv_, global_load_;
-  std::vector<buffer<value_type>> owned_experts_;  // expert weights after a live re-placement
+  std::vector<mirror<value_type>> owned_experts_;  // expert weights after a live re-placement
+  std::vector<mirror<index_t>> owned_desc_;        // their first copy's block offsets
   std::chrono::steady_clock::time_point built_ = std::chrono::steady_clock::now();
 
   matrix_view<const value_type> x_;

@@ -126,39 +126,38 @@ TEMPLATE_LIST_TEST_CASE("placement: a token uses the copy on its own rank when t
 }
 
 #ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
-TEST_CASE("placement: live re-placement moves only changed slots and keeps outputs",
-          "[layer][placement]") {
+#endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+TEMPLATE_LIST_TEST_CASE("placement: live re-placement moves only changed slots and keeps outputs",
+                        "[layer][placement]", test::spaces) {
+  using Space = TestType;
   const layer_config cfg = cfg4();
   auto w = reference::full_weights::random(cfg, 4);
   const auto g = skewed(cfg, w);
-  using Tab = policies<placement::table>;
+  using Tab = policies<placement::table, capacity::dropless, false, Space>;
   const placement::table start(cfg);                           // identity: 2 slots per rank
   const std::vector<int> next_map = {1, 0, 2, 3, 5, 4, 6, 7};  // swap 0<->1 and 4<->5
   const placement::table next(8, 4, next_map);
-  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> before(g.x.size(), nan), after(g.x.size(), nan);
-  std::vector<index_t> moved(4);
+  std::vector<index_t> moved(4, -1);
   std::vector<int> placed(4, 0);  // Catch's CHECK is not thread-safe: check after the run
-  comm::threads_world world(4);
-  world.run([&](comm::threads c) {
-    const int r = c.rank();
-    const auto mine = reference::slice(w, start, r);
-    moe_layer<Tab> layer(cfg, c, {w.gate_view(), mine.experts()}, {}, {}, start);
-    const index_t T = g.per_rank[r], H = cfg.hidden;
-    const float* x = g.x.data() + g.offset(r) * H;
-    layer.forward({x, T, H}, {before.data() + g.offset(r) * H, T, H});
-    moved[r] = layer.apply_placement(next);
-    placed[r] = layer.placement() == next;
-    layer.forward({x, T, H}, {after.data() + g.offset(r) * H, T, H});
-  });
+  test::run_options<Tab> opt{.passes = 2, .placement = start};
+  opt.between = [&](moe_layer<Tab>& layer) {
+    if (layer.passes() != 1) return;  // after the first pass only
+    moved[layer.rank()] = layer.apply_placement(next);
+    placed[layer.rank()] = layer.placement() == next;
+  };
+  const auto got = test::run_layer<Tab>(cfg, w, g, opt);
   CHECK(placed == std::vector<int>(4, 1));
   const auto want = test::run_reference<Tab>(cfg, w, g);
-  CHECK(test::relative_error(before, want) <= 1e-4);
-  CHECK(test::relative_error(after, want) <= 1e-4);
-  // 4 slots changed; each holds w1, w3 [F, H] and w2 [H, F].
-  const index_t slot_bytes = 3 * index_t{cfg.ffn} * cfg.hidden * 4;
+  CHECK(test::relative_error(got.ys[0], want) <= test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(got.ys[1], want) <= test::tolerance<Space>(1e-4));
+  // 4 slots changed; each holds w1, w3 [F, H] and w2 [H, F] of the space's element type.
+  const index_t slot_bytes = 3 * index_t{cfg.ffn} * cfg.hidden *
+                             index_t{sizeof(typename test::space_io<Space>::value_type)};
   CHECK(moved == std::vector<index_t>{2 * slot_bytes, 0, 2 * slot_bytes, 0});
 }
+
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
 
 TEST_CASE("placement: the balancer's table, applied live, evens out rank load",
           "[layer][placement]") {

@@ -10,6 +10,7 @@
 // mode (padded capacity) nothing waits and a pass can be captured in a CUDA graph.
 #include <nccl.h>
 
+#include <algorithm>
 #include <array>
 #include <memory>
 #include <optional>
@@ -56,6 +57,36 @@ class nccl {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(d, send, bytes, cudaMemcpyHostToDevice, stream_));
     alltoall_device(d, d + bytes, sizeof(T) * n, stream_);
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(recv, d + bytes, bytes, cudaMemcpyDeviceToHost, stream_));
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  /// Host arrays, all-to-all-v (counts and displacements in elements): staged through device
+  /// memory, synchronous. For the rare exchanges of host data (live re-placement's weights).
+  template <class T>
+  void alltoallv(const T* send, const index_t* sn, const index_t* sd, T* recv, const index_t* rn,
+                 const index_t* rd) {
+    index_t out = 0, in = 0;
+    for (int r = 0; r < size_; ++r) {
+      out = std::max(out, sd[r] + sn[r]);
+      in = std::max(in, rd[r] + rn[r]);
+    }
+    const std::size_t e = sizeof(T), bytes = e * static_cast<std::size_t>(out + in);
+    if (!staging_ || staging_->size() < static_cast<index_t>(bytes))
+      staging_ = std::make_shared<device_buffer<char>>(static_cast<index_t>(bytes));
+    char* d_send = staging_->data();
+    char* d_recv = d_send + e * out;
+    if (out > 0)
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(d_send, send, e * out, cudaMemcpyHostToDevice, stream_));
+    EPMOE_CUDA_CHECK(ncclGroupStart());
+    for (int r = 0; r < size_; ++r) {
+      if (sn[r] > 0)
+        EPMOE_CUDA_CHECK(ncclSend(d_send + e * sd[r], e * sn[r], ncclInt8, r, comm_, stream_));
+      if (rn[r] > 0)
+        EPMOE_CUDA_CHECK(ncclRecv(d_recv + e * rd[r], e * rn[r], ncclInt8, r, comm_, stream_));
+    }
+    EPMOE_CUDA_CHECK(ncclGroupEnd());
+    if (in > 0)
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(recv, d_recv, e * in, cudaMemcpyDeviceToHost, stream_));
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 

@@ -104,7 +104,8 @@ class plan_storage {
     send_ = s.template allocate_mirror<index_t>(RL + 3 * B + 1 + E + 2 * CR + 1);
     recv_ = s.template allocate_mirror<index_t>(4 * B + 1 + index_t{w.chunks} * w.local_experts +
                                                 1 + 2 * CR + 1);
-    assignment_ = s.template allocate<std::int32_t>((dedup ? 7 : 5) * n);
+    routes_ = s.template allocate_mirror<std::int32_t>(2 * n);  // slot, phys: read by dropped()
+    assignment_ = s.template allocate<std::int32_t>((dedup ? 5 : 3) * n);
     row_token_ = s.template allocate<std::int32_t>(w.send_rows);
     if (dedup) {
       unique_token_ = s.template allocate<std::int32_t>(w.tokens * std::min(w.width, w.ranks));
@@ -122,6 +123,8 @@ class plan_storage {
   /// The send side's per-block arrays (kept .. unique offsets) and the receive side's.
   const mirror<index_t>& send_blocks() const { return send_; }
   const mirror<index_t>& recv_blocks() const { return recv_; }
+  /// Every assignment's send row, then its copy ([2][T*K]; the plan's slot and phys).
+  const mirror<std::int32_t>& routes() const { return routes_; }
 
  private:
   // Carves the arrays: host and device pointers at the same offsets of each mirror.
@@ -153,15 +156,15 @@ class plan_storage {
                   {&p.expert_offsets, &d.expert_offsets, index_t{w.chunks} * w.local_experts + 1},
                   {&p.recv_unique_counts, &unused, CR},
                   {&p.recv_unique_offsets, &d.recv_unique_offsets, CR + 1}});
+    p.slot = routes_.device();
+    p.phys = routes_.device() + n;
     std::int32_t* a = assignment_.data();
-    p.slot = a;
-    p.phys = a + n;
-    scratch_.keys = a + 2 * n;
-    scratch_.sorted_keys = a + 3 * n;
-    scratch_.order = a + 4 * n;
+    scratch_.keys = a;
+    scratch_.sorted_keys = a + n;
+    scratch_.order = a + 2 * n;
     if (dedup) {
-      p.unique_slot = a + 5 * n;
-      scratch_.first_of = a + 6 * n;
+      p.unique_slot = a + 3 * n;
+      scratch_.first_of = a + 4 * n;
     }
     p.row_token = row_token_.data();
     p.unique_token = unique_token_.data();
@@ -189,6 +192,7 @@ class plan_storage {
   device_plan dev_{};
   plan_scratch scratch_{};
   mirror<index_t> send_, recv_;
+  mirror<std::int32_t> routes_;
   buffer<std::int32_t> assignment_, row_token_, unique_token_;
   buffer<std::int64_t> meta_;
   buffer<index_t> counts_;
