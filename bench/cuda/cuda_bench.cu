@@ -31,8 +31,8 @@
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/moe_layer.hpp>
-#include <epmoe/space/cuda.cuh>
 #include <epmoe/router/topk_softmax.hpp>
+#include <epmoe/space/cuda.cuh>
 
 namespace {
 
@@ -232,8 +232,8 @@ std::vector<ratio_row> bench_gemm(const options& o, const epmoe::space::cuda<bf1
       return epmoe::stacked_view<const bf16>(w.data() + (up ? q : 2) * E * H * F, E, n_out, in);
     };
     const auto result = [&](int q) {
-      return epmoe::grouped_rows<bf16>{c.data() + q * total * n_out, n_out, n_out, E,
-                                       offsets.data(), d_offsets.data()};
+      return epmoe::grouped_rows<bf16>{
+          c.data() + q * total * n_out, n_out, n_out, E, offsets.data(), d_offsets.data()};
     };
     const index_t dense_out = calls * n_out;  // up: [total, H] x [2F, H]^T
     const double flops = 2.0 * total * in * dense_out;
@@ -295,9 +295,9 @@ std::vector<ratio_row> bench_rows(const options& o, const epmoe::space::cuda<bf1
   {
     const double t = timer.median_seconds(s, o.warmup, o.reps, [&] {
       space.enter();
-      space.for_each_row(n, H,
-                         epmoe::rows::gather<bf16>{{x.data(), T, H}, d_row_token.data(),
-                                                   {send.data(), n, H}});
+      space.for_each_row(
+          n, H,
+          epmoe::rows::gather<bf16>{{x.data(), T, H}, d_row_token.data(), {send.data(), n, H}});
       space.leave();
     });
     const double bytes = 2.0 * n * H * sizeof(bf16) + n * sizeof(std::int32_t);
@@ -316,8 +316,8 @@ std::vector<ratio_row> bench_rows(const options& o, const epmoe::space::cuda<bf1
       space.leave();
     });
     const double bytes = double(n + T) * H * sizeof(bf16) + n * (sizeof(std::int32_t) + 4.0);
-    out.push_back({"un-permute + weighted reduce (rows::weighted_reduce)", "GB/s",
-                   bytes / t / 1e9, copy_gbps(static_cast<index_t>(bytes / 2))});
+    out.push_back({"un-permute + weighted reduce (rows::weighted_reduce)", "GB/s", bytes / t / 1e9,
+                   copy_gbps(static_cast<index_t>(bytes / 2))});
   }
   return out;
 }
@@ -381,14 +381,12 @@ std::vector<layer_row> bench_layer(const options& o, event_timer& timer) {
   cudaStream_t dyn_stream, fixed_stream;
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&dyn_stream, cudaStreamNonBlocking));
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&fixed_stream, cudaStreamNonBlocking));
-  epmoe::moe_layer<dynamic_policies> dyn(cfg, epmoe::comm::local{},
-                                         w.views<dynamic_policies>(E, H, F), {}, {},
-                                         epmoe::placement::block(cfg),
-                                         typename dynamic_policies::space(dyn_stream));
-  epmoe::moe_layer<static_policies> fixed(cfg, epmoe::comm::local{},
-                                          w.views<static_policies>(E, H, F), {}, {},
-                                          epmoe::placement::block(cfg),
-                                          typename static_policies::space(fixed_stream));
+  epmoe::moe_layer<dynamic_policies> dyn(
+      cfg, epmoe::comm::local{}, w.views<dynamic_policies>(E, H, F), {}, {},
+      epmoe::placement::block(cfg), typename dynamic_policies::space(dyn_stream));
+  epmoe::moe_layer<static_policies> fixed(
+      cfg, epmoe::comm::local{}, w.views<static_policies>(E, H, F), {}, {},
+      epmoe::placement::block(cfg), typename static_policies::space(fixed_stream));
   if (!fixed.static_shapes()) throw std::logic_error("cuda_bench: static_policies not static");
 
   std::vector<layer_row> out;

@@ -18,11 +18,11 @@
 #include "../args.hpp"
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/moe_layer.hpp>
-#include <epmoe/space/cuda.cuh>
 #include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
 #include <epmoe/router/topk_softmax.hpp>
+#include <epmoe/space/cuda.cuh>
 
 namespace {
 
@@ -128,8 +128,8 @@ int main(int argc, char** argv) try {
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   epmoe::moe_layer<policies> layer(
       cfg, epmoe::comm::local{},
-      {{gate.data(), E, H}, {{w1.data(), E, F, H}, {w3.data(), E, F, H}, {w2.data(), E, H, F}}},
-      {}, {}, epmoe::placement::block(cfg), epmoe::space::cuda<bf16>(stream));
+      {{gate.data(), E, H}, {{w1.data(), E, F, H}, {w3.data(), E, F, H}, {w2.data(), E, H, F}}}, {},
+      {}, epmoe::placement::block(cfg), epmoe::space::cuda<bf16>(stream));
 
   // Warm up (cuBLAS heuristics, module load), then time passes with events; median.
   for (int i = 0; i < 3; ++i) layer.forward({x.data(), T, H}, {y.data(), T, H});

@@ -577,7 +577,8 @@ struct traced_swiglu : expert::swiglu {
       const dispatch_plan& p = *tp->plan;
       row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position - x.offsets[0];
       // else nothing is recorded and the step reports it
-      hit = row >= x.offsets[tp->slot] - x.offsets[0] && row < x.offsets[tp->slot + 1] - x.offsets[0];
+      hit =
+          row >= x.offsets[tp->slot] - x.offsets[0] && row < x.offsets[tp->slot + 1] - x.offsets[0];
       if (hit) tp->in.assign(x.data + row * x.stride, x.data + row * x.stride + x.cols);
     }
     base::forward(space, static_cast<const base::weights_of<T>&>(w), x, scratch);

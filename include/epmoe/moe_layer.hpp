@@ -121,9 +121,9 @@ class moe_layer {
   /// The weights one rank holds (non-owning views in the space's memory; they must outlive
   /// the layer).
   struct weights {
-    matrix_view<const value_type> gate;        // [E, H] router gate, the same on every rank
-    expert_weights experts;                    // this rank's slots, local-slot order
-    expert_weights shared{};                   // [N] shared experts (config shared_experts)
+    matrix_view<const value_type> gate;          // [E, H] router gate, the same on every rank
+    expert_weights experts;                      // this rank's slots, local-slot order
+    expert_weights shared{};                     // [N] shared experts (config shared_experts)
     matrix_view<const value_type> noise_gate{};  // [E, H] noisy top-k's noise projection
   };
 
@@ -150,8 +150,8 @@ class moe_layer {
         layout_(layout_of(cfg_, width_, placement_.slots_per_rank(), chunks_max_, capacity_)),
         plan_(space_, layout_, dedup),
         ex_(comm_, space_, layout_),
-        clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks,
-               3 * units_max(), 2 * units_max() + 1) {
+        clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks, 3 * units_max(),
+               2 * units_max() + 1) {
     allocate_workspace();
     place_placement();
     adopt_router_bias();  // a bias given with the router starts the layer's own
@@ -523,13 +523,14 @@ class moe_layer {
   // What the plan's per-assignment step holds of the placement: its view (plain pointers)
   // with the arrays in the space's memory, or the placement itself (a small value).
   void place_placement() {
-    if constexpr (requires { placement_.view_in([](std::span<const int>) -> const int* {
-                    return nullptr;
-                  }); } && device_space<space_type>) {
+    if constexpr (requires {
+                    placement_.view_in([](std::span<const int>) -> const int* { return nullptr; });
+                  } &&
+                  device_space<space_type>) {
       placement_arrays_.clear();
       where_ = placement_.view_in([&](std::span<const int> v) -> const int* {
-        placement_arrays_.push_back(space_.template allocate_mirror<int>(
-            static_cast<index_t>(v.size())));
+        placement_arrays_.push_back(
+            space_.template allocate_mirror<int>(static_cast<index_t>(v.size())));
         std::copy(v.begin(), v.end(), placement_arrays_.back().host());
         space_.to_device(placement_arrays_.back(), 0, static_cast<index_t>(v.size()));
         return placement_arrays_.back().device();
@@ -587,9 +588,9 @@ class moe_layer {
     weights_ = space_.template allocate_mirror<float>(T * K);
     const index_t shared_scratch =
         N > 0 ? T * expert_type::scratch_per_row(layout_.padded(cfg_.shared_width())) : 0;
-    scratch_ = space_.template allocate<value_type>(std::max(
-        layout_.expert_rows * expert_type::scratch_per_row(layout_.padded(cfg_.ffn)),
-        shared_scratch));
+    scratch_ = space_.template allocate<value_type>(
+        std::max(layout_.expert_rows * expert_type::scratch_per_row(layout_.padded(cfg_.ffn)),
+                 shared_scratch));
     if (N > 0) {
       shared_in_ = space_.template allocate<value_type>(T * layout_.row_stride);
       shared_out_ = space_.template allocate<float>(T * H);
@@ -600,9 +601,7 @@ class moe_layer {
 
   matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.device(), T, width_}; }
   matrix_view<float> weights_view(index_t T) const { return {weights_.device(), T, width_}; }
-  routing_view device_routing() const {
-    return {ids_view(tokens_), weights_view(tokens_)};
-  }
+  routing_view device_routing() const { return {ids_view(tokens_), weights_view(tokens_)}; }
   exchange_context<space_type> context() const {
     return {space_, plan_.host(), plan_.device(), plan_.recv_blocks(), clock_, stats_};
   }
@@ -615,11 +614,21 @@ class moe_layer {
   struct stage_runner {
     moe_layer& l;
     int chunks() const { return l.ex_.units(l.plan_.host()); }
-    void route() { l.timed(&stage_times::route, [&] { l.do_route(); }); }
-    void plan() { l.timed(&stage_times::plan, [&] { l.do_plan(); }); }
-    void permute() { l.timed(&stage_times::permute, [&] { l.do_permute(); }); }
-    void shared() { l.timed(&stage_times::shared, [&] { l.do_shared(); }); }
-    void counts() { l.timed(&stage_times::dispatch, [&] { l.do_counts(); }); }
+    void route() {
+      l.timed(&stage_times::route, [&] { l.do_route(); });
+    }
+    void plan() {
+      l.timed(&stage_times::plan, [&] { l.do_plan(); });
+    }
+    void permute() {
+      l.timed(&stage_times::permute, [&] { l.do_permute(); });
+    }
+    void shared() {
+      l.timed(&stage_times::shared, [&] { l.do_shared(); });
+    }
+    void counts() {
+      l.timed(&stage_times::dispatch, [&] { l.do_counts(); });
+    }
     void dispatch_start(int u) {
       l.timed(&stage_times::dispatch, [&] {
         auto x = l.context();
@@ -632,7 +641,9 @@ class moe_layer {
         l.ex_.wait_dispatch(x, u);
       });
     }
-    void experts(int u) { l.timed(&stage_times::experts, [&] { l.do_experts(u); }); }
+    void experts(int u) {
+      l.timed(&stage_times::experts, [&] { l.do_experts(u); });
+    }
     void combine_start(int u) {
       l.timed(&stage_times::combine, [&] {
         auto x = l.context();
@@ -645,7 +656,9 @@ class moe_layer {
         l.ex_.wait_combine(x, u);
       });
     }
-    void reduce() { l.timed(&stage_times::reduce, [&] { l.do_reduce(); }); }
+    void reduce() {
+      l.timed(&stage_times::reduce, [&] { l.do_reduce(); });
+    }
   };
 
   // Runs one stage and notes its span on the stage clock.
@@ -660,15 +673,14 @@ class moe_layer {
     const index_t T = tokens_;
     if (given_) return copy_given_routing();
     const std::int64_t first = std::int64_t{rank()} * cfg_.max_tokens;
-    const matrix_view<float> logits(logits_.device(), router_type::uses_gate ? T : 0,
-                                    cfg_.experts);
+    const matrix_view<float> logits(logits_.device(), router_type::uses_gate ? T : 0, cfg_.experts);
     const matrix_view<float> noise(noise_logits_.data(), noise_logits_.data() ? T : 0,
                                    cfg_.experts);
-    router::gate(router_, space_,
-                 gate_pass<value_type>{x_, w_.gate, w_.noise_gate, logits, noise,
-                                       gate_scratch_.data(),
-                                       token_ids_.empty() ? nullptr : token_ids_.data(), first,
-                                       pass_, pass_counter_.device()});
+    router::gate(
+        router_, space_,
+        gate_pass<value_type>{x_, w_.gate, w_.noise_gate, logits, noise, gate_scratch_.data(),
+                              token_ids_.empty() ? nullptr : token_ids_.data(), first, pass_,
+                              pass_counter_.device()});
     const router::route_options opt{.noise = noise,
                                     .token_ids = token_ids_,
                                     .first_token = first,
@@ -736,11 +748,11 @@ class moe_layer {
     space_.to_device(shared_offsets_, 0, 2);
     for (index_t n = 0; n < N; ++n) {
       space_.for_each_row(T, H, rows::copy<value_type>{x_, in});
-      expert_type::forward(space_, expert_type::slice(w_.shared, n, 1),
-                           grouped_rows<value_type>{in.data, H, in.stride, 1,
-                                                    shared_offsets_.host(),
-                                                    shared_offsets_.device(), layout_.align},
-                           scratch_.data());
+      expert_type::forward(
+          space_, expert_type::slice(w_.shared, n, 1),
+          grouped_rows<value_type>{in.data, H, in.stride, 1, shared_offsets_.host(),
+                                   shared_offsets_.device(), layout_.align},
+          scratch_.data());
       space_.for_each_row(T, H, rows::accumulate<value_type>{in, shared_out_.data(), n == 0});
     }
     stats_.shared_flops = double(N * T) * expert_type::flops_per_row(H, cfg_.shared_width());
@@ -784,22 +796,22 @@ class moe_layer {
     stats_.expert_flops +=
         static_cast<double>(rows.rows()) * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
     const dispatch_plan& p = plan_.host();
-    clock_.event(ex_.chunk_of_unit(p, u), stage_kind::experts, ex_.round_of_unit(p, u),
-                 rows.rows(), 0, t0, clock_.now());
+    clock_.event(ex_.chunk_of_unit(p, u), stage_kind::experts, ex_.round_of_unit(p, u), rows.rows(),
+                 0, t0, clock_.now());
   }
 
   void do_reduce() {
     const dispatch_plan& p = plan_.host();
     const float* shared = cfg_.shared_experts > 0 && tokens_ > 0 ? shared_out_.data() : nullptr;
     if constexpr (dedup)
-      space_.for_each_row(tokens_, cfg_.hidden,
-                          rows::sum_unique<value_type>{send_view(), p.unique_slot, width_,
-                                                       shared, y_});
+      space_.for_each_row(
+          tokens_, cfg_.hidden,
+          rows::sum_unique<value_type>{send_view(), p.unique_slot, width_, shared, y_});
     else
-      space_.for_each_row(tokens_, cfg_.hidden,
-                          rows::weighted_reduce<value_type>{
-                              send_view(), p.slot, weights_view(tokens_), shared, y_,
-                              ex_.verdicts(p), ex_.verdict_stride(p), cfg_.ranks});
+      space_.for_each_row(
+          tokens_, cfg_.hidden,
+          rows::weighted_reduce<value_type>{send_view(), p.slot, weights_view(tokens_), shared, y_,
+                                            ex_.verdicts(p), ex_.verdict_stride(p), cfg_.ranks});
   }
 
   matrix_view<value_type> send_view() const {
@@ -842,7 +854,8 @@ class moe_layer {
   capacity_type capacity_;
   space_type space_;
   placement_type placement_;
-  decltype(placement_view(std::declval<const placement_type&>())) where_{placement_view(placement_)};
+  decltype(placement_view(std::declval<const placement_type&>())) where_{
+      placement_view(placement_)};
   std::vector<mirror<int>> placement_arrays_;  // a device space: the placement's arrays
   mutable pass_stats stats_;
   int width_;  // routing slots per token

@@ -144,8 +144,8 @@ int main() {
       T, epmoe::rows::route_tokens<router>{
              rt, {d_logits, T, E}, {}, {d_ids, T, K}, {d_w, T, K}, nullptr, 0, 0, E});
   for_each_kernel<<<(T * K + 63) / 64, 64>>>(
-      T * K, whole_rows<epmoe::rows::gather<float>>{
-                 {{d_x, T, H}, d_row_token, {d_send, T * K, H}}, H});
+      T * K,
+      whole_rows<epmoe::rows::gather<float>>{{{d_x, T, H}, d_row_token, {d_send, T * K, H}}, H});
   for_each_kernel<<<1, 64>>>(
       T, whole_rows<epmoe::rows::weighted_reduce<float>>{
              {{d_send, T * K, H}, d_slot, {d_w, T, K}, nullptr, {d_y, T, H}}, H});

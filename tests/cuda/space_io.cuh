@@ -12,9 +12,8 @@
 #include <type_traits>
 #include <vector>
 
-#include <epmoe/space/cuda.cuh>
-
 #include "../layer/harness.hpp"
+#include <epmoe/space/cuda.cuh>
 
 namespace epmoe::test {
 

@@ -6,15 +6,13 @@
 #include <cuda_runtime.h>
 
 #include <catch2/catch.hpp>
-
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
 #include <vector>
 
-#include <epmoe/router/noisy_topk.hpp>
-
 #include "space_io.cuh"
+#include <epmoe/router/noisy_topk.hpp>
 
 using namespace epmoe;
 
@@ -40,8 +38,8 @@ struct one_rank {
            typename P::router router = {})
       : arrays(w, reference::slice(w, placement::block(cfg), 0)),
         space(caller),
-        layer(cfg, comm::local{}, arrays.views(cfg, cfg.experts), router, {},
-              placement::block(cfg), space) {}
+        layer(cfg, comm::local{}, arrays.views(cfg, cfg.experts), router, {}, placement::block(cfg),
+              space) {}
 };
 
 // The reference of one rank's T tokens.
@@ -57,8 +55,13 @@ std::vector<float> reference_of(const layer_config& cfg, const reference::full_w
 TEST_CASE("device: static passes captured at two token counts replay alternately (fix 1, 3)",
           "[cuda][graph]") {
   using P = device_policies<>;
-  const layer_config cfg{.hidden = 24, .ffn = 40, .experts = 8, .top_k = 2, .ranks = 1,
-                         .max_tokens = 64, .capacity_factor = 1.5};
+  const layer_config cfg{.hidden = 24,
+                         .ffn = 40,
+                         .experts = 8,
+                         .top_k = 2,
+                         .ranks = 1,
+                         .max_tokens = 64,
+                         .capacity_factor = 1.5};
   const auto w = reference::full_weights::random(cfg, 1);
   cudaStream_t s;
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
@@ -87,8 +90,8 @@ TEST_CASE("device: static passes captured at two token counts replay alternately
       EPMOE_CUDA_CHECK(cudaGraphLaunch(graphs[i], s));
       EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
       CAPTURE(round, i);
-      CHECK(test::relative_error(io::download(ys[i], r.space),
-                                 reference_of<P>(cfg, w, gs[i])) <= 1e-4);
+      CHECK(test::relative_error(io::download(ys[i], r.space), reference_of<P>(cfg, w, gs[i])) <=
+            1e-4);
       ++checked;
     }
   CHECK(checked == 6);
@@ -97,8 +100,13 @@ TEST_CASE("device: static passes captured at two token counts replay alternately
 TEST_CASE("device: training noise in a replayed graph draws each replay's pass (fix 2)",
           "[cuda][graph]") {
   using P = device_policies<router::noisy_topk<2>>;
-  const layer_config cfg{.hidden = 16, .ffn = 24, .experts = 8, .top_k = 2, .ranks = 1,
-                         .max_tokens = 32, .capacity_factor = 2.0};
+  const layer_config cfg{.hidden = 16,
+                         .ffn = 24,
+                         .experts = 8,
+                         .top_k = 2,
+                         .ranks = 1,
+                         .max_tokens = 32,
+                         .capacity_factor = 2.0};
   const auto w = reference::full_weights::random(cfg, 2);
   const router::noisy_topk<2> noisy{.training = true, .seed = 5};
   cudaStream_t s;
@@ -127,8 +135,13 @@ TEST_CASE("device: training noise in a replayed graph draws each replay's pass (
 
 TEST_CASE("device: static shapes with ranks of different token counts (fix 3)", "[cuda][static]") {
   using P = device_policies<router::topk_softmax<2>, capacity::factor<true>, comm::threads>;
-  const layer_config cfg{.hidden = 16, .ffn = 24, .experts = 8, .top_k = 2, .ranks = 2,
-                         .max_tokens = 40, .capacity_factor = 1.25};
+  const layer_config cfg{.hidden = 16,
+                         .ffn = 24,
+                         .experts = 8,
+                         .top_k = 2,
+                         .ranks = 2,
+                         .max_tokens = 40,
+                         .capacity_factor = 1.25};
   const auto w = reference::full_weights::random(cfg, 4);
   const auto g = test::make_tokens({40, 9}, cfg.hidden, 5);
   const auto got = test::run_layer<P>(cfg, w, g);
@@ -138,8 +151,8 @@ TEST_CASE("device: static shapes with ranks of different token counts (fix 3)", 
 TEST_CASE("device: a pass waits for the caller's stream, no device sync (fix 5)",
           "[cuda][stream]") {
   using P = device_policies<router::topk_softmax<2>, capacity::dropless>;
-  const layer_config cfg{.hidden = 32, .ffn = 48, .experts = 8, .top_k = 2, .ranks = 1,
-                         .max_tokens = 256};
+  const layer_config cfg{
+      .hidden = 32, .ffn = 48, .experts = 8, .top_k = 2, .ranks = 1, .max_tokens = 256};
   const auto w = reference::full_weights::random(cfg, 6);
   cudaStream_t caller;
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&caller, cudaStreamNonBlocking));
@@ -189,8 +202,13 @@ TEST_CASE("device: for_each reaches every element past the grid's cap (fix 4)", 
 
 TEST_CASE("device: a bad input on one rank of two makes both throw, y untouched",
           "[cuda][errors]") {
-  const layer_config cfg{.hidden = 16, .ffn = 24, .experts = 8, .top_k = 2, .ranks = 2,
-                         .max_tokens = 20, .capacity_factor = 1.0};
+  const layer_config cfg{.hidden = 16,
+                         .ffn = 24,
+                         .experts = 8,
+                         .top_k = 2,
+                         .ranks = 2,
+                         .max_tokens = 20,
+                         .capacity_factor = 1.0};
   const auto w = reference::full_weights::random(cfg, 8);
   const auto run = [&]<class P>(P) {
     std::vector<int> config_errors(2), input_errors(2), untouched(2);

@@ -18,11 +18,11 @@
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/comm/nccl.cuh>
 #include <epmoe/moe_layer.hpp>
-#include <epmoe/schedule/pipelined.hpp>
-#include <epmoe/space/cuda.cuh>
 #include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
+#include <epmoe/schedule/pipelined.hpp>
+#include <epmoe/space/cuda.cuh>
 
 namespace {
 using namespace epmoe;
@@ -110,12 +110,12 @@ int main() {
   }
   const double dynamic = run<nccl_policies<capacity::dropless>>(gpus);
   const double fixed = run<nccl_policies<capacity::factor<true>>>(gpus);
-  const double piped =
-      run<nccl_policies<capacity::dropless, schedule::pipelined<4>, true>>(gpus);
-  const double rounds = run<nccl_policies<capacity::dropless, schedule::pipelined<2>>>(
-      gpus, 3 * gpus * 16);
-  std::printf("NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
-              "rounds %.2e\n",
-              gpus, dynamic, fixed, piped, rounds);
+  const double piped = run<nccl_policies<capacity::dropless, schedule::pipelined<4>, true>>(gpus);
+  const double rounds =
+      run<nccl_policies<capacity::dropless, schedule::pipelined<2>>>(gpus, 3 * gpus * 16);
+  std::printf(
+      "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
+      "rounds %.2e\n",
+      gpus, dynamic, fixed, piped, rounds);
   return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 ? 0 : 1;
 }

@@ -7,11 +7,11 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <numeric>
+#include <optional>
 #include <span>
 #include <tuple>
 #include <utility>
-#include <numeric>
-#include <optional>
 #include <vector>
 
 #include <epmoe/epmoe.hpp>
@@ -182,16 +182,17 @@ run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
     const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
     rank_arrays<P> arrays(w, reference::slice(w, where, r));
     const typename P::space space{};
-    moe_layer<P> layer(cfg, c, arrays.views(cfg, where.slots_per_rank()), opt.router,
-                       opt.capacity, where, space);
+    moe_layer<P> layer(cfg, c, arrays.views(cfg, where.slots_per_rank()), opt.router, opt.capacity,
+                       where, space);
     if constexpr (router_with_bias<typename P::router>)
       if (!opt.bias.empty())
         std::copy(opt.bias.begin(), opt.bias.end(), layer.router_bias().begin());
     const index_t T = g.per_rank[r], H = cfg.hidden;
     const auto x = io::upload(std::span(g.x).subspan(g.offset(r) * H, T * H));
     auto y = io::upload(std::vector<float>(T * H));
-    auto ids = io::upload_as(std::span(opt.token_ids).subspan(
-        opt.token_ids.empty() ? 0 : g.offset(r), opt.token_ids.empty() ? 0 : T));
+    auto ids = io::upload_as(
+        std::span(opt.token_ids)
+            .subspan(opt.token_ids.empty() ? 0 : g.offset(r), opt.token_ids.empty() ? 0 : T));
     const std::span<const std::int64_t> id_span(io::data(ids), opt.token_ids.empty() ? 0 : T);
     for (int p = 0; p < opt.passes; ++p) {
       io::poison(y, space);  // a row only an earlier pass wrote fails too
@@ -201,8 +202,8 @@ run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
       std::copy(yh.begin(), yh.end(), out.ys[p].begin() + g.offset(r) * H);
       if (opt.between) opt.between(layer);
     }
-    if (opt.passes > 0) std::copy_n(out.ys.back().begin() + g.offset(r) * H, T * H,
-                                    out.y.begin() + g.offset(r) * H);
+    if (opt.passes > 0)
+      std::copy_n(out.ys.back().begin() + g.offset(r) * H, T * H, out.y.begin() + g.offset(r) * H);
   };
   if constexpr (std::is_same_v<typename P::comm, comm::local>) {
     body(comm::local{});
@@ -216,8 +217,8 @@ run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
 /// Weights and tokens as a space holds them (rounded to its element type), for the reference.
 template <class Space>
 reference::full_weights rounded(reference::full_weights w) {
-  for (auto* v : {&w.gate, &w.w1, &w.w3, &w.w2, &w.shared_w1, &w.shared_w3, &w.shared_w2,
-                  &w.noise_gate})
+  for (auto* v :
+       {&w.gate, &w.w1, &w.w3, &w.w2, &w.shared_w1, &w.shared_w3, &w.shared_w2, &w.noise_gate})
     for (float& x : *v) x = space_io<Space>::round(x);
   return w;
 }

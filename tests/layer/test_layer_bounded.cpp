@@ -73,29 +73,33 @@ struct dedup_p : policies<2> {
 
 }  // namespace
 
-TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, bound 1/8 of the rows, sequential",
-          "[layer][bounded]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE(
+    "bounded: all tokens to one expert on 8 ranks, bound 1/8 of the rows, sequential",
+    "[layer][bounded]", test::spaces) {
   using Space = TestType;
   check_bounded_all_to_one<policies<2, schedule::sequential, capacity::dropless, Space>>(1);
 }
 
 TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, sequential with 3 chunks",
-          "[layer][bounded]", test::spaces) {
+                        "[layer][bounded]", test::spaces) {
   using Space = TestType;
   check_bounded_all_to_one<policies<2, schedule::sequential, capacity::dropless, Space>>(3);
 }
 
-TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, pipelined", "[layer][bounded]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, pipelined",
+                        "[layer][bounded]", test::spaces) {
   using Space = TestType;
   check_bounded_all_to_one<policies<2, schedule::pipelined<4>, capacity::dropless, Space>>(0);
 }
 
-TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, K = 1", "[layer][bounded]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, K = 1", "[layer][bounded]",
+                        test::spaces) {
   using Space = TestType;
   check_bounded_all_to_one<policies<1, schedule::sequential, capacity::dropless, Space>>(1);
 }
 
-TEMPLATE_LIST_TEST_CASE("bounded: the unbounded pass and every bound give the same outputs", "[layer][bounded]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("bounded: the unbounded pass and every bound give the same outputs",
+                        "[layer][bounded]", test::spaces) {
   using Space = TestType;
   // Uneven T, idle ranks, capacity factor (bounded also works with drops), many bounds.
   for (int R : {1, 2, 3, 4}) {
@@ -105,31 +109,38 @@ TEMPLATE_LIST_TEST_CASE("bounded: the unbounded pass and every bound give the sa
     std::vector<index_t> per_rank;
     for (int r = 0; r < R; ++r) per_rank.push_back(r == 1 ? 0 : 23 - 3 * r);
     const auto g = test::make_tokens(per_rank, cfg.hidden, 91 + R);
-    const auto want = test::run_reference<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w, g);
+    const auto want =
+        test::run_reference<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w,
+                                                                                          g);
     for (int bound : {R, R + 1, 3 * R, 7 * R, 1000}) {
       for (int chunks : {1, 2}) {
         INFO("R " << R << " bound " << bound << " chunks " << chunks);
         layer_config c = cfg;
         c.max_recv_rows = bound;
         c.chunks = chunks;
-        const auto seq = test::run_layer<policies<2, schedule::sequential, capacity::dropless, Space>>(c, w, g);
+        const auto seq =
+            test::run_layer<policies<2, schedule::sequential, capacity::dropless, Space>>(c, w, g);
         CHECK(test::relative_error(seq.y, want) <= test::tolerance<Space>(1e-5));
         for (int r = 0; r < R; ++r) CHECK(seq.stats[r][0].peak_recv_rows <= bound);
         if (bound >= 3 * R) {
-          const auto pipe = test::run_layer<policies<2, schedule::pipelined<2>, capacity::dropless, Space>>(c, w, g);
+          const auto pipe =
+              test::run_layer<policies<2, schedule::pipelined<2>, capacity::dropless, Space>>(c, w,
+                                                                                              g);
           CHECK(test::relative_error(pipe.y, want) <= test::tolerance<Space>(1e-5));
           for (int r = 0; r < R; ++r) CHECK(pipe.stats[r][0].recv_buffer_rows <= bound);
         }
         using F = policies<2, schedule::sequential, capacity::factor<false>, Space>;
         const test::run_options<F> opt{};
         const auto drop = test::run_layer<F>(c, w, g, opt);
-        CHECK(test::relative_error(drop.y, test::run_reference<F>(cfg, w, g, opt)) <= test::tolerance<Space>(1e-5));
+        CHECK(test::relative_error(drop.y, test::run_reference<F>(cfg, w, g, opt)) <=
+              test::tolerance<Space>(1e-5));
       }
     }
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("bounded: repeated passes reuse the rounds workspace", "[layer][bounded]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("bounded: repeated passes reuse the rounds workspace", "[layer][bounded]",
+                        test::spaces) {
   using Space = TestType;
   layer_config cfg{.hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 40};
   cfg.max_recv_rows = 6;
@@ -137,8 +148,12 @@ TEMPLATE_LIST_TEST_CASE("bounded: repeated passes reuse the rounds workspace", "
   test::run_options<policies<2, schedule::sequential, capacity::dropless, Space>> opt;
   opt.passes = 3;
   const auto g = test::make_tokens({40, 17}, cfg.hidden, 94);
-  const auto got = test::run_layer<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w, g, opt);
-  CHECK(test::relative_error(got.y, test::run_reference<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w, g)) <= test::tolerance<Space>(1e-5));
+  const auto got =
+      test::run_layer<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w, g, opt);
+  CHECK(
+      test::relative_error(
+          got.y, test::run_reference<policies<2, schedule::sequential, capacity::dropless, Space>>(
+                     cfg, w, g)) <= test::tolerance<Space>(1e-5));
   for (int r = 0; r < 2; ++r) {
     REQUIRE(got.stats[r].size() == 3);
     for (const pass_stats& s : got.stats[r]) {

@@ -38,9 +38,8 @@ TEMPLATE_LIST_TEST_CASE("dedup: same outputs as per-assignment dispatch and as t
         const auto plain = test::run_layer<test::threads_policies<KK, D, Space>>(cfg, w, g);
         const auto dedup = test::run_layer<dedup_policies<KK, D, Space>>(cfg, w, g);
         CHECK(test::relative_error(dedup.y, plain.y) <= test::tolerance<Space>(1e-6));
-        CHECK(test::relative_error(dedup.y,
-                                   test::run_reference<dedup_policies<KK, D, Space>>(cfg, w, g)) <=
-              test::tolerance<Space>(1e-4));
+        CHECK(test::relative_error(dedup.y, test::run_reference<dedup_policies<KK, D, Space>>(
+                                                cfg, w, g)) <= test::tolerance<Space>(1e-4));
         // With capacity (drops) too.
         using C = capacity::factor<false>;
         const auto plain_c = test::run_layer<test::threads_policies<KK, C, Space>>(cfg, w, g);

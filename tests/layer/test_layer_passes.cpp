@@ -65,7 +65,7 @@ void check_training_noise(const layer_config& cfg, const test::run_options<P>& o
 }  // namespace
 
 TEMPLATE_LIST_TEST_CASE("passes: shared experts are recomputed, not accumulated, every pass",
-          "[layer][passes][shared]", test::spaces) {
+                        "[layer][passes][shared]", test::spaces) {
   using Space = TestType;
   int checked = 0;
   for (int R : {1, 2, 4}) {
@@ -86,7 +86,8 @@ TEMPLATE_LIST_TEST_CASE("passes: shared experts are recomputed, not accumulated,
   CHECK(checked == 3 * passes);
 }
 
-TEMPLATE_LIST_TEST_CASE("passes: noisy top-k draws new noise every pass", "[layer][passes][noise]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("passes: noisy top-k draws new noise every pass", "[layer][passes][noise]",
+                        test::spaces) {
   using Space = TestType;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
@@ -95,7 +96,8 @@ TEMPLATE_LIST_TEST_CASE("passes: noisy top-k draws new noise every pass", "[laye
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("passes: Switch jitter draws new factors every pass", "[layer][passes][noise]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("passes: Switch jitter draws new factors every pass",
+                        "[layer][passes][noise]", test::spaces) {
   using Space = TestType;
   using J = router::jitter<router::switch_top1>;
   J j{};
@@ -109,7 +111,7 @@ TEMPLATE_LIST_TEST_CASE("passes: Switch jitter draws new factors every pass", "[
 }
 
 TEMPLATE_LIST_TEST_CASE("passes: the DeepSeek bias after update_router matches its definition",
-          "[layer][passes][bias]", test::spaces) {
+                        "[layer][passes][bias]", test::spaces) {
   using Space = TestType;
   using Router = router::sigmoid_bias<4>;
   using P = policies<Space, Router>;

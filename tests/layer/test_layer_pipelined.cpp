@@ -63,8 +63,7 @@ TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, padded capacity", "[layer
                         test::spaces) {
   pipelined_equals_sequential<capacity::factor<true>, false, TestType>();
 }
-TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, dedup", "[layer][pipelined]",
-                        test::spaces) {
+TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, dedup", "[layer][pipelined]", test::spaces) {
   pipelined_equals_sequential<capacity::dropless, true, TestType>();
   pipelined_equals_sequential<capacity::factor<false>, true, TestType>();
 }

@@ -50,8 +50,9 @@ test::global_tokens skewed(const layer_config& cfg, reference::full_weights& w) 
 
 }  // namespace
 
-TEMPLATE_LIST_TEST_CASE("placement: block, round-robin and replicated tables all equal the reference",
-          "[layer][placement]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE(
+    "placement: block, round-robin and replicated tables all equal the reference",
+    "[layer][placement]", test::spaces) {
   using Space = TestType;
   const layer_config cfg = cfg4();
   auto w = reference::full_weights::random(cfg, 1);
@@ -60,8 +61,10 @@ TEMPLATE_LIST_TEST_CASE("placement: block, round-robin and replicated tables all
   using RR = policies<placement::round_robin, capacity::dropless, false, Space>;
   using Tab = policies<placement::table, capacity::dropless, false, Space>;
   const auto block = test::run_layer<B>(cfg, w, g);
-  CHECK(test::relative_error(block.y, test::run_reference<B>(cfg, w, g)) <= test::tolerance<Space>(1e-4));
-  CHECK(test::relative_error(test::run_layer<RR>(cfg, w, g).y, block.y) <= test::tolerance<Space>(1e-5));
+  CHECK(test::relative_error(block.y, test::run_reference<B>(cfg, w, g)) <=
+        test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(test::run_layer<RR>(cfg, w, g).y, block.y) <=
+        test::tolerance<Space>(1e-5));
   for (int rpn : {0, 2}) {  // one node, or two nodes of two ranks: a different copy choice
     CAPTURE(rpn);
     const auto rep = test::run_layer<Tab>(cfg, w, g, {.placement = replicated(rpn)});
@@ -83,7 +86,7 @@ TEMPLATE_LIST_TEST_CASE("placement: block, round-robin and replicated tables all
 }
 
 TEMPLATE_LIST_TEST_CASE("placement: with capacity and dedup, replicated tables match the reference",
-          "[layer][placement]", test::spaces) {
+                        "[layer][placement]", test::spaces) {
   using Space = TestType;
   const layer_config cfg = cfg4(0.75);
   auto w = reference::full_weights::random(cfg, 2);
@@ -93,7 +96,8 @@ TEMPLATE_LIST_TEST_CASE("placement: with capacity and dedup, replicated tables m
   using TabDedup = policies<placement::table, C, true, Space>;
   const test::run_options<Tab> opt{.placement = replicated()};
   const auto rep = test::run_layer<Tab>(cfg, w, g, opt);
-  CHECK(test::relative_error(rep.y, test::run_reference<Tab>(cfg, w, g, opt)) <= test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(rep.y, test::run_reference<Tab>(cfg, w, g, opt)) <=
+        test::tolerance<Space>(1e-4));
   const auto dedup = test::run_layer<TabDedup>(cfg, w, g, {.placement = replicated()});
   CHECK(test::relative_error(dedup.y, rep.y) <= test::tolerance<Space>(1e-6));
   // Copies share a hot expert's load, so fewer rows are dropped than with one copy each.
@@ -108,7 +112,7 @@ TEMPLATE_LIST_TEST_CASE("placement: with capacity and dedup, replicated tables m
 }
 
 TEMPLATE_LIST_TEST_CASE("placement: a token uses the copy on its own rank when there is one",
-          "[layer][placement]", test::spaces) {
+                        "[layer][placement]", test::spaces) {
   using Space = TestType;
   const layer_config cfg = cfg4();
   auto w = reference::full_weights::random(cfg, 3);
@@ -202,8 +206,9 @@ TEST_CASE("placement: the balancer's table, applied live, evens out rank load",
 
 #endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
 
-TEMPLATE_LIST_TEST_CASE("placement: two copies on the token's own rank share its rows (hash), as documented",
-          "[layer][placement]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE(
+    "placement: two copies on the token's own rank share its rows (hash), as documented",
+    "[layer][placement]", test::spaces) {
   using Space = TestType;
   // The balancer may put two copies of a hot expert on one rank (a twin) when that balances
   // best; a token of that rank then picks between them by its hash, like copies on its node.
@@ -215,7 +220,8 @@ TEMPLATE_LIST_TEST_CASE("placement: two copies on the token's own rank share its
   using Tab = policies<placement::table, capacity::factor<false>, false, Space>;
   const test::run_options<Tab> opt{.placement = twins};
   const auto got = test::run_layer<Tab>(cfg, w, g, opt);
-  CHECK(test::relative_error(got.y, test::run_reference<Tab>(cfg, w, g, opt)) <= test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(got.y, test::run_reference<Tab>(cfg, w, g, opt)) <=
+        test::tolerance<Space>(1e-4));
   // Rank 0's own tokens for expert 0 reach both of its copies.
   const pass_stats& s0 = got.stats[0][0];
   CHECK(s0.rows_per_local_expert[0] > 0);

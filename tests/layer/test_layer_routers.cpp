@@ -57,15 +57,19 @@ double layer_vs_reference(const layer_config& cfg, const test::run_options<P>& o
 
 }  // namespace
 
-TEMPLATE_LIST_TEST_CASE("routers through the layer: softmax family", "[layer][routers]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("routers through the layer: softmax family", "[layer][routers]",
+                        test::spaces) {
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(small(R, 2)) <= test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::qwen<4, false>>>(small(R, 4)) <= test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::switch_top1>>(small(R, 1)) <= test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::gshard_top2, capacity::factor<>>>(small(R, 2)) <=
-          1e-4);
+    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::qwen<4, false>>>(small(R, 4)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::switch_top1>>(small(R, 1)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::gshard_top2, capacity::factor<>>>(
+              small(R, 2)) <= 1e-4);
     // Group-limited softmax: 4 groups of 4, best 2 groups.
     test::run_options<policies<Space, router::topk_softmax<2>>> grouped{.router = {4, 2}};
     CHECK(layer_vs_reference(small(R, 2, 16), grouped) <= test::tolerance<Space>(1e-4));
@@ -73,7 +77,7 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: softmax family", "[layer][ro
 }
 
 TEMPLATE_LIST_TEST_CASE("routers through the layer: DeepSeek-V3 sigmoid with bias and groups",
-          "[layer][routers]", test::spaces) {
+                        "[layer][routers]", test::spaces) {
   using Space = TestType;
   using P = policies<Space, router::sigmoid_bias<4>>;
   for (int R : {1, 4}) {
@@ -85,36 +89,45 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: DeepSeek-V3 sigmoid with bia
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("routers through the layer: expert choice, hash, Sinkhorn", "[layer][routers]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("routers through the layer: expert choice, hash, Sinkhorn",
+                        "[layer][routers]", test::spaces) {
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    CHECK(layer_vs_reference<policies<Space, router::expert_choice>>(small(R, 2)) <= test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::hash<2>>>(small(R, 2)) <= test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<2>>>(small(R, 2)) <= test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<1>>>(small(R, 1)) <= test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::expert_choice>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::hash<2>>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<2>>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<1>>>(small(R, 1)) <=
+          test::tolerance<Space>(1e-4));
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("routers through the layer: training noise, seeded", "[layer][routers]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("routers through the layer: training noise, seeded", "[layer][routers]",
+                        test::spaces) {
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
     for (bool training : {false, true}) {
       CAPTURE(training);
       CHECK(layer_vs_reference<policies<Space, router::noisy_topk<2>>>(
-                small(R, 2), {.router = {.training = training, .seed = 9}}) <= test::tolerance<Space>(1e-4));
+                small(R, 2), {.router = {.training = training, .seed = 9}}) <=
+            test::tolerance<Space>(1e-4));
       using J = router::jitter<router::switch_top1>;
       J j{};
       j.training = training;
       j.eps = 0.1f;
-      CHECK(layer_vs_reference<policies<Space, J>>(small(R, 1), {.router = j}) <= test::tolerance<Space>(1e-4));
+      CHECK(layer_vs_reference<policies<Space, J>>(small(R, 1), {.router = j}) <=
+            test::tolerance<Space>(1e-4));
     }
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("routers through the layer: expert choice gives every expert C tokens per rank",
-          "[layer][routers]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE(
+    "routers through the layer: expert choice gives every expert C tokens per rank",
+    "[layer][routers]", test::spaces) {
   using Space = TestType;
   const layer_config cfg = small(4, 2);
   const auto w = reference::full_weights::random(cfg, 3);
@@ -132,16 +145,19 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: expert choice gives every ex
   }
 }
 
-TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on experts", "[layer][shared]", test::spaces) {
+TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on experts",
+                        "[layer][shared]", test::spaces) {
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
     layer_config cfg = small(R, 2);
     cfg.shared_experts = 2;
     cfg.shared_ffn = 7;
-    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(cfg) <= test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(cfg) <=
+          test::tolerance<Space>(1e-4));
     cfg.shared_ffn = 0;  // same width as the routed experts
-    CHECK(layer_vs_reference<policies<Space, router::sigmoid_bias<2>>>(cfg) <= test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::sigmoid_bias<2>>>(cfg) <=
+          test::tolerance<Space>(1e-4));
   }
   // Stats count their FLOPs; without them the output differs.
   using M = policies<Space, router::mixtral<2>>;
@@ -155,8 +171,10 @@ TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on e
   w_none.cfg.shared_experts = 0;
   const auto without = test::run_layer<M>(w_none.cfg, w_none, g);
   // Both right (a NaN output would also make them "differ"), and not the same.
-  CHECK(test::relative_error(with.y, test::run_reference<M>(cfg, w, g)) <= test::tolerance<Space>(1e-4));
-  CHECK(test::relative_error(without.y, test::run_reference<M>(w_none.cfg, w_none, g)) <= test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(with.y, test::run_reference<M>(cfg, w, g)) <=
+        test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(without.y, test::run_reference<M>(w_none.cfg, w_none, g)) <=
+        test::tolerance<Space>(1e-4));
   CHECK(test::relative_error(without.y, with.y) > 1e-3);
 }
 

@@ -178,25 +178,25 @@ struct expert {
 struct schedule {
   template <class Stages>
 #ifndef EPMOE_STAND_IN_WITHOUT_RUN
-  static void run(Stages& s) {
+  static void run(Stages& s){
 #else
   static void go(Stages& s) {
 #endif
-    s.route();
-    s.plan();
-    s.permute();
-    s.shared();
-    s.counts();
-    for (int u = 0; u < s.chunks(); ++u) {
-      s.dispatch_start(u);
-      s.dispatch_wait(u);
-      s.experts(u);
-      s.combine_start(u);
-      s.combine_wait(u);
-    }
-    s.reduce();
+      s.route();
+  s.plan();
+  s.permute();
+  s.shared();
+  s.counts();
+  for (int u = 0; u < s.chunks(); ++u) {
+    s.dispatch_start(u);
+    s.dispatch_wait(u);
+    s.experts(u);
+    s.combine_start(u);
+    s.combine_wait(u);
   }
-};
+  s.reduce();
+}
+};  // namespace stand_in
 
 /// Every slot a stand-in.
 struct policies {

@@ -3,20 +3,18 @@
 // A layer made only of stand-in policies (tests/policies/stand_ins.hpp) compiles and runs:
 // the contracts in core/checks.hpp are all the layer needs.
 #include <catch2/catch.hpp>
-
 #include <cmath>
 #include <vector>
 
-#include <epmoe/reference/compare.hpp>
-
 #include "stand_ins.hpp"
+#include <epmoe/reference/compare.hpp>
 
 using epmoe::index_t;
 
 TEST_CASE("stand-ins: a layer of the smallest policies runs and routes each token to its expert",
           "[policies]") {
-  const epmoe::layer_config cfg{.hidden = 4, .ffn = 4, .experts = 2, .top_k = 1, .ranks = 1,
-                                .max_tokens = 3};
+  const epmoe::layer_config cfg{
+      .hidden = 4, .ffn = 4, .experts = 2, .top_k = 1, .ranks = 1, .max_tokens = 3};
   // Gate: expert 0 scores x[0], expert 1 scores x[1]. Expert 0 doubles, expert 1 negates.
   const std::vector<float> gate{1, 0, 0, 0, 0, 1, 0, 0};
   std::vector<float> w(2 * 16, 0.f);
@@ -24,8 +22,8 @@ TEST_CASE("stand-ins: a layer of the smallest policies runs and routes each toke
     w[h * 4 + h] = 2.f;
     w[16 + h * 4 + h] = -1.f;
   }
-  epmoe::moe_layer<stand_in::policies> layer(
-      cfg, stand_in::comm{}, {{gate.data(), 2, 4}, {{w.data(), 2, 4, 4}}});
+  epmoe::moe_layer<stand_in::policies> layer(cfg, stand_in::comm{},
+                                             {{gate.data(), 2, 4}, {{w.data(), 2, 4, 4}}});
   const std::vector<float> x{1, 0, 3, 4, 0, 1, 5, 6, 2, 1, 0, 1};
   std::vector<float> y(12, NAN);
   layer.forward({x.data(), 3, 4}, {y.data(), 3, 4});

@@ -3,9 +3,8 @@
 // Policies written as a user would, one header each (tests/policies/top_p.hpp, gelu_mlp.hpp),
 // run through the layer on 1, 2 and 4 ranks against the float64 reference, which gets their
 // definitions here, written apart from their code.
-#include <catch2/catch.hpp>
-
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <cmath>
 #include <numeric>
 #include <vector>
@@ -84,8 +83,8 @@ struct epmoe::test::expert_weights<policies::gelu_mlp> {
 };
 
 namespace {
-template <class Router, class Expert = expert::swiglu,
-          class Capacity = capacity::dropless, class Space = space::host>
+template <class Router, class Expert = expert::swiglu, class Capacity = capacity::dropless,
+          class Space = space::host>
 struct user_policies : test::threads_policies<Router::top_k, Capacity, Space> {
   using router = Router;
   using expert = Expert;
@@ -100,8 +99,13 @@ TEMPLATE_LIST_TEST_CASE(
   for (int R : {1, 2, 4})
     for (float p : {0.3f, 0.6f, 0.95f}) {
       CAPTURE(R, p);
-      const layer_config cfg{.hidden = 16, .ffn = 12, .experts = 8, .top_k = 3, .ranks = R,
-                             .max_tokens = 24, .capacity_factor = 0.6};
+      const layer_config cfg{.hidden = 16,
+                             .ffn = 12,
+                             .experts = 8,
+                             .top_k = 3,
+                             .ranks = R,
+                             .max_tokens = 24,
+                             .capacity_factor = 0.6};
       const auto w = reference::full_weights::random(cfg, 11);
       const auto g = test::make_tokens(std::vector<index_t>(R, 24), cfg.hidden, 3 + R);
       using P = user_policies<policies::top_p<3>, expert::swiglu, capacity::dropless, Space>;
@@ -131,8 +135,13 @@ TEMPLATE_LIST_TEST_CASE("user policies: a GELU MLP expert (with shared experts) 
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
     // Odd H and F: the buffers' rows are padded to 16 bytes and the expert's hidden rows too.
-    const layer_config cfg{.hidden = 13, .ffn = 19, .experts = 8, .top_k = 2, .ranks = R,
-                           .max_tokens = 20, .shared_experts = 1};
+    const layer_config cfg{.hidden = 13,
+                           .ffn = 19,
+                           .experts = 8,
+                           .top_k = 2,
+                           .ranks = R,
+                           .max_tokens = 20,
+                           .shared_experts = 1};
     const auto w = reference::full_weights::random(cfg, 5);
     const auto g = test::make_tokens(std::vector<index_t>(R, 20), cfg.hidden, 9);
     using P = user_policies<router::topk_softmax<2>, policies::gelu_mlp, capacity::dropless, Space>;

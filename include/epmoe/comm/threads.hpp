@@ -149,8 +149,7 @@ class threads {
                  const index_t* recv_counts, const index_t* recv_displs) {
     alltoallv_with(
         send, send_counts, send_displs, recv, recv_counts, recv_displs,
-        [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); },
-        [] {});
+        [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }, [] {});
   }
 
   /// The same with the row copies made by copy(dst, src, bytes) (device memory: an

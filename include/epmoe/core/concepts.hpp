@@ -55,8 +55,8 @@ concept space_policy = std::copyable<S> && requires {
   s.exclusive_scan(cn, pn, n);
   s.sort_by_key(ci, n, n, pi, pi, scratch);
   { S::sort_scratch_bytes(n, n) } -> std::convertible_to<index_t>;
-  s.copy_blocks(matrix_view<const typename S::value_type>{},
-                matrix_view<typename S::value_type>{}, n, cn, cn, cn);
+  s.copy_blocks(matrix_view<const typename S::value_type>{}, matrix_view<typename S::value_type>{},
+                n, cn, cn, cn);
   s.gemm_nt(matrix_view<const typename S::value_type>{},
             matrix_view<const typename S::value_type>{}, matrix_view<float>{});
   s.grouped_gemm_nt(grouped_rows<const typename S::value_type>{},
@@ -171,8 +171,9 @@ concept host_communicator = communicator<C> &&
 template <class X, class Space>
 concept expert_policy = requires {
   typename X::template weights_of<typename Space::value_type>;
-} && requires(const Space& space, typename X::template weights_of<typename Space::value_type>& w,
-              grouped_rows<typename Space::value_type> rows, typename Space::value_type* scratch) {
+}
+&&requires(const Space& space, typename X::template weights_of<typename Space::value_type>& w,
+           grouped_rows<typename Space::value_type> rows, typename Space::value_type* scratch) {
   X::validate(w, index_t{}, index_t{}, index_t{}, std::string{});
   X::tensors(w);
   X::slice(w, index_t{}, index_t{});

@@ -69,8 +69,10 @@ EPMOE_HD index_t block_of(const index_t* offsets, index_t b0, index_t n, index_t
   index_t lo = b0, hi = b0 + n;  // the first offset past row, minus one
   while (lo < hi) {
     const index_t mid = lo + (hi - lo) / 2;
-    if (offsets[mid + 1] <= row) lo = mid + 1;
-    else hi = mid;
+    if (offsets[mid + 1] <= row)
+      lo = mid + 1;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -144,7 +146,7 @@ struct exchange_context {
   dispatch_plan& plan;     // host view
   const device_plan& dev;  // the plan's arrays in the space's memory
   const typename Space::template mirror<index_t>& recv_blocks;  // the plan's receive arrays
-  pass_clock<Space>& clock;                                      // marks of this pass
+  pass_clock<Space>& clock;                                     // marks of this pass
   pass_stats& stats;
 };
 
@@ -173,7 +175,8 @@ class exchange {
     x_send_ = space.template allocate<value_type>(w.send_rows * H);
     x_recv_ = space.template allocate<value_type>(recv_rows * H);
     x_expert_ = space.template allocate<value_type>(w.expert_rows * H);
-    const index_t P = exchange_ops::count_message::per_peer(static_cast<int>(L), static_cast<int>(C));
+    const index_t P =
+        exchange_ops::count_message::per_peer(static_cast<int>(L), static_cast<int>(C));
     msg_send_ = space.template allocate<index_t>(R * P);
     msg_recv_ = space.template allocate_mirror<index_t>(R * P);
     const index_t S = slots_;
@@ -246,10 +249,10 @@ class exchange {
     for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
       for (auto& r : *reqs) r.reset();
     const mark t0 = x.clock.now();
-    x.space.for_each(R, exchange_ops::count_message{
-                            x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
-                            Dedup ? x.dev.unique_counts : nullptr, R, L, C, w_.quota,
-                            valid ? 1 : 0, msg_send_.data()});
+    x.space.for_each(
+        R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
+                                       Dedup ? x.dev.unique_counts : nullptr, R, L, C, w_.quota,
+                                       valid ? 1 : 0, msg_send_.data()});
     tr_.alltoall(msg_send_.data(), msg_recv_.device(), P);
     x.space.to_host(msg_recv_, 0, R * P);
     static_rows_ = static_rows;
@@ -337,12 +340,17 @@ class exchange {
     const int L = p.local_experts;
     if (bounded_) {
       const unit_state& us = units_[slot_of(u)];
-      return {x_expert_.data(), w_.hidden, w_.row_stride, L, us.host + expert_at(),
+      return {x_expert_.data(),     w_.hidden, w_.row_stride, L, us.host + expert_at(),
               us.dev + expert_at(), w_.align};
     }
     const index_t first = p.expert_offsets[u * L];
-    return {x_expert_.data() + first * w_.row_stride, w_.hidden, w_.row_stride, L,
-            p.expert_offsets + u * L, x.dev.expert_offsets + u * L, w_.align};
+    return {x_expert_.data() + first * w_.row_stride,
+            w_.hidden,
+            w_.row_stride,
+            L,
+            p.expert_offsets + u * L,
+            x.dev.expert_offsets + u * L,
+            w_.align};
   }
 
   void start_combine(context& x, int u) {
@@ -441,8 +449,10 @@ class exchange {
       for (int b = 0; b < p.blocks(); ++b)
         if (p.recv_counts[b] != static_rows_)
           throw comm_error("epmoe: rank " + std::to_string(me_) + " expected " +
-                           std::to_string(static_rows_) + " rows per block (padded capacity) "
-                           "and got " + std::to_string(p.recv_counts[b]) +
+                           std::to_string(static_rows_) +
+                           " rows per block (padded capacity) "
+                           "and got " +
+                           std::to_string(p.recv_counts[b]) +
                            ": every rank must use the same config and capacity");
     return -1;
   }
@@ -635,12 +645,12 @@ class exchange {
     std::int32_t* key = sum_key_.data() + first;
     index_t* expert_row = sum_first_.data() + 2 * (w_.recv_buffer_rows + 1) + first;
     x.space.for_each(n, exchange_ops::unique_of_row{x.dev.recv_offsets, x.dev.regroup_offsets,
-                                                    x.dev.recv_unique_offsets, meta_recv_.data(),
-                                                    c, R, L, key, expert_row});
+                                                    x.dev.recv_unique_offsets, meta_recv_.data(), c,
+                                                    R, L, key, expert_row});
     const matrix_view<const value_type> unique = chunk_unique_view(p, c);
-    x.space.for_each_row(n, w_.hidden,
-                         exchange_ops::expand_unique<value_type>{key, expert_row, unique,
-                                                                 expert_view()});
+    x.space.for_each_row(
+        n, w_.hidden,
+        exchange_ops::expand_unique<value_type>{key, expert_row, unique, expert_view()});
   }
 
   // Dedup: the expert rank sums each token's weighted outputs, one row per (token, rank).
@@ -669,8 +679,8 @@ class exchange {
   matrix_view<value_type> chunk_unique_view(const dispatch_plan& p, int c) const {
     const int R = w_.ranks;
     const index_t u0 = p.recv_unique_offsets[c * R];
-    return {x_recv_.data() + u0 * w_.row_stride, p.recv_unique_offsets[(c + 1) * R] - u0,
-            w_.hidden, w_.row_stride};
+    return {x_recv_.data() + u0 * w_.row_stride, p.recv_unique_offsets[(c + 1) * R] - u0, w_.hidden,
+            w_.row_stride};
   }
   matrix_view<value_type> recv_view(const dispatch_plan& p) const {
     return {x_recv_.data(), p.recv_rows(), w_.hidden, w_.row_stride};
@@ -689,21 +699,21 @@ class exchange {
   bool bounded_ = false;
   index_t slot_rows_ = 0;
   int slots_ = 1;
-  int expert_owner_ = -1;  // bounded: the unit whose rows are in the expert buffer
+  int expert_owner_ = -1;    // bounded: the unit whose rows are in the expert buffer
   index_t static_rows_ = 0;  // static shapes: rows of every block (0: counted)
   bool deferred_ = false;    // static shapes on a device: the counts are read after the pass
   buffer<value_type> x_send_, x_recv_, x_expert_;
   buffer<index_t> msg_send_;
   mirror<index_t> msg_recv_;
-  mirror<index_t> unit_arrays_;     // bounded: [slots] unit_state arrays
-  std::vector<index_t> host_;       // per slot: rank_counts; first unit of each chunk
+  mirror<index_t> unit_arrays_;      // bounded: [slots] unit_state arrays
+  std::vector<index_t> host_;        // per slot: rank_counts; first unit of each chunk
   std::vector<rank_counts> counts_;  // [slots]
   std::vector<unit_state> units_;    // [slots]
   index_t* first_unit_ = nullptr;    // [C+1]: bounded: first unit of each chunk
   std::vector<std::optional<typename transport_type::request>> dispatch_req_, meta_req_,
-      combine_req_;         // [slots]
-  std::vector<mark> marks_;  // [4 * slots]: when each slot's dispatch and combine began and
-                             // their starts returned
+      combine_req_;                 // [slots]
+  std::vector<mark> marks_;         // [4 * slots]: when each slot's dispatch and combine began and
+                                    // their starts returned
   buffer<std::int64_t> meta_recv_;  // dedup: the received assignments' metadata
   buffer<std::int32_t> sum_key_;    // dedup: [3][recv rows] keys, sorted keys, order
   buffer<index_t> sum_first_;       // dedup: rows and first per unique row; expert rows

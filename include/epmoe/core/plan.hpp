@@ -190,9 +190,9 @@ struct apply_capacity {
   int RL, chunks;
   index_t limit;
   index_t pad_rows;  // 0: no padding
-  index_t* valid;   // [B]
-  index_t* counts;  // [B]
-  index_t* kept;    // [RL]
+  index_t* valid;    // [B]
+  index_t* counts;   // [B]
+  index_t* kept;     // [RL]
   EPMOE_HD void operator()(index_t s) const {
     index_t before = 0;
     for (int c = 0; c < chunks; ++c) {
@@ -312,8 +312,7 @@ struct link_unique {
     const std::int32_t u = unique_slot[first_of[a]];
     unique_slot[a] = u;
     const int c = chunk_of_token(a / K, chunks, tokens), r = phys[a] / L;
-    meta[slot[a]] =
-        pack_meta(static_cast<std::int32_t>(u - unique_offsets[c * R + r]), weights[a]);
+    meta[slot[a]] = pack_meta(static_cast<std::int32_t>(u - unique_offsets[c * R + r]), weights[a]);
   }
 };
 
@@ -327,24 +326,24 @@ using plan_ops::pack_meta;
 /// token order (the order capacity drops follow, whatever the chunks): each assignment to
 /// expert e goes to the copy the placement picks (slot_for) while fewer than `limit` rows
 /// went there; later ones are dropped. With `pad_rows` > 0 (>= limit), every slot sends that
-/// many rows (the padding in the last chunk, token -1). As keys, a stable sort and scans, so a device runs the same
-/// steps as the host. Fills the arrays of `d` and the per-assignment arrays of `p`; the
-/// host's per-block arrays and counts follow from them (mirror, then count_send_plan).
+/// many rows (the padding in the last chunk, token -1). As keys, a stable sort and scans, so a
+/// device runs the same steps as the host. Fills the arrays of `d` and the per-assignment arrays of
+/// `p`; the host's per-block arrays and counts follow from them (mirror, then count_send_plan).
 template <class Space, class Placement>
-void build_send_plan(const Space& space, routing_view routing, const Placement& where,
-                     int experts, index_t limit, index_t pad_rows, token_origin origin,
-                     dispatch_plan& p, const device_plan& d, const plan_scratch& w) {
+void build_send_plan(const Space& space, routing_view routing, const Placement& where, int experts,
+                     index_t limit, index_t pad_rows, token_origin origin, dispatch_plan& p,
+                     const device_plan& d, const plan_scratch& w) {
   const int RL = p.ranks * p.local_experts, B = p.blocks(), K = p.top_k;
   const index_t T = routing.tokens(), n = T * K;
   p.tokens = T;
-  space.for_each(n, plan_ops::assign_keys<Placement>{routing.ids.data, K, RL, B, p.chunks, T,
-                                                      where, origin, p.phys, w.keys});
+  space.for_each(n, plan_ops::assign_keys<Placement>{routing.ids.data, K, RL, B, p.chunks, T, where,
+                                                     origin, p.phys, w.keys});
   space.count(routing.ids.data, n, experts, d.routed);
   space.count(w.keys, n, B, w.rows);
   space.sort_by_key(w.keys, n, B, w.sorted_keys, w.order, w.sort);
   space.exclusive_scan(w.rows, w.first, B);
-  space.for_each(RL, plan_ops::apply_capacity{w.rows, RL, p.chunks, limit, pad_rows,
-                                              d.send_valid, d.send_counts, d.kept});
+  space.for_each(RL, plan_ops::apply_capacity{w.rows, RL, p.chunks, limit, pad_rows, d.send_valid,
+                                              d.send_counts, d.kept});
   space.exclusive_scan(d.send_counts, d.send_offsets, B);
   if (pad_rows > 0) space.fill(p.row_token, RL * pad_rows, std::int32_t{-1});  // padding: -1
   space.for_each(n, plan_ops::place_rows{w.sorted_keys, w.order, w.first, d.send_valid,
@@ -359,16 +358,16 @@ void build_dedup_plan(const Space& space, routing_view routing, dispatch_plan& p
                       const device_plan& d, const plan_scratch& w) {
   const int R = p.ranks, K = p.top_k, L = p.local_experts, CR = p.chunks * R;
   const index_t T = p.tokens, n = T * K;
-  space.for_each(T, plan_ops::unique_keys{p.slot, p.phys, K, L, R, p.chunks, T, w.keys,
-                                          w.first_of});
+  space.for_each(T,
+                 plan_ops::unique_keys{p.slot, p.phys, K, L, R, p.chunks, T, w.keys, w.first_of});
   space.count(w.keys, n, CR, d.unique_counts);
   space.exclusive_scan(d.unique_counts, d.unique_offsets, CR);
   space.sort_by_key(w.keys, n, CR, w.sorted_keys, w.order, w.sort);
-  space.for_each(n, plan_ops::place_unique{w.sorted_keys, w.order, CR, K, p.unique_slot,
-                                           p.unique_token});
-  space.for_each(n, plan_ops::link_unique{w.first_of, p.slot, p.phys, routing.weights.data,
-                                          d.unique_offsets, K, L, R, p.chunks, T, p.unique_slot,
-                                          p.meta});
+  space.for_each(
+      n, plan_ops::place_unique{w.sorted_keys, w.order, CR, K, p.unique_slot, p.unique_token});
+  space.for_each(
+      n, plan_ops::link_unique{w.first_of, p.slot, p.phys, routing.weights.data, d.unique_offsets,
+                               K, L, R, p.chunks, T, p.unique_slot, p.meta});
 }
 
 /// The plan's counts from its host arrays (after the space's arrays reached the host):

@@ -93,11 +93,11 @@ inline constexpr index_t piece = 8;
 /// experts' sum, when given).
 template <class T>
 struct weighted_reduce {
-  matrix_view<const T> back;         // [send rows, H]: expert outputs, home again
-  const std::int32_t* slot;          // [T*K]
-  matrix_view<const float> weights;  // [T, K]
-  const float* shared;               // [T, H] or nullptr
-  matrix_view<T> y;                  // [T, H]
+  matrix_view<const T> back;          // [send rows, H]: expert outputs, home again
+  const std::int32_t* slot;           // [T*K]
+  matrix_view<const float> weights;   // [T, K]
+  const float* shared;                // [T, H] or nullptr
+  matrix_view<T> y;                   // [T, H]
   const index_t* verdicts = nullptr;  // every rank's 1/0 (inputs accepted), `stride` apart:
   index_t stride = 0;                 //   with one 0 nothing is written (static shapes)
   int ranks = 0;

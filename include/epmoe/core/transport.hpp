@@ -45,7 +45,7 @@ class transport {
  public:
   /// Whether an exchange can be started and waited for later (the comm's ialltoallv); without
   /// it every exchange completes inside start() and a pipelined schedule has nothing to hide.
-  static constexpr bool async = requires(Comm& c, const float* s, float* r, const index_t* n) {
+  static constexpr bool async = requires(Comm & c, const float* s, float* r, const index_t* n) {
     c.ialltoallv(s, n, n, r, n, n).wait();
   };
   using request = typename detail::request_of<Comm, async>::type;

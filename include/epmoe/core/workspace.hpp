@@ -15,19 +15,19 @@ namespace epmoe {
 
 /// Rows and elements of every buffer of one rank's layer (all bounded by config max_tokens).
 struct workspace_layout {
-  index_t tokens = 0;      // T: most tokens of a pass (config max_tokens)
-  int width = 0;           // routing slots per token: top_k, or E for expert choice
-  int experts = 0;         // E
-  int ranks = 1;           // R
-  int local_experts = 1;   // L: physical slots per rank
-  int chunks = 1;          // C: most chunks of a pass
-  index_t hidden = 0;      // H
-  index_t align = 1;       // rows of every buffer start 16-byte aligned: strides a multiple
-  index_t row_stride = 0;  //   of `align` elements (H rounded up)
-  index_t blocks = 0;      // C * R * L
-  index_t per_expert = 0;  // most rows one source sends one slot (capacity, T, the router)
-  index_t pad_rows = 0;    // padded capacity: rows every slot's blocks hold (0: no padding)
-  index_t send_rows = 0;   // the send buffer: every row of a pass
+  index_t tokens = 0;            // T: most tokens of a pass (config max_tokens)
+  int width = 0;                 // routing slots per token: top_k, or E for expert choice
+  int experts = 0;               // E
+  int ranks = 1;                 // R
+  int local_experts = 1;         // L: physical slots per rank
+  int chunks = 1;                // C: most chunks of a pass
+  index_t hidden = 0;            // H
+  index_t align = 1;             // rows of every buffer start 16-byte aligned: strides a multiple
+  index_t row_stride = 0;        //   of `align` elements (H rounded up)
+  index_t blocks = 0;            // C * R * L
+  index_t per_expert = 0;        // most rows one source sends one slot (capacity, T, the router)
+  index_t pad_rows = 0;          // padded capacity: rows every slot's blocks hold (0: no padding)
+  index_t send_rows = 0;         // the send buffer: every row of a pass
   index_t from_one_rank = 0;     // most rows one source sends this rank in a pass
   index_t recv_rows = 0;         // unbounded: the receive buffer of a whole pass
   int units_in_flight = 1;       // exchange units a schedule keeps in flight
@@ -59,8 +59,7 @@ struct workspace_layout {
     // whatever its tokens, so static shapes agree across ranks.
     w.pad_rows = pads ? limit(T) : 0;
     w.send_rows = pads ? R * L * w.pad_rows : std::min(T * K, R * L * w.per_expert);
-    w.from_one_rank =
-        pads ? L * w.pad_rows : std::min(T * std::min(K, L), L * w.per_expert);
+    w.from_one_rank = pads ? L * w.pad_rows : std::min(T * std::min(K, L), L * w.per_expert);
     w.recv_rows = R * w.from_one_rank;
     w.units_in_flight = units_in_flight;
     const index_t M = cfg.max_recv_rows;

@@ -15,15 +15,15 @@ namespace epmoe {
 /// The gate stage's inputs and outputs for one pass of T tokens (the layer's buffers).
 template <class T>
 struct gate_pass {
-  matrix_view<const T> x;           // [T, H] the pass's tokens
-  matrix_view<const T> gate;        // [E, H]
-  matrix_view<const T> noise_gate;  // [E, H] (routers with uses_noise_gate), else empty
-  matrix_view<float> logits;        // [T, E]
-  matrix_view<float> noise;         // [T, E] noise logits (uses_noise_gate), else empty
-  T* scratch = nullptr;             // router::gate_scratch(cfg) elements
+  matrix_view<const T> x;                   // [T, H] the pass's tokens
+  matrix_view<const T> gate;                // [E, H]
+  matrix_view<const T> noise_gate;          // [E, H] (routers with uses_noise_gate), else empty
+  matrix_view<float> logits;                // [T, E]
+  matrix_view<float> noise;                 // [T, E] noise logits (uses_noise_gate), else empty
+  T* scratch = nullptr;                     // router::gate_scratch(cfg) elements
   const std::int64_t* token_ids = nullptr;  // [T] or nullptr: then first_token + t
   std::int64_t first_token = 0;
-  std::uint64_t pass = 0;  // the layer's pass counter (seeded training noise)
+  std::uint64_t pass = 0;                       // the layer's pass counter (seeded training noise)
   const std::uint64_t* pass_counter = nullptr;  // the same in the space's memory, when set
 };
 

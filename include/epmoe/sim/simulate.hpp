@@ -538,8 +538,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     me.route = route_seconds(topo, T, cfg.hidden, E);
     me.permute = copy_seconds(topo, double(me.send_rows), row_bytes);
     if (N > 0 && T > 0)  // per shared expert: copy the tokens in, one [T, H] x [H, F'] FFN
-      me.shared = N * (slot_seconds(topo, shared_flops, T) +
-                       copy_seconds(topo, T, row_bytes));
+      me.shared = N * (slot_seconds(topo, shared_flops, T) + copy_seconds(topo, T, row_bytes));
     me.counts = counts_time;
     // Reduce reads each expert output row once (one per kept assignment, or per unique row
     // with dedup) and the shared experts' sum, and writes the T output rows: priced as that

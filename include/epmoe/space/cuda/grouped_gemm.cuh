@@ -75,10 +75,9 @@ class grouped_gemm {
     if (grouped_) {
       int* dg = dev_groups_.data() + call * cap_;
       const void** ptrs = dev_ptrs_.data() + static_cast<index_t>(call) * 3 * cap_;
-      EPMOE_CUDA_CHECK(
-          cudaMemcpyAsync(dg, groups, sizeof(int) * q, cudaMemcpyHostToDevice, s));
-      cuda_kernels::grouped_pointers<T><<<1, cuda_kernels::block_threads, 0, s>>>(
-          a, b, c, dg, q, ptrs, cap_);
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(dg, groups, sizeof(int) * q, cudaMemcpyHostToDevice, s));
+      cuda_kernels::grouped_pointers<T>
+          <<<1, cuda_kernels::block_threads, 0, s>>>(a, b, c, dg, q, ptrs, cap_);
       EPMOE_CUDA_CHECK(cudaGetLastError());
       const cublasStatus_t st = cublasGemmGroupedBatchedEx(
           h, ta_.data(), tb_.data(), m_.data(), n_.data(), k_.data(), alpha_.data(), ptrs, ab,

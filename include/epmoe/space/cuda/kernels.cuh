@@ -21,7 +21,7 @@ inline unsigned grid_for(index_t n) {
   return static_cast<unsigned>(g < 1 ? 1 : (g > 65535 * 8 ? 65535 * 8 : g));
 }
 
-#define EPMOE_GRID_STRIDE(i, n)                                                             \
+#define EPMOE_GRID_STRIDE(i, n)                                                          \
   for (index_t i = static_cast<index_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
        i += static_cast<index_t>(gridDim.x) * blockDim.x)
 
@@ -95,9 +95,9 @@ __global__ void grouped_pointers(grouped_rows<const T> a, stacked_view<const T> 
   EPMOE_GRID_STRIDE(q, n) {
     const int g = groups[q];
     const index_t* off = a.device_offsets;
-    ptrs[q] = b.data + g * b.batch_stride;                            // cuBLAS's A: the weight
-    ptrs[cap + q] = a.data + (off[g] - off[0]) * a.stride;            // cuBLAS's B: the rows
-    ptrs[2 * cap + q] = c.data + (off[g] - off[0]) * c.stride;        // C
+    ptrs[q] = b.data + g * b.batch_stride;                      // cuBLAS's A: the weight
+    ptrs[cap + q] = a.data + (off[g] - off[0]) * a.stride;      // cuBLAS's B: the rows
+    ptrs[2 * cap + q] = c.data + (off[g] - off[0]) * c.stride;  // C
   }
 }
 

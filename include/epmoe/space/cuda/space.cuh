@@ -9,10 +9,9 @@
 // space's work stream, ordered after the caller's stream when a pass begins and before it
 // when the pass ends (enter/leave), so the caller's stream (PyTorch's current stream) never
 // races with the layer. Copies of a space share its streams, cuBLAS handle and events.
+#include <algorithm>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
-
-#include <algorithm>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -82,8 +81,8 @@ class cuda : public allocates<cuda<T>> {
   template <class F>
   void for_each(index_t n, const F& f) const {
     if (n <= 0) return;
-    cuda_kernels::for_each<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0,
-                             ctx_->work>>>(n, f);
+    cuda_kernels::
+        for_each<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0, ctx_->work>>>(n, f);
     EPMOE_CUDA_CHECK(cudaGetLastError());
   }
   /// Row functors get pieces of `piece` columns, one per thread.
@@ -131,9 +130,9 @@ class cuda : public allocates<cuda<T>> {
     static_assert(sizeof(index_t) == sizeof(unsigned long long));
     EPMOE_CUDA_CHECK(cudaMemsetAsync(out, 0, sizeof(index_t) * bins, ctx_->work));
     if (n <= 0) return;
-    cuda_kernels::histogram<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0,
-                              ctx_->work>>>(keys, n, bins,
-                                            reinterpret_cast<unsigned long long*>(out));
+    cuda_kernels::
+        histogram<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0, ctx_->work>>>(
+            keys, n, bins, reinterpret_cast<unsigned long long*>(out));
     EPMOE_CUDA_CHECK(cudaGetLastError());
   }
   void exclusive_scan(const index_t* in, index_t* out, index_t n) const {
@@ -150,8 +149,8 @@ class cuda : public allocates<cuda<T>> {
     if (n <= 0) return;
     auto* values = static_cast<std::int32_t*>(scratch);
     void* temp = values + n;
-    cuda_kernels::iota<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0,
-                         ctx_->work>>>(values, n);
+    cuda_kernels::iota<<<cuda_kernels::grid_for(n), cuda_kernels::block_threads, 0, ctx_->work>>>(
+        values, n);
     int end_bit = 1;
     while ((index_t{1} << end_bit) <= bins) ++end_bit;  // keys are in [0, bins]
     std::size_t bytes = 0;
@@ -159,8 +158,7 @@ class cuda : public allocates<cuda<T>> {
                                                      order, static_cast<int>(n), 0, end_bit,
                                                      ctx_->work));
     EPMOE_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp, bytes, keys, sorted_keys, values, order,
-                                                     static_cast<int>(n), 0, end_bit,
-                                                     ctx_->work));
+                                                     static_cast<int>(n), 0, end_bit, ctx_->work));
   }
 
   // --- GEMMs ----------------------------------------------------------------------------
@@ -259,8 +257,9 @@ class cuda : public allocates<cuda<T>> {
     if (max_n <= 0 || width <= 0) return;
     constexpr index_t piece = 8;
     const index_t items = max_n * ((width + piece - 1) / piece);
-    cuda_kernels::for_each_row<<<cuda_kernels::grid_for(items), cuda_kernels::block_threads, 0,
-                                 ctx_->work>>>(max_n, n, width, piece, f);
+    cuda_kernels::
+        for_each_row<<<cuda_kernels::grid_for(items), cuda_kernels::block_threads, 0, ctx_->work>>>(
+            max_n, n, width, piece, f);
     EPMOE_CUDA_CHECK(cudaGetLastError());
   }
 
@@ -285,8 +284,7 @@ class cuda : public allocates<cuda<T>> {
     }
     void reserve_scan(index_t n) {
       std::size_t bytes = 0;
-      EPMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes,
-                                                     static_cast<index_t*>(nullptr),
+      EPMOE_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<index_t*>(nullptr),
                                                      static_cast<index_t*>(nullptr),
                                                      static_cast<int>(n)));
       if (static_cast<index_t>(bytes) > scan_bytes) {

@@ -65,8 +65,7 @@ class transport<comm::threads, space::cuda<T>> {
     counts_.resize(static_cast<std::size_t>(2 * R));  // once: R does not change
     for (int r = 0; r < R; ++r) counts_[r] = n, counts_[R + r] = r * n;
     std::optional<request> none;
-    start(none, send, counts_.data(), counts_.data() + R, recv, counts_.data(),
-          counts_.data() + R);
+    start(none, send, counts_.data(), counts_.data() + R, recv, counts_.data(), counts_.data() + R);
   }
   template <class U>
   void start(std::optional<request>&, const U* send, const index_t* sn, const index_t* sd, U* recv,
@@ -76,8 +75,7 @@ class transport<comm::threads, space::cuda<T>> {
     comm_->alltoallv_with(
         send, sn, sd, recv, rn, rd,
         [&](void* dst, const void* src, std::size_t bytes) {
-          EPMOE_CUDA_CHECK(
-              cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
+          EPMOE_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_));
         },
         [&] { EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_)); });
   }
