@@ -12,8 +12,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "../layer/harness.hpp"
+// The space first: the harness names it in its list of spaces.
+// clang-format off
 #include <epmoe/space/cuda.cuh>
+#include "../layer/harness.hpp"
+// clang-format on
 
 namespace epmoe::test {
 
