@@ -117,13 +117,13 @@ template <class Comm, bool Dedup>
 struct mixtral_policies : epmoe::default_policies {
   using router = epmoe::router::mixtral<2>;
   using comm = Comm;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 template <class Comm, bool Dedup>
 struct deepseek_policies : epmoe::default_policies {
   using router = epmoe::router::sigmoid_bias<6>;
   using comm = Comm;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 // The tiny DeepSeek-like shape has K=4.
 template <class Comm, bool Dedup>

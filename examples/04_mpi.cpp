@@ -28,7 +28,7 @@ struct policies : default_policies {
 
 // The same layer with per-rank dedup: one row per (token, destination rank).
 struct dedup_policies : policies {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 // Two passes (the first is warm-up) of moe_layer<P>; returns the stats of the second.

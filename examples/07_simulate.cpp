@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "args.hpp"
+#include "process.hpp"
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/epmoe.hpp>
@@ -274,7 +275,7 @@ layer_config validation_config(const args& a) {
 
 sim::calibration calibrate_here(const args& a) {
   const auto o = sim::options_for(validation_config(a), a.tokens);
-  sim::map_large_buffers_fresh();
+  programs::map_large_buffers_fresh();
   const int blas = sim::share_blas_threads(a.ranks);
   std::printf("%d BLAS thread(s) per rank\n", blas);
   const auto c = sim::calibrate(o);
@@ -288,7 +289,7 @@ template <class Source>
 int validate(const args& a, const Source& src) {
   const layer_config cfg = validation_config(a);
   const auto w = sim::hand_gate_weights(cfg);
-  sim::map_large_buffers_fresh();
+  programs::map_large_buffers_fresh();
   const int blas = sim::share_blas_threads(a.ranks);
   std::vector<std::vector<stage_times>> real(static_cast<std::size_t>(a.ranks));
   std::vector<sim::validation_round> rounds;

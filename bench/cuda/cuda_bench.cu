@@ -30,8 +30,9 @@
 
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/capacity/factor.hpp>
-#include <epmoe/cuda/moe_layer.cuh>
+#include <epmoe/moe_layer.hpp>
 #include <epmoe/router/topk_softmax.hpp>
+#include <epmoe/space/cuda.cuh>
 
 namespace {
 
@@ -201,10 +202,11 @@ index_t largest(const std::vector<index_t>& tokens) {
   return *std::max_element(tokens.begin(), tokens.end());
 }
 
-// The layer's two grouped GEMMs over every expert's rows at the largest T: up (W1 and W3 of
-// each expert: 2E problems [m, H] x [F, H]^T) and down (E problems [m, F] x [H, F]^T),
-// each against one dense cuBLAS GEMM of the same FLOPs ([sum m, in] x [out, in]^T).
-std::vector<ratio_row> bench_gemm(const options& o, cublasHandle_t blas, cudaStream_t s,
+// The layer's grouped GEMMs over every expert's rows at the largest T, as the SwiGLU expert
+// calls them through the space (space.grouped_gemm_nt): up (W1, then W3: each E problems
+// [m, H] x [F, H]^T) and down (E problems [m, F] x [H, F]^T), each against one dense cuBLAS
+// GEMM of the same FLOPs ([sum m, in] x [out, in]^T).
+std::vector<ratio_row> bench_gemm(const options& o, const epmoe::space::cuda<bf16>& space,
                                   event_timer& timer) {
   const index_t total = largest(o.tokens) * top_k, H = o.hidden, F = o.ffn;
   const int E = o.experts;
@@ -212,46 +214,56 @@ std::vector<ratio_row> bench_gemm(const options& o, cublasHandle_t blas, cudaStr
   std::printf("grouped GEMM rows per expert:");
   for (index_t m : rows) std::printf(" %lld", (long long)m);
   std::printf(" (sum %lld)\n", (long long)total);
+  std::vector<index_t> offsets(static_cast<std::size_t>(E) + 1, 0);
+  for (int j = 0; j < E; ++j) offsets[j + 1] = offsets[j] + rows[j];
+  const auto d_offsets = upload(offsets);
   const index_t wide = std::max(H, F);
   const auto a = random_device(total * wide, 1.f, 11);
-  const auto w = random_device(2 * E * H * F, 1.f / std::sqrt(float(wide)), 12);  // W1|W3|W2
+  const auto w = random_device(3 * E * H * F, 1.f / std::sqrt(float(wide)), 12);  // W1|W3|W2
   epmoe::device_buffer<bf16> c(2 * total * wide);
+  const cudaStream_t s = space.caller();
 
   std::vector<ratio_row> out;
   for (const bool up : {true, false}) {
     const index_t in = up ? H : F, n_out = up ? F : H;
-    const int per_expert = up ? 2 : 1;  // up: W1 into c[0 .. total F), W3 into the next block
-    std::vector<epmoe::cuda_detail::gemm_problem> p;
-    index_t at = 0;
-    for (int j = 0; j < E; ++j) {
-      for (int q = 0; q < per_expert; ++q)
-        p.push_back({a.data() + at * in, in, w.data() + (q * E + j) * H * F, in,
-                     c.data() + q * total * n_out + at * n_out, n_out, rows[j], n_out, in});
-      at += rows[j];
-    }
-    epmoe::cuda_detail::grouped_gemm g(static_cast<int>(p.size()));
-    g.set(p.data(), static_cast<int>(p.size()), s);
-    EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
-    const index_t dense_out = per_expert * n_out;  // up: [total, H] x [2F, H]^T
+    const int calls = up ? 2 : 1;  // up: W1 into c[0 .. total F), W3 into the next block
+    const epmoe::grouped_rows<const bf16> x{a.data(), in, in, E, offsets.data(), d_offsets.data()};
+    const auto weights = [&](int q) {
+      return epmoe::stacked_view<const bf16>(w.data() + (up ? q : 2) * E * H * F, E, n_out, in);
+    };
+    const auto result = [&](int q) {
+      return epmoe::grouped_rows<bf16>{
+          c.data() + q * total * n_out, n_out, n_out, E, offsets.data(), d_offsets.data()};
+    };
+    const index_t dense_out = calls * n_out;  // up: [total, H] x [2F, H]^T
     const double flops = 2.0 * total * in * dense_out;
-    const double grouped = timer.median_seconds(
-        s, o.warmup, o.reps, [&] { g.run(blas, CUDA_R_16BF, CUDA_R_16BF, 0.f); });
+    const double grouped = timer.median_seconds(s, o.warmup, o.reps, [&] {
+      space.enter();
+      for (int q = 0; q < calls; ++q) space.grouped_gemm_nt(x, weights(q), result(q));
+      space.leave();
+    });
     const double dense = timer.median_seconds(s, o.warmup, o.reps, [&] {
-      epmoe::cuda_detail::gemm_nt(blas, CUDA_R_16BF, a.data(), in, w.data(), in, CUDA_R_16BF,
-                                  c.data(), dense_out, total, dense_out, in, 0.f);
+      space.enter();
+      space.gemm_nt(epmoe::matrix_view<const bf16>(a.data(), total, in),
+                    epmoe::matrix_view<const bf16>(w.data(), dense_out, in),
+                    epmoe::matrix_view<bf16>(c.data(), total, dense_out));
+      space.leave();
     });
     out.push_back(
-        {up ? "grouped GEMM up (W1, W3: 2E problems)" : "grouped GEMM down (W2: E problems)",
+        {up ? "grouped GEMM up (W1, W3: 2 grouped calls of E)" : "grouped GEMM down (W2: E)",
          "TFLOP/s", flops / grouped / 1e12, flops / dense / 1e12,
-         g.grouped() ? "cublasGemmGroupedBatchedEx" : "fallback: one cublasGemmEx per problem"});
+         "space::cuda::grouped_gemm_nt (cublasGemmGroupedBatchedEx, or one cublasGemmEx per "
+         "group where unsupported)"});
   }
   return out;
 }
 
-// Permute and un-permute + weighted reduce at the largest T, the layer's launches, against a
-// device-to-device copy of the same bytes (read + written).
-std::vector<ratio_row> bench_rows(const options& o, cudaStream_t s, event_timer& timer) {
+// Permute and un-permute + weighted reduce at the largest T, the layer's functors on the
+// space, against a device-to-device copy of the same bytes (read + written).
+std::vector<ratio_row> bench_rows(const options& o, const epmoe::space::cuda<bf16>& space,
+                                  event_timer& timer) {
   const index_t T = largest(o.tokens), H = o.hidden, n = T * top_k;
+  const cudaStream_t s = space.caller();
   // Assignment a = t*K + k goes to send row order[a]: rows shuffled, as sorting by expert
   // does to them.
   std::vector<std::int32_t> order(static_cast<std::size_t>(n)), row_token(order.size());
@@ -281,27 +293,30 @@ std::vector<ratio_row> bench_rows(const options& o, cudaStream_t s, event_timer&
 
   std::vector<ratio_row> out;
   {
-    // The layer's 16-byte path (H * 2 bytes is a multiple of 16 here).
-    const index_t u = H * static_cast<index_t>(sizeof(bf16)) / 16;
     const double t = timer.median_seconds(s, o.warmup, o.reps, [&] {
-      ck::gather_rows<<<ck::grid_for(n * u), ck::block_threads, 0, s>>>(
-          reinterpret_cast<const uint4*>(x.data()), u, d_row_token.data(), n, u,
-          reinterpret_cast<uint4*>(send.data()));
-      EPMOE_CUDA_CHECK(cudaGetLastError());
+      space.enter();
+      space.for_each_row(
+          n, H,
+          epmoe::rows::gather<bf16>{{x.data(), T, H}, d_row_token.data(), {send.data(), n, H}});
+      space.leave();
     });
     const double bytes = 2.0 * n * H * sizeof(bf16) + n * sizeof(std::int32_t);
-    out.push_back({"permute (gather_rows)", "GB/s", bytes / t / 1e9,
+    out.push_back({"permute (rows::gather)", "GB/s", bytes / t / 1e9,
                    copy_gbps(static_cast<index_t>(bytes / 2))});
   }
   {
-    constexpr int V = 16 / sizeof(bf16);
     const double t = timer.median_seconds(s, o.warmup, o.reps, [&] {
-      ck::combine_rows<bf16, V><<<ck::grid_for(T * H / V), ck::block_threads, 0, s>>>(
-          back.data(), H, d_slot.data(), d_weight.data(), top_k, nullptr, y.data(), H, T);
-      EPMOE_CUDA_CHECK(cudaGetLastError());
+      space.enter();
+      space.for_each_row(T, H,
+                         epmoe::rows::weighted_reduce<bf16>{{back.data(), n, H},
+                                                            d_slot.data(),
+                                                            {d_weight.data(), T, top_k},
+                                                            nullptr,
+                                                            {y.data(), T, H}});
+      space.leave();
     });
     const double bytes = double(n + T) * H * sizeof(bf16) + n * (sizeof(std::int32_t) + 4.0);
-    out.push_back({"un-permute + weighted reduce (combine_rows)", "GB/s", bytes / t / 1e9,
+    out.push_back({"un-permute + weighted reduce (rows::weighted_reduce)", "GB/s", bytes / t / 1e9,
                    copy_gbps(static_cast<index_t>(bytes / 2))});
   }
   return out;
@@ -362,11 +377,17 @@ std::vector<layer_row> bench_layer(const options& o, event_timer& timer) {
   const layer_weights w(E, H, F);
   const auto x = random_device(Tmax * H, 1.f, 41);
   epmoe::device_buffer<bf16> y(Tmax * H);
-  epmoe::moe_layer<dynamic_policies> dyn(cfg, epmoe::comm::local{},
-                                         w.views<dynamic_policies>(E, H, F));
-  epmoe::moe_layer<static_policies> fixed(cfg, epmoe::comm::local{},
-                                          w.views<static_policies>(E, H, F));
-  static_assert(epmoe::moe_layer<static_policies>::static_mode);
+  // Each layer ordered on a stream of ours (the caller's stream: events and graph capture).
+  cudaStream_t dyn_stream, fixed_stream;
+  EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&dyn_stream, cudaStreamNonBlocking));
+  EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&fixed_stream, cudaStreamNonBlocking));
+  epmoe::moe_layer<dynamic_policies> dyn(
+      cfg, epmoe::comm::local{}, w.views<dynamic_policies>(E, H, F), {}, {},
+      epmoe::placement::block(cfg), typename dynamic_policies::space(dyn_stream));
+  epmoe::moe_layer<static_policies> fixed(
+      cfg, epmoe::comm::local{}, w.views<static_policies>(E, H, F), {}, {},
+      epmoe::placement::block(cfg), typename static_policies::space(fixed_stream));
+  if (!fixed.static_shapes()) throw std::logic_error("cuda_bench: static_policies not static");
 
   std::vector<layer_row> out;
   for (const index_t T : o.tokens) {
@@ -378,30 +399,30 @@ std::vector<layer_row> bench_layer(const options& o, event_timer& timer) {
     };
 
     // Dynamic (dropless): one host sync per pass for the counts.
-    poison(y.data(), T * H, dyn.stream());
+    poison(y.data(), T * H, dyn_stream);
     const auto t_dyn = timer.seconds(
-        dyn.stream(), o.warmup, o.reps, [&] { dyn.forward(xv, yv); }, keep_stages(dyn));
+        dyn_stream, o.warmup, o.reps, [&] { dyn.forward(xv, yv); }, keep_stages(dyn));
     out.push_back(fill_row(dyn, T, "dynamic", median(t_dyn), median_stages(stages)));
     out.back().finite = all_finite(y.data(), T * H);
 
-    // Static, eager: the first pass at this T sets the padded layout (outside any capture).
+    // Static, eager.
     stages.clear();
-    poison(y.data(), T * H, fixed.stream());
+    poison(y.data(), T * H, fixed_stream);
     const auto t_eager = timer.seconds(
-        fixed.stream(), o.warmup, o.reps, [&] { fixed.forward(xv, yv); }, keep_stages(fixed));
+        fixed_stream, o.warmup, o.reps, [&] { fixed.forward(xv, yv); }, keep_stages(fixed));
     out.push_back(fill_row(fixed, T, "static_eager", median(t_eager), median_stages(stages)));
     out.back().finite = all_finite(y.data(), T * H);
 
     // Static, captured once and replayed: no host work, no launch gaps.
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
-    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(fixed.stream(), cudaStreamCaptureModeThreadLocal));
+    EPMOE_CUDA_CHECK(cudaStreamBeginCapture(fixed_stream, cudaStreamCaptureModeThreadLocal));
     fixed.forward(xv, yv);
-    EPMOE_CUDA_CHECK(cudaStreamEndCapture(fixed.stream(), &graph));
+    EPMOE_CUDA_CHECK(cudaStreamEndCapture(fixed_stream, &graph));
     EPMOE_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    poison(y.data(), T * H, fixed.stream());
-    const double t_graph = timer.median_seconds(fixed.stream(), o.warmup, o.reps, [&] {
-      EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, fixed.stream()));
+    poison(y.data(), T * H, fixed_stream);
+    const double t_graph = timer.median_seconds(fixed_stream, o.warmup, o.reps, [&] {
+      EPMOE_CUDA_CHECK(cudaGraphLaunch(exec, fixed_stream));
     });
     // Stage times of a replay are not recorded (no events in a graph): the eager ones stand.
     out.push_back(fill_row(fixed, T, "static_graph", t_graph, out.back().stages));
@@ -525,20 +546,17 @@ int main(int argc, char** argv) try {
   event_timer timer;
   cudaStream_t s = nullptr;
   EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cublasHandle_t blas = nullptr;
-  EPMOE_CUDA_CHECK(cublasCreate(&blas));
-  EPMOE_CUDA_CHECK(cublasSetStream(blas, s));
   std::vector<ratio_row> ratios;
   {
-    // The layer's cuBLAS setup: a 32 MiB workspace of its own on its stream.
-    epmoe::device_buffer<char> ws(32 << 20);
-    EPMOE_CUDA_CHECK(cublasSetWorkspace(blas, ws.data(), ws.size()));
-    ratios = bench_gemm(o, blas, s, timer);
-    const auto rows = bench_rows(o, s, timer);
+    // The layer's primitives, on a space of its own ordered on s (its cuBLAS handle and
+    // workspaces, as a layer's).
+    const epmoe::space::cuda<bf16> space(s);
+    space.reserve(8, o.experts, 1024);
+    ratios = bench_gemm(o, space, timer);
+    const auto rows = bench_rows(o, space, timer);
     ratios.insert(ratios.end(), rows.begin(), rows.end());
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
   }
-  EPMOE_CUDA_CHECK(cublasDestroy(blas));
   EPMOE_CUDA_CHECK(cudaStreamDestroy(s));
 
   const std::vector<layer_row> layer = bench_layer(o, timer);

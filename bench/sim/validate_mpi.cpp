@@ -13,6 +13,7 @@
 #include <string>
 
 #include "../../examples/args.hpp"
+#include "../../examples/process.hpp"
 #include <epmoe/comm/mpi.hpp>  // brings <mpi.h>
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/validate.hpp>
@@ -63,7 +64,7 @@ int main(int argc, char** argv) try {
                          .max_recv_rows = bound};
   const auto src = skew > 0 ? sim::zipf(E, skew, K, T, seed) : sim::uniform(E, K, T, seed);
   comm::mpi c(MPI_COMM_WORLD);
-  sim::map_large_buffers_fresh();
+  programs::map_large_buffers_fresh();
   const int blas = sim::share_blas_threads(R);
   const auto w = sim::hand_gate_weights(cfg);
   const auto rounds_out = sim::run_rounds(

@@ -17,11 +17,12 @@
 
 #include "../args.hpp"
 #include <epmoe/capacity/dropless.hpp>
-#include <epmoe/cuda/moe_layer.cuh>
+#include <epmoe/moe_layer.hpp>
 #include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
 #include <epmoe/router/topk_softmax.hpp>
+#include <epmoe/space/cuda.cuh>
 
 namespace {
 
@@ -121,10 +122,14 @@ int main(int argc, char** argv) try {
   const auto x = upload(x_host);
   epmoe::device_buffer<bf16> y(T * H);
 
-  // One rank holds every expert (slot j = expert j).
+  // One rank holds every expert (slot j = expert j). The layer is ordered on our stream:
+  // each pass waits for the work queued on it, and later work there waits for the pass.
+  cudaStream_t stream;
+  EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   epmoe::moe_layer<policies> layer(
       cfg, epmoe::comm::local{},
-      {{gate.data(), E, H}, {{w1.data(), E, F, H}, {w3.data(), E, F, H}, {w2.data(), E, H, F}}});
+      {{gate.data(), E, H}, {{w1.data(), E, F, H}, {w3.data(), E, F, H}, {w2.data(), E, H, F}}}, {},
+      {}, epmoe::placement::block(cfg), epmoe::space::cuda<bf16>(stream));
 
   // Warm up (cuBLAS heuristics, module load), then time passes with events; median.
   for (int i = 0; i < 3; ++i) layer.forward({x.data(), T, H}, {y.data(), T, H});
@@ -134,9 +139,9 @@ int main(int argc, char** argv) try {
   EPMOE_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<float> ms;
   for (int i = 0; i < 20; ++i) {
-    EPMOE_CUDA_CHECK(cudaEventRecord(start, layer.stream()));
+    EPMOE_CUDA_CHECK(cudaEventRecord(start, stream));
     layer.forward({x.data(), T, H}, {y.data(), T, H});
-    EPMOE_CUDA_CHECK(cudaEventRecord(stop, layer.stream()));
+    EPMOE_CUDA_CHECK(cudaEventRecord(stop, stream));
     EPMOE_CUDA_CHECK(cudaEventSynchronize(stop));
     ms.emplace_back();
     EPMOE_CUDA_CHECK(cudaEventElapsedTime(&ms.back(), start, stop));
@@ -165,7 +170,7 @@ int main(int argc, char** argv) try {
               s.expert_flops / (s.time.experts > 0 ? s.time.experts : 1) / 1e12);
 
   // Poison y, run once more, and compare with the reference: every element must be written.
-  EPMOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xff, sizeof(bf16) * T * H, layer.stream()));
+  EPMOE_CUDA_CHECK(cudaMemsetAsync(y.data(), 0xff, sizeof(bf16) * T * H, stream));
   layer.forward({x.data(), T, H}, {y.data(), T, H});
   layer.synchronize();
   std::vector<bf16> y_dev(static_cast<std::size_t>(T * H));

@@ -554,25 +554,35 @@ struct trace_point {
 /// SwiGLU that also records one row's input and output: the tour's window into the rows
 /// the layer dispatches and returns (they live in its private workspace).
 struct traced_swiglu : expert::swiglu {
-  struct weights : expert::swiglu::weights {
+  using base = expert::swiglu;
+  template <class T>
+  struct weights_of : base::weights_of<T> {
     trace_point* trace = nullptr;
   };
+  template <class T>
+  static auto tensors(weights_of<T>& w) {
+    return base::tensors(static_cast<base::weights_of<T>&>(w));
+  }
+  template <class T>
+  static weights_of<T> slice(const weights_of<T>& w, index_t first, index_t n) {
+    return {base::slice(w, first, n), nullptr};  // a shared expert: not traced
+  }
 
-  template <class Space>
-  static void forward(const Space& space, const weights& w, index_t j, matrix_view<float> x,
-                      float* scratch) {
+  template <class Space, class T>
+  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch) {
     trace_point* tp = w.trace;
-    bool hit = tp && tp->slot == j;
+    bool hit = tp && tp->slot < x.groups;
     index_t row = 0;
-    if (hit) {  // the block (chunk 0, source, j) sits in expert j's rows at regroup_offsets
+    if (hit) {  // the block (chunk 0, source, slot) sits at regroup_offsets, expert-major
       const dispatch_plan& p = *tp->plan;
-      row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position -
-            p.expert_offsets[tp->slot];
-      hit = row >= 0 && row < x.rows;  // else nothing is recorded and the step reports it
-      if (hit) tp->in.assign(x.row(row), x.row(row) + x.cols);
+      row = p.regroup_offsets[p.block(0, tp->source, tp->slot)] + tp->position - x.offsets[0];
+      // else nothing is recorded and the step reports it
+      hit =
+          row >= x.offsets[tp->slot] - x.offsets[0] && row < x.offsets[tp->slot + 1] - x.offsets[0];
+      if (hit) tp->in.assign(x.data + row * x.stride, x.data + row * x.stride + x.cols);
     }
-    expert::swiglu::forward(space, w, j, x, scratch);
-    if (hit) tp->out.assign(x.row(row), x.row(row) + x.cols);
+    base::forward(space, static_cast<const base::weights_of<T>&>(w), x, scratch);
+    if (hit) tp->out.assign(x.data + row * x.stride, x.data + row * x.stride + x.cols);
   }
 };
 

@@ -17,20 +17,25 @@
 #include "epmoe/capacity/dropless.hpp"
 #include "epmoe/comm/local.hpp"
 #include "epmoe/core/agreement.hpp"
+#include "epmoe/core/checks.hpp"
+#include "epmoe/core/clock.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
 #include "epmoe/core/exchange.hpp"
 #include "epmoe/core/losses.hpp"
+#include "epmoe/core/options.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/routing.hpp"
 #include "epmoe/core/rows.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/core/workspace.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/placement/block.hpp"
 #include "epmoe/placement/relocate.hpp"
 #include "epmoe/placement/table.hpp"
+#include "epmoe/router/gate.hpp"
 #include "epmoe/router/route.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/sequential.hpp"
@@ -48,15 +53,18 @@ struct default_policies {
   using comm = comm::local;
   using expert = expert::swiglu;
   using schedule = schedule::sequential;
+  static constexpr layer_options options{};
 };
 
-/// One rank's share of an expert-parallel MoE layer.
+/// One rank's share of an expert-parallel MoE layer, on any space (host threads, CUDA).
 ///
 /// Each forward pass routes the rank's T tokens, sends every (token, expert) row to the rank
 /// holding that expert (all-to-all #1), runs the local experts on what arrives, returns the
 /// outputs (all-to-all #2) and sums each token's K outputs, weighted, at home. Every rank of
 /// the communicator calls forward() the same number of times (T may differ, even be 0).
 /// All workspace is allocated at construction from `max_tokens`; forward allocates nothing.
+/// The layer owns what is the same on every space (checks, agreement, workspace layout,
+/// schedule, stats, API); the stages are the space's primitives and the comm's transport.
 template <class Policies = default_policies>
 class moe_layer {
  public:
@@ -67,38 +75,36 @@ class moe_layer {
   using comm_type = typename Policies::comm;
   using expert_type = typename Policies::expert;
   using schedule_type = typename Policies::schedule;
+  /// Element type of activations and weights (float on the host; float/bf16/fp16 on CUDA).
+  using value_type = typename space_type::value_type;
 
-  static_assert(space_policy<space_type>,
-                "epmoe: the space policy must provide allocate<T>(n) returning a buffer with "
-                "data(), gemm_nt(a, b, c) and synchronize() (see space/host.hpp)");
-  static_assert(router_policy<router_type>,
-                "epmoe: the router policy must provide `static constexpr int top_k`, "
-                "`static constexpr bool uses_gate` and either route_token(const token_input&, "
-                "int* ids, float* weights) const (see router/topk_softmax.hpp) or "
-                "route_batch(...) with scratch_floats/scratch_ints (see router/expert_choice.hpp)");
-  static_assert(placement_policy<placement_type>,
-                "epmoe: the placement policy must be constructible from layer_config and "
-                "provide slots_per_rank(), expert_at(rank, j) and slot_for(expert, home rank, "
-                "token id) (see placement/block.hpp)");
-  static_assert(capacity_policy<capacity_type>,
-                "epmoe: the capacity policy must provide `static constexpr bool pads` and "
-                "limit(const layer_config&, index_t tokens) const (see capacity/factor.hpp)");
-  static_assert(communicator<comm_type>,
-                "epmoe: the comm policy must provide rank(), size(), alltoall(send, recv, n) "
-                "and alltoallv(send, counts, displs, recv, counts, displs) (see comm/local.hpp)");
-  static_assert(expert_policy<expert_type>,
-                "epmoe: the expert policy must provide a `weights` type and static "
-                "validate(cfg, w), validate(w, count, hidden, ffn, name), flops_per_row(hidden, "
-                "ffn), scratch_per_row(ffn) and forward(space, w, j, rows, scratch) (see "
-                "expert/swiglu.hpp)");
-  /// Whether the comm can start an exchange and wait for it later (ialltoallv); without it
-  /// every exchange blocks and a pipelined schedule has nothing to overlap.
-  static constexpr bool async_comm = detail::exchange<comm_type, space_type, false>::async;
-  using request_type = typename detail::request_of<comm_type, async_comm>::type;
+  // One check per member each slot must provide; a missing one is named (core/checks.hpp).
+  static_assert(checks::space<space_type>());
+  static_assert(checks::router<router_type>());
+  static_assert(checks::placement<placement_type>());
+  static_assert(checks::capacity<capacity_type>());
+  static_assert(checks::comm<comm_type>());
+  static_assert(checks::expert<expert_type, space_type>());
+  static_assert(checks::schedule<schedule_type>());
+  static_assert(
+      !requires { Policies::dedup; },
+      "epmoe: declare per-rank dedup as `static constexpr epmoe::layer_options options{.dedup = "
+      "true};` in the policy bundle (core/options.hpp), not as a member `dedup`");
 
-  /// Per-rank dedup (Policies::dedup = true): a token sends one row to each rank that holds
-  /// any of its experts, that rank returns one weighted sum (as DeepEP and Tutel do).
-  static constexpr bool dedup = requires { requires Policies::dedup; };
+  /// The bundle's options (core/options.hpp).
+  static constexpr layer_options options = detail::options_of<Policies>();
+  /// Per-rank dedup: a token sends one row to each rank that holds any of its experts, that
+  /// rank returns one weighted sum (as DeepEP and Tutel do).
+  static constexpr bool dedup = options.dedup;
+  static_assert(!(dedup && capacity_type::pads),
+                "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
+                "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
+                "capacity::dropless with dedup");
+
+  using transport_type = transport<comm_type, space_type>;
+  /// Whether the comm can start an exchange and wait for it later; without it every exchange
+  /// blocks and a pipelined schedule has nothing to overlap.
+  static constexpr bool async_comm = transport_type::async;
 
   /// Exchange units a schedule keeps in flight: with config max_recv_rows the receive buffer
   /// holds this many rounds at once (sequential: one; pipelined: dispatch of i+1, experts of
@@ -109,22 +115,16 @@ class moe_layer {
     else
       return std::is_same_v<schedule_type, schedule::sequential> ? 1 : 3;
   }();
-  static_assert(!(dedup && capacity_type::pads),
-                "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
-                "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
-                "capacity::dropless with dedup");
 
-  static_assert(schedule_policy<schedule_type>,
-                "epmoe: the schedule policy must provide static run(stages&) calling route, "
-                "plan, permute, shared, counts, then per chunk dispatch_start/wait, experts, "
-                "combine_start/wait, then reduce (see schedule/sequential.hpp)");
+  using expert_weights = typename expert_type::template weights_of<value_type>;
 
-  /// The weights one rank holds (non-owning; they must outlive the layer).
+  /// The weights one rank holds (non-owning views in the space's memory; they must outlive
+  /// the layer).
   struct weights {
-    matrix_view<const float> gate;           // [E, H] router gate, the same on every rank
-    typename expert_type::weights experts;   // this rank's L = E/R experts
-    typename expert_type::weights shared{};  // [N] shared experts (config shared_experts)
-    matrix_view<const float> noise_gate{};   // [E, H] noisy top-k's noise projection
+    matrix_view<const value_type> gate;          // [E, H] router gate, the same on every rank
+    expert_weights experts;                      // this rank's slots, local-slot order
+    expert_weights shared{};                     // [N] shared experts (config shared_experts)
+    matrix_view<const value_type> noise_gate{};  // [E, H] noisy top-k's noise projection
   };
 
   /// Validates everything (throws config_error naming the field), agrees with the other
@@ -141,15 +141,24 @@ class moe_layer {
         w_(w),
         router_(router),
         capacity_(capacity),
-        space_(space),
+        space_(std::move(space)),
         placement_(std::move(placement)),
         stats_(cfg_.experts, placement_.slots_per_rank(), cfg_.ranks),
-        width_(router_type::top_k > 0 ? router_type::top_k : cfg_.experts) {
-    chunks_max_ = chunks_ = cfg_.chunks > 0 ? cfg_.chunks : default_chunks();
-    ex_.bind(&comm_, &space_, &plan_, &stats_, &pass_start_);
+        width_(router::routing_width<router_type>(cfg_)),
+        chunks_max_(cfg_.chunks > 0 ? cfg_.chunks : default_chunks()),
+        chunks_(chunks_max_),
+        layout_(layout_of(cfg_, width_, placement_.slots_per_rank(), chunks_max_, capacity_)),
+        plan_(space_, layout_, dedup),
+        ex_(comm_, space_, layout_),
+        clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks, 3 * units_max(),
+               2 * units_max() + 1) {
     allocate_workspace();
+    place_placement();
     adopt_router_bias();  // a bias given with the router starts the layer's own
   }
+
+  moe_layer(const moe_layer&) = delete;
+  moe_layer& operator=(const moe_layer&) = delete;
 
   /// Chunks of the next passes (1 .. the config's chunks, or the schedule's default): the
   /// run-time override of a pipelined schedule's overlap degree. Every rank must set the same.
@@ -162,33 +171,19 @@ class moe_layer {
   }
   int chunks() const { return chunks_; }
 
-  moe_layer(const moe_layer&) = delete;
-  moe_layer& operator=(const moe_layer&) = delete;
-
-  /// y [T, H] = MoE(x [T, H]), T <= max_tokens, row-major with row strides. Collective:
-  /// every rank calls it, each with its own T (0 is fine). token_ids [T] are the tokens'
-  /// vocabulary ids, needed by routers that hash them (router::hash); other routers use
-  /// them, when given, as the token's identity for seeded training noise. Invalid inputs
-  /// throw config_error on this rank and input_error on every peer, before any row moves
-  /// and with y untouched.
-  void forward(matrix_view<const float> x, matrix_view<float> y,
+  /// y [T, H] = MoE(x [T, H]), T <= max_tokens, row-major with row strides, in the space's
+  /// memory. Collective: every rank calls it, each with its own T (0 is fine). token_ids [T]
+  /// are the tokens' vocabulary ids, needed by routers that hash them (router::hash); other
+  /// routers use them, when given, as the token's identity for seeded training noise.
+  /// Invalid inputs throw config_error on this rank and input_error on every peer, before any
+  /// row moves and with y untouched.
+  void forward(matrix_view<const value_type> x, matrix_view<value_type> y,
                std::span<const std::int64_t> token_ids = {}) {
     std::exception_ptr bad;
     try {
       check_inputs(x, y);
-      if constexpr (router_needs_token_ids<router_type>)
-        detail::require(token_ids.size() == static_cast<std::size_t>(x.rows), "token_ids",
-                        token_ids.size(), "this router hashes token ids: pass one per token");
-      else
-        detail::require(token_ids.empty() || token_ids.size() == static_cast<std::size_t>(x.rows),
-                        "token_ids", token_ids.size(), "must be empty or one id per token");
-      if constexpr (router_with_noise_gate<router_type>)
-        if (router_.training)
-          detail::require_shape(w_.noise_gate, cfg_.experts, cfg_.hidden, "weights.noise_gate");
-      // The router may have changed since the last pass (router(), router_bias()): a bad
-      // setting is rejected here, on every rank, not mid-pass on one.
-      if constexpr (router_with_bias<router_type>) adopt_router_bias();
-      if constexpr (router_with_validate<router_type>) router_.validate(cfg_);
+      check_token_ids(token_ids, x.rows);
+      check_router();
     } catch (const config_error&) {
       bad = std::current_exception();
     }
@@ -196,11 +191,12 @@ class moe_layer {
   }
 
   /// The same with the routing given instead of computed: ids [T, K] in [0, E) (or
-  /// no_expert = -1 for an empty slot), distinct within a token, weights [T, K] finite and >= 0, K
-  /// = the router's top_k (E for expert choice). The router and its gate are not used; losses are
-  /// zero. A bad entry throws input_error naming it ("routing.ids[5][1] = 99: must be in [0, 64)")
-  /// on this rank and input_error on every peer, before any row moves; y is untouched.
-  void forward(matrix_view<const float> x, routing_view routing, matrix_view<float> y) {
+  /// no_expert = -1 for an empty slot), distinct within a token, weights [T, K] finite and >= 0,
+  /// K = the router's top_k (E for expert choice), host memory. The router and its gate are
+  /// not used; losses are zero. A bad entry throws input_error naming it
+  /// ("routing.ids[5][1] = 99: must be in [0, 64)") on this rank and input_error on every peer,
+  /// before any row moves; y is untouched.
+  void forward(matrix_view<const value_type> x, routing_view routing, matrix_view<value_type> y) {
     std::exception_ptr bad;
     try {
       check_inputs(x, y);
@@ -212,34 +208,67 @@ class moe_layer {
   }
 
   const layer_config& config() const { return cfg_; }
-  const pass_stats& stats() const { return stats_; }
+  /// What the last pass did (waits for it on a device space): rows, drops, bytes, FLOPs,
+  /// losses and stage times.
+  const pass_stats& stats() const {
+    if (pending_) resolve_stats();
+    return stats_;
+  }
   const placement_type& placement() const { return placement_; }
   const comm_type& comm() const { return comm_; }
+  const space_type& space() const { return space_; }
   int rank() const { return comm_.rank(); }
   /// The router, to inspect or change its settings (e.g. `training`) between passes; they
   /// are checked at the next forward. For sigmoid_bias, `router().bias` points at the
   /// layer's bias (router_bias()); pointing it at other values loads those at the next pass.
   router_type& router() { return router_; }
   const router_type& router() const { return router_; }
-  /// Expert ids and weights of the last pass, [T, slots]; empty slots hold no_expert.
-  routing_view last_routing() const { return {ids_view(tokens_), weights_view(tokens_)}; }
+  /// Expert ids and weights of the last pass, [T, slots], host memory; empty slots hold
+  /// no_expert (waits for the pass on a device space).
+  routing_view last_routing() const {
+    space_.to_host(ids_, 0, tokens_ * width_);
+    space_.to_host(weights_, 0, tokens_ * width_);
+    space_.synchronize();
+    return {{ids_.host(), tokens_, width_}, {weights_.host(), tokens_, width_}};
+  }
   /// Rows of the receive buffer: with config max_recv_rows at most that, else R*T*min(K, L).
   index_t receive_buffer_rows() const { return ex_.receive_buffer_rows(); }
-  /// Where each assignment of the last pass went.
-  const dispatch_plan& last_plan() const { return plan_; }
+  /// Where each assignment of the last pass went (per-assignment arrays in the space's
+  /// memory, per-block arrays on the host).
+  const dispatch_plan& last_plan() const { return plan_.host(); }
   /// Which assignments of the last pass capacity dropped: mask(t, k) for t < T, k < slots
   /// (the last_routing() shape); empty slots are not drops; count() == stats().dropped. A
-  /// view of the plan (no copy): valid until the next pass.
-  drop_mask dropped() const { return {plan_.slot, plan_.phys, tokens_, width_}; }
+  /// view of the plan's host copy (on a device space the call copies it and waits): valid
+  /// until the next pass.
+  drop_mask dropped() const {
+    const auto& m = plan_.routes();
+    const index_t n = layout_.tokens * width_;
+    space_.to_host(m, 0, 2 * n);
+    space_.synchronize();
+    return {m.host(), m.host() + n, tokens_, width_};
+  }
   /// Passes run so far (the counter behind seeded training noise).
   std::uint64_t passes() const { return pass_; }
+  /// The workspace's sizes (the same on every space).
+  const workspace_layout& layout() const { return layout_; }
+  /// Waits for the rank's last pass (a no-op on the host). With static shapes on a device
+  /// (padded capacity, one chunk: nothing waits during a pass) this is where a pass whose
+  /// inputs a rank rejected throws input_error; it wrote nothing to y.
+  void synchronize() const { stats(); }
+  /// Whether passes have static shapes (padded capacity, one chunk, a router that decides per
+  /// token): the layout is fixed by max_tokens, and on a device a pass never waits for the
+  /// host, so it can be captured in a CUDA graph.
+  bool static_shapes() const {
+    return capacity_type::pads && token_router<router_type> && chunks_ == 1;
+  }
 
   /// The router's per-expert selection bias [E] (routers with has_bias), the layer's own
-  /// copy: read it, or write a trained model's bias into it (checked at the next forward).
-  /// It starts as the constructor's router.bias (or zeros). Every rank must hold the same.
+  /// host copy: read it, or write a trained model's bias into it (checked at the next
+  /// forward). It starts as the constructor's router.bias (or zeros). Every rank must hold
+  /// the same.
   std::span<float> router_bias() requires router_with_bias<router_type> {
     adopt_router_bias();
-    return {bias_.data(), static_cast<std::size_t>(cfg_.experts)};
+    return {bias_.host(), static_cast<std::size_t>(cfg_.experts)};
   }
 
   /// Collective live re-placement (placement::table): switches to `next` (same experts,
@@ -250,19 +279,22 @@ class moe_layer {
   /// weights or the new ones. Returns the bytes of weights this rank's slots received.
   index_t apply_placement(
       const placement::table& next) requires std::same_as<placement_type, placement::table> {
-    auto views = expert_tensors(w_.experts);
-    std::array<stacked_view<float>, std::tuple_size_v<decltype(views)>> owned;
-    for (std::size_t k = 0; k < views.size(); ++k) {
-      stacked_view<const float>& v = *views[k];
-      if (owned_experts_.size() < views.size()) {  // first move: a copy the layer may write
-        owned_experts_.push_back(space_.template allocate<float>(v.count * v.batch_stride));
-        copy_stack(v, owned_experts_.back().data());
-        v = {owned_experts_.back().data(), v.count, v.rows, v.cols, v.stride, v.batch_stride};
-      }
-      owned[k] = {owned_experts_[k].data(), v.count, v.rows, v.cols, v.stride, v.batch_stride};
+    auto views = expert_type::tensors(w_.experts);
+    constexpr std::size_t N = std::tuple_size_v<decltype(views)>;
+    if (owned_experts_.empty()) own_experts(views);
+    // The move runs on host copies (a device space stages its slots through them).
+    std::array<stacked_view<value_type>, N> staged;
+    for (std::size_t k = 0; k < N; ++k) {
+      const stacked_view<const value_type>& v = *views[k];
+      space_.to_host(owned_experts_[k], 0, owned_experts_[k].size());
+      staged[k] = {owned_experts_[k].host(), v.count, v.rows, v.cols};
     }
-    const index_t received = placement::relocate(comm_, placement_, next, owned);
+    space_.synchronize();
+    const index_t received = placement::relocate(comm_, placement_, next, staged);
+    for (auto& m : owned_experts_) space_.to_device(m, 0, m.size());
+    space_.synchronize();
     placement_ = next;
+    place_placement();
     return received;
   }
 
@@ -275,11 +307,12 @@ class moe_layer {
   };
   global_load gather_load() {
     const int R = cfg_.ranks, E = cfg_.experts, W = E + 1;
+    const pass_stats& s = stats();
     std::vector<index_t> send(static_cast<std::size_t>(R * W)), recv(send.size());
     index_t computed = 0;
-    for (index_t n : stats_.rows_per_local_expert) computed += n;
+    for (index_t n : s.rows_per_local_expert) computed += n;
     for (int r = 0; r < R; ++r) {
-      std::copy_n(stats_.routed_per_expert.begin(), E, send.begin() + r * W);
+      std::copy_n(s.routed_per_expert.begin(), E, send.begin() + r * W);
       send[static_cast<std::size_t>(r * W + E)] = computed;
     }
     comm_.alltoall(send.data(), recv.data(), W);
@@ -299,7 +332,7 @@ class moe_layer {
     const int R = cfg_.ranks, E = cfg_.experts;
     // An all-reduce through the comm's all-to-all: send the local load to every rank.
     for (int r = 0; r < R; ++r)
-      std::copy_n(plan_.routed, E, load_send_.begin() + static_cast<std::size_t>(r) * E);
+      std::copy_n(plan_.host().routed, E, load_send_.begin() + static_cast<std::size_t>(r) * E);
     comm_.alltoall(load_send_.data(), load_recv_.data(), E);
     for (int e = 0; e < E; ++e) {
       index_t sum = 0;
@@ -311,9 +344,12 @@ class moe_layer {
   }
 
  private:
-  using clock = std::chrono::steady_clock;
   template <class T>
   using buffer = typename space_type::template buffer<T>;
+  template <class T>
+  using mirror = typename space_type::template mirror<T>;
+  using exchange_type = exchange<comm_type, space_type, dedup>;
+  using mark = typename pass_clock<space_type>::mark;
 
   static int default_chunks() {
     if constexpr (requires { schedule_type::default_chunks; })
@@ -322,15 +358,45 @@ class moe_layer {
       return 1;
   }
 
-  static double seconds_since(clock::time_point t) {
-    return std::chrono::duration<double>(clock::now() - t).count();
+  static workspace_layout layout_of(const layer_config& cfg, int width, int L, int chunks,
+                                    const capacity_type& capacity) {
+    index_t router_cap = 0;
+    if constexpr (requires { router_type::capacity(cfg, index_t{}); })
+      router_cap = router_type::capacity(cfg, cfg.max_tokens);  // expert choice
+    return workspace_layout::of(
+        cfg, width, L, chunks, units_in_flight, capacity_type::pads,
+        [&](index_t T) { return capacity.limit(cfg, T); }, router_cap, sizeof(value_type));
   }
+  // Most exchange units of a pass (chunks, or with a bound every round of every chunk).
+  int units_max() const { return chunks_max_ * static_cast<int>(layout_.max_rounds); }
 
-  void check_inputs(matrix_view<const float> x, matrix_view<float> y) const {
+  void check_inputs(matrix_view<const value_type> x, matrix_view<value_type> y) const {
     detail::require(x.rows <= cfg_.max_tokens, "x.rows", x.rows,
                     "tokens per pass must be <= config max_tokens");
     detail::require_shape(x, x.rows, cfg_.hidden, "x");
     detail::require_shape(y, x.rows, cfg_.hidden, "y");
+  }
+
+  void check_token_ids(std::span<const std::int64_t> ids, index_t T) const {
+    if constexpr (router_needs_token_ids<router_type>)
+      detail::require(ids.size() == static_cast<std::size_t>(T), "token_ids", ids.size(),
+                      "this router hashes token ids: pass one per token");
+    else
+      detail::require(ids.empty() || ids.size() == static_cast<std::size_t>(T), "token_ids",
+                      ids.size(), "must be empty or one id per token");
+  }
+
+  // The router may have changed since the last pass (router(), router_bias()): a bad setting
+  // is rejected here, on every rank, not mid-pass on one.
+  void check_router() {
+    if constexpr (requires { router_.check(cfg_, w_.noise_gate); })
+      router_.check(cfg_, w_.noise_gate);  // e.g. noisy top-k's noise gate while training
+    adopt_router_bias();
+    if constexpr (router_with_validate<router_type>) {
+      router_type r = router_;  // its bias checked where the host can read it
+      if constexpr (router_with_bias<router_type>) r.bias = bias_.host();
+      r.validate(cfg_);
+    }
   }
 
   // Every entry of a user-supplied routing, before anything is written.
@@ -361,33 +427,40 @@ class moe_layer {
 
   // One pass. `bad` holds this rank's input error, if any: the rank then runs an empty pass
   // up to the counts exchange, which tells every rank, and all throw before a row moves.
-  void run_pass(matrix_view<const float> x, matrix_view<float> y,
+  void run_pass(matrix_view<const value_type> x, matrix_view<value_type> y,
                 std::span<const std::int64_t> token_ids, const routing_view* routing,
                 std::exception_ptr bad) {
     input_error_ = bad;
-    x_ = bad ? matrix_view<const float>{x.data, 0, cfg_.hidden, x.stride} : x;
+    x_ = bad ? matrix_view<const value_type>{x.data, 0, cfg_.hidden, x.stride} : x;
     y_ = y;
+    tokens_ = x_.rows;
     token_ids_ = bad ? std::span<const std::int64_t>{} : token_ids;
     given_ = bad ? nullptr : routing;
-    plan_.chunks = chunks_;
-    stats_.time = {};
-    stats_.began = {};
-    stats_.expert_flops = stats_.comm_seconds = stats_.exposed_comm_seconds = stats_.overlap = 0;
-    stats_.timeline.clear();  // keeps its capacity: no allocation
+    routing_given_ = given_ != nullptr;
+    plan_.host().chunks = chunks_;
     stats_.chunks = chunks_;
-    pass_start_ = clock::now();
-    stats_.started = std::chrono::duration<double>(pass_start_ - built_).count();
-    const auto start = clock::now();
+    stats_.expert_flops = 0;
+    stats_.started = seconds_since(built_);
+    pending_ = true;
+    space_.enter();
+    clock_.begin_pass();
+    const mark start = clock_.now();
     stage_runner stages{*this};
     schedule_type::run(stages);
-    space_.synchronize();
-    stats_.time.total = seconds_since(start);
+    space_.for_each(1, rows::advance{pass_counter_.device()});
+    clock_.stage(&stage_times::total, start, clock_.now());
+    space_.leave();
     ++pass_;
+    // Static shapes on a device: this rank's own error, once its part of the pass is queued.
+    if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
   }
 
-  static const layer_config& checked(const layer_config& cfg, const comm_type& comm,
-                                     const weights& w, const router_type& router,
-                                     const placement_type& placement) {
+  static double seconds_since(std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  }
+
+  static void checked(const layer_config& cfg, const comm_type& comm, const weights& w,
+                      const router_type& router, const placement_type& placement) {
     check_layer_policies(cfg, comm.size(), router, placement);
     if constexpr (router_type::uses_gate)
       detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
@@ -402,14 +475,13 @@ class moe_layer {
                       "capacity::dropless or capacity::factor<false> for a receive bound");
       detail::require(!dedup, "max_recv_rows", cfg.max_recv_rows,
                       "must be 0 with per-rank dedup (rounds split assignment rows, not unique "
-                      "rows): use dedup = false for a receive bound");
+                      "rows): use options.dedup = false for a receive bound");
       detail::require(cfg.max_recv_rows >= cfg.ranks * units_in_flight, "max_recv_rows",
                       cfg.max_recv_rows,
                       ("must be >= ranks * " + std::to_string(units_in_flight) +
                        " (rounds this schedule keeps in flight): every pair moves a row per round")
                           .c_str());
     }
-    return cfg;
   }
 
   // Collective start-up check: every rank validates its own inputs, then all ranks compare
@@ -422,143 +494,117 @@ class moe_layer {
     return cfg;
   }
 
-  // The stacked tensors of an expert weight bundle (SwiGLU: w1, w3, w2), to move them.
-  static auto expert_tensors(typename expert_type::weights& w) {
-    static_assert(
-        requires {
-          w.w1;
-          w.w3;
-          w.w2;
-        },
-        "epmoe: apply_placement moves expert weights with members w1, w3, w2 "
-        "(stacked_view); teach expert_tensors about this expert's weights");
-    return std::array<stacked_view<const float>*, 3>{&w.w1, &w.w3, &w.w2};
+  // A live re-placement's first move: the layer's own contiguous copy of its slots' weights
+  // (the caller's views stay untouched), copied in the space's memory.
+  template <class Views>
+  void own_experts(Views& views) {
+    for (stacked_view<const value_type>* v : views) {
+      detail::require(v->batch_stride % v->stride == 0, "weights.experts", v->batch_stride,
+                      "a live re-placement needs each tensor's batch stride to be a multiple of "
+                      "its row stride");
+      auto& m = owned_experts_.emplace_back(
+          space_.template allocate_mirror<value_type>(v->count * v->rows * v->cols));
+      auto& d = owned_desc_.emplace_back(space_.template allocate_mirror<index_t>(3 * v->count));
+      for (index_t s = 0; s < v->count; ++s) {  // slot s's rows: from, to, how many
+        d.host()[s] = s * (v->batch_stride / v->stride);
+        d.host()[v->count + s] = s * v->rows;
+        d.host()[2 * v->count + s] = v->rows;
+      }
+      space_.to_device(d, 0, d.size());
+      const index_t rows_in = (v->count - 1) * (v->batch_stride / v->stride) + v->rows;
+      space_.copy_blocks({v->data, rows_in, v->cols, v->stride},
+                         {m.device(), v->count * v->rows, v->cols}, v->count, d.device(),
+                         d.device() + v->count, d.device() + 2 * v->count);
+      *v = {m.device(), v->count, v->rows, v->cols};
+    }
+    space_.synchronize();
   }
 
-  static void copy_stack(const stacked_view<const float>& v, float* out) {
-    for (index_t s = 0; s < v.count; ++s)
-      for (index_t i = 0; i < v.rows; ++i)
-        std::copy_n(v[s].row(i), v.cols, out + s * v.batch_stride + i * v.stride);
+  // What the plan's per-assignment step holds of the placement: its view (plain pointers)
+  // with the arrays in the space's memory, or the placement itself (a small value).
+  void place_placement() {
+    if constexpr (requires {
+                    placement_.view_in([](std::span<const int>) -> const int* { return nullptr; });
+                  } &&
+                  device_space<space_type>) {
+      placement_arrays_.clear();
+      where_ = placement_.view_in([&](std::span<const int> v) -> const int* {
+        placement_arrays_.push_back(
+            space_.template allocate_mirror<int>(static_cast<index_t>(v.size())));
+        std::copy(v.begin(), v.end(), placement_arrays_.back().host());
+        space_.to_device(placement_arrays_.back(), 0, static_cast<index_t>(v.size()));
+        return placement_arrays_.back().device();
+      });
+      space_.synchronize();
+    } else {
+      where_ = placement_view(placement_);
+    }
   }
 
   // The router reads the layer's bias; values it was pointed at instead (the constructor's
   // router, router().bias = p) are copied in first, so no setting is silently dropped.
   void adopt_router_bias() {
     if constexpr (router_with_bias<router_type>) {
-      float* own = bias_.data();
-      if (router_.bias == own) return;
-      if (router_.bias)
-        std::copy_n(router_.bias, cfg_.experts, own);
-      else
-        std::fill_n(own, cfg_.experts, 0.f);
-      router_.bias = own;
+      float* own = bias_.host();
+      if (router_.bias != bias_.device() || router_.bias == nullptr) {
+        if (router_.bias && router_.bias != own)
+          std::copy_n(router_.bias, cfg_.experts, own);
+        else if (!router_.bias)
+          std::fill_n(own, cfg_.experts, 0.f);
+        router_.bias = bias_.device();
+      }
+      space_.to_device(bias_, 0, cfg_.experts);
     }
   }
 
   void allocate_workspace() {
-    const index_t T = cfg_.max_tokens, K = width_, E = cfg_.experts, R = cfg_.ranks;
-    const index_t L = placement_.slots_per_rank(), H = cfg_.hidden;
-    // Rows one source sends one expert: bounded by capacity, and by T (distinct experts).
-    index_t per_expert = std::min(T, capacity_.limit(cfg_, T));
-    if constexpr (requires { router_type::capacity(cfg_, T); })
-      per_expert = std::min(per_expert, router_type::capacity(cfg_, T));  // expert choice
-    const index_t per_expert_buf = capacity_type::pads ? capacity_.limit(cfg_, T) : per_expert;
-    const index_t send_rows =
-        capacity_type::pads ? R * L * per_expert_buf : std::min(T * K, R * L * per_expert);
-    const index_t from_one_rank =
-        capacity_type::pads ? L * per_expert_buf : std::min(T * std::min(K, L), L * per_expert);
-    const index_t recv_rows = R * from_one_rank;
-    index_t expert_rows = R * per_expert_buf;
-    const index_t M = cfg_.max_recv_rows;
-    const index_t quota = M > 0 ? std::max<index_t>(1, M / (R * units_in_flight)) : 0;
-    if (M > 0) expert_rows = std::min(expert_rows, R * std::min(quota, from_one_rank));
+    const index_t T = cfg_.max_tokens, K = width_, E = cfg_.experts, H = cfg_.hidden;
     const index_t N = cfg_.shared_experts;
-
-    const bool gate = router_type::uses_gate;
-    logits_ = space_.template allocate<float>(gate ? T * E : 0);
+    // A pass's grouped GEMMs: three per unit and per shared expert (the gate's are not).
+    space_.reserve(3 * units_max() + 3 * static_cast<int>(N) + 2,
+                   std::max(1, placement_.slots_per_rank()),
+                   std::max(layout_.plan_keys(), layout_.recv_buffer_rows) + 1);
+    logits_ = space_.template allocate_mirror<float>(router_type::uses_gate ? T * E : 0);
     if constexpr (router_with_noise_gate<router_type>)
       noise_logits_ = space_.template allocate<float>(T * E);
-    if constexpr (router_with_jitter<router_type>)
-      gate_input_ = space_.template allocate<float>(T * H);
+    gate_scratch_ = space_.template allocate<value_type>(router::gate_scratch<router_type>(cfg_));
     if constexpr (batch_router<router_type>) {
-      batch_floats_ = space_.template allocate<float>(router_type::scratch_floats(cfg_));
-      batch_ints_ = space_.template allocate<std::int32_t>(router_type::scratch_ints(cfg_));
+      batch_floats_.resize(static_cast<std::size_t>(router_type::scratch_floats(cfg_)));
+      batch_ints_.resize(static_cast<std::size_t>(router_type::scratch_ints(cfg_)));
     }
     if constexpr (router_type::uses_gate && has_probabilities<router_type>) {
       loss_probs_.resize(static_cast<std::size_t>(T * E));
       loss_acc_.resize(static_cast<std::size_t>(2 * E));
     }
     if constexpr (router_with_bias<router_type>) {
-      bias_ = space_.template allocate<float>(E);
-      load_send_.resize(static_cast<std::size_t>(R * E));
-      load_recv_.resize(static_cast<std::size_t>(R * E));
+      bias_ = space_.template allocate_mirror<float>(E);
+      load_send_.resize(static_cast<std::size_t>(cfg_.ranks * E));
+      load_recv_.resize(static_cast<std::size_t>(cfg_.ranks * E));
       global_load_.resize(static_cast<std::size_t>(E));
     }
-    ids_ = space_.template allocate<std::int32_t>(T * K);
-    weights_ = space_.template allocate<float>(T * K);
-    slot_ = space_.template allocate<std::int32_t>(T * K);
-    phys_ = space_.template allocate<std::int32_t>(T * K);
-    row_token_ = space_.template allocate<std::int32_t>(send_rows);
-    const index_t C = chunks_max_, B = C * R * L;
-    counts_ = space_.template allocate<index_t>(7 * B + 2 + R * L + C * L + 1 + E);
-    if constexpr (dedup) {
-      unique_slot_ = space_.template allocate<std::int32_t>(T * K);
-      unique_token_ = space_.template allocate<std::int32_t>(T * std::min(K, R));
-      unique_counts_ = space_.template allocate<index_t>(4 * C * R + 2);
-      meta_ = space_.template allocate<std::int64_t>(send_rows);
-      meta_recv_ = space_.template allocate<std::int64_t>(M > 0 ? 0 : recv_rows);
-      plan_.unique_slot = unique_slot_.data();
-      plan_.unique_token = unique_token_.data();
-      plan_.unique_counts = unique_counts_.data();
-      plan_.unique_offsets = plan_.unique_counts + C * R;
-      plan_.recv_unique_counts = plan_.unique_offsets + C * R + 1;
-      plan_.recv_unique_offsets = plan_.recv_unique_counts + C * R;
-      plan_.meta = meta_.data();
-      plan_.meta_recv = meta_recv_.data();
-    }
-    typename exchange_type::shape shape;
-    shape.ranks = cfg_.ranks;
-    shape.local_experts = static_cast<int>(L);
-    shape.chunks_max = chunks_max_;
-    shape.hidden = H;
-    shape.send_rows = send_rows;
-    shape.recv_rows = recv_rows;
-    shape.from_one_rank = from_one_rank;
-    shape.bound = M;
-    shape.live_units = units_in_flight;
-    shape.max_rounds = M > 0 ? (from_one_rank + quota - 1) / quota : 1;
-    ex_.allocate(shape, dedup ? meta_recv_.data() : nullptr);
+    ids_ = space_.template allocate_mirror<std::int32_t>(T * K);
+    pass_counter_ = space_.template allocate_mirror<std::uint64_t>(1);
+    shared_offsets_ = space_.template allocate_mirror<index_t>(2);
+    weights_ = space_.template allocate_mirror<float>(T * K);
     const index_t shared_scratch =
-        N > 0 ? T * expert_type::scratch_per_row(cfg_.shared_width()) : 0;
-    scratch_ = space_.template allocate<float>(
-        std::max(expert_rows * expert_type::scratch_per_row(cfg_.ffn), shared_scratch));
+        N > 0 ? T * expert_type::scratch_per_row(layout_.padded(cfg_.shared_width())) : 0;
+    scratch_ = space_.template allocate<value_type>(
+        std::max(layout_.expert_rows * expert_type::scratch_per_row(layout_.padded(cfg_.ffn)),
+                 shared_scratch));
     if (N > 0) {
-      shared_in_ = space_.template allocate<float>(T * H);
+      shared_in_ = space_.template allocate<value_type>(T * layout_.row_stride);
       shared_out_ = space_.template allocate<float>(T * H);
     }
-
-    index_t* c = counts_.data();
-    plan_.ranks = cfg_.ranks;
-    plan_.local_experts = static_cast<int>(L);
-    plan_.top_k = width_;
-    plan_.chunks = chunks_;
-    plan_.slot = slot_.data();
-    plan_.phys = phys_.data();
-    plan_.row_token = row_token_.data();
-    plan_.kept = c;
-    plan_.send_counts = c += R * L;
-    plan_.send_valid = c += B;
-    plan_.send_offsets = c += B;
-    plan_.recv_counts = c += B + 1;
-    plan_.recv_valid = c += B;
-    plan_.recv_offsets = c += B;
-    plan_.regroup_offsets = c += B + 1;
-    plan_.expert_offsets = c += B;
-    plan_.routed = c += C * L + 1;
+    stats_.timeline.reserve(static_cast<std::size_t>(3 * units_max()));
+    stats_.recv_buffer_rows = ex_.receive_buffer_rows();
   }
 
-  matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.data(), T, width_}; }
-  matrix_view<float> weights_view(index_t T) const { return {weights_.data(), T, width_}; }
+  matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.device(), T, width_}; }
+  matrix_view<float> weights_view(index_t T) const { return {weights_.device(), T, width_}; }
+  routing_view device_routing() const { return {ids_view(tokens_), weights_view(tokens_)}; }
+  exchange_context<space_type> context() const {
+    return {space_, plan_.host(), plan_.device(), plan_.recv_blocks(), clock_, stats_};
+  }
 
   // The stages a schedule drives, in the order route, plan, permute, shared, counts, then per
   // unit u (a chunk, or with max_recv_rows one round of a chunk): dispatch_start(u),
@@ -567,7 +613,7 @@ class moe_layer {
   // time into stats().time.
   struct stage_runner {
     moe_layer& l;
-    int chunks() const { return l.ex_.units(); }
+    int chunks() const { return l.ex_.units(l.plan_.host()); }
     void route() {
       l.timed(&stage_times::route, [&] { l.do_route(); });
     }
@@ -584,115 +630,112 @@ class moe_layer {
       l.timed(&stage_times::dispatch, [&] { l.do_counts(); });
     }
     void dispatch_start(int u) {
-      l.timed(&stage_times::dispatch, [&] { l.ex_.start_dispatch(u); });
+      l.timed(&stage_times::dispatch, [&] {
+        auto x = l.context();
+        l.ex_.start_dispatch(x, u);
+      });
     }
     void dispatch_wait(int u) {
-      l.timed(&stage_times::dispatch, [&] { l.ex_.wait_dispatch(u); });
+      l.timed(&stage_times::dispatch, [&] {
+        auto x = l.context();
+        l.ex_.wait_dispatch(x, u);
+      });
     }
     void experts(int u) {
       l.timed(&stage_times::experts, [&] { l.do_experts(u); });
     }
     void combine_start(int u) {
-      l.timed(&stage_times::combine, [&] { l.ex_.start_combine(u); });
+      l.timed(&stage_times::combine, [&] {
+        auto x = l.context();
+        l.ex_.start_combine(x, u);
+      });
     }
     void combine_wait(int u) {
-      l.timed(&stage_times::combine, [&] { l.ex_.wait_combine(u); });
+      l.timed(&stage_times::combine, [&] {
+        auto x = l.context();
+        l.ex_.wait_combine(x, u);
+      });
     }
     void reduce() {
       l.timed(&stage_times::reduce, [&] { l.do_reduce(); });
     }
   };
 
-  // Runs one stage, adds its time to stats().time and notes when it first began.
+  // Runs one stage and notes its span on the stage clock.
   template <class F>
   void timed(double stage_times::*stage, F&& f) {
-    const auto start = clock::now();
-    if (stats_.time.*stage == 0) stats_.began.*stage = now();
+    const mark a = clock_.now();
     f();
-    space_.synchronize();
-    stats_.time.*stage += seconds_since(start);
+    clock_.stage(stage, a, clock_.now());
   }
 
-  double now() const { return seconds_since(pass_start_); }
-
   void do_route() {
-    const index_t T = x_.rows, E = cfg_.experts, H = cfg_.hidden;
-    tokens_ = T;
-    if (given_) {  // a user-supplied routing, checked by forward
-      const matrix_view<std::int32_t> ids = ids_view(T);
-      const matrix_view<float> w = weights_view(T);
-      for (index_t t = 0; t < T; ++t)
-        for (int k = 0; k < width_; ++k) {
-          ids(t, k) = given_->ids(t, k);
-          w(t, k) = given_->weights(t, k);
-        }
-      stats_.losses = {};
-      return;
-    }
-    // Without ids, a token's identity for noise is its global position.
+    const index_t T = tokens_;
+    if (given_) return copy_given_routing();
     const std::int64_t first = std::int64_t{rank()} * cfg_.max_tokens;
-    const std::int64_t* tid = token_ids_.empty() ? nullptr : token_ids_.data();
-    matrix_view<float> logits(logits_.data(), router_type::uses_gate ? T : 0, E);
-    matrix_view<float> noise{};
-    if constexpr (router_type::uses_gate) {
-      matrix_view<const float> in = x_;
-      if constexpr (router_with_jitter<router_type>) {
-        if (router_.training) {  // Switch jitter: the gate sees x * U(1-eps, 1+eps)
-          matrix_view<float> j(gate_input_.data(), T, H);
-          for (index_t t = 0; t < T; ++t)
-            for (index_t h = 0; h < H; ++h)
-              j(t, h) = x_(t, h) * router_.factor(pass_, tid ? tid[t] : first + t, h);
-          in = j;
-        }
-      }
-      space_.gemm_nt(in, w_.gate, logits);
-      if constexpr (router_with_noise_gate<router_type>) {
-        if (router_.training) {
-          noise = {noise_logits_.data(), T, E};
-          space_.gemm_nt(in, w_.noise_gate, noise);
-        }
-      }
+    const matrix_view<float> logits(logits_.device(), router_type::uses_gate ? T : 0, cfg_.experts);
+    const matrix_view<float> noise(noise_logits_.data(), noise_logits_.data() ? T : 0,
+                                   cfg_.experts);
+    router::gate(
+        router_, space_,
+        gate_pass<value_type>{x_, w_.gate, w_.noise_gate, logits, noise, gate_scratch_.data(),
+                              token_ids_.empty() ? nullptr : token_ids_.data(), first, pass_,
+                              pass_counter_.device()});
+    const router::route_options opt{.noise = noise,
+                                    .token_ids = token_ids_,
+                                    .first_token = first,
+                                    .pass = pass_,
+                                    .pass_counter = pass_counter_.device(),
+                                    .float_scratch = batch_floats_,
+                                    .int_scratch = batch_ints_};
+    if constexpr (token_router<router_type>) {
+      detail::run_router(router_, cfg_, logits, {ids_view(T), weights_view(T)}, opt, space_);
+    } else {  // a batch decides on the host: logits there, routing back (no-ops on the host)
+      space_.to_host(logits_, 0, T * cfg_.experts);
+      space_.synchronize();
+      detail::run_router(router_, cfg_, {logits_.host(), T, cfg_.experts},
+                         {{ids_.host(), T, width_}, {weights_.host(), T, width_}}, opt,
+                         router::serial{});
+      space_.to_device(ids_, 0, T * width_);
+      space_.to_device(weights_, 0, T * width_);
     }
-    // The public entry point's path (router::route), its arguments checked by forward.
-    detail::run_router(
-        router_, cfg_, logits, {ids_view(T), weights_view(T)},
-        {.noise = noise,
-         .token_ids = token_ids_,
-         .first_token = first,
-         .pass = pass_,
-         .float_scratch = {batch_floats_.data(), static_cast<std::size_t>(batch_floats_.size())},
-         .int_scratch = {batch_ints_.data(), static_cast<std::size_t>(batch_ints_.size())}},
-        space_);
-    compute_losses(router_, cfg_, logits, last_routing(), std::span<float>(loss_probs_),
-                   std::span<double>(loss_acc_), stats_.losses);
+  }
+
+  // A user-supplied routing (host memory, checked by forward) into the layer's buffers.
+  void copy_given_routing() {
+    const index_t T = tokens_;
+    for (index_t t = 0; t < T; ++t)
+      for (int k = 0; k < width_; ++k) {
+        ids_.host()[t * width_ + k] = given_->ids(t, k);
+        weights_.host()[t * width_ + k] = given_->weights(t, k);
+      }
+    space_.to_device(ids_, 0, T * width_);
+    space_.to_device(weights_, 0, T * width_);
   }
 
   void do_plan() {
-    const index_t limit = capacity_.limit(cfg_, tokens_);
+    dispatch_plan& p = plan_.host();
+    limit_ = capacity_.limit(cfg_, tokens_);
     const token_origin origin{rank(), token_ids_.empty() ? nullptr : token_ids_.data(),
                               std::int64_t{rank()} * cfg_.max_tokens};
-    build_send_plan(last_routing(), placement_, cfg_.experts, limit, capacity_type::pads, origin,
-                    plan_);
-    if constexpr (dedup) build_dedup_plan(last_routing(), plan_);
-    stats_.tokens = tokens_;
-    stats_.assignments = plan_.assignments;
-    stats_.dropped = plan_.dropped;
-    stats_.capacity = std::same_as<capacity_type, capacity::dropless>
-                          ? std::nullopt
-                          : std::optional<index_t>(limit);
-    stats_.padding_rows = plan_.padding;
-    std::copy_n(plan_.routed, cfg_.experts, stats_.routed_per_expert.begin());
-    stats_.expert_imbalance = imbalance::of(stats_.routed_per_expert);
+    build_send_plan(space_, device_routing(), where_, cfg_.experts, limit_, layout_.pad_rows,
+                    origin, p, plan_.device(), plan_.scratch());
+    if constexpr (dedup)
+      build_dedup_plan(space_, device_routing(), p, plan_.device(), plan_.scratch());
+    if (!deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
   }
 
-  // Send rows: one per assignment, or with dedup one per (token, destination rank).
+  // Send rows: one per assignment, or with dedup one per (token, destination rank); their
+  // count is the plan's last offset, in the space's memory.
   void do_permute() {
+    const dispatch_plan& p = plan_.host();
+    const device_plan& d = plan_.device();
     if constexpr (dedup)
-      space_.for_each(unique_send_rows(),
-                      rows::gather{x_, plan_.unique_token, send_view(unique_send_rows())});
+      space_.for_each_row_n(d.unique_offsets + p.chunks * cfg_.ranks, layout_.send_rows,
+                            cfg_.hidden, rows::gather<value_type>{x_, p.unique_token, send_view()});
     else
-      space_.for_each(plan_.send_rows(),
-                      rows::gather{x_, plan_.row_token, send_view(plan_.send_rows())});
+      space_.for_each_row_n(d.send_offsets + p.blocks(), layout_.send_rows, cfg_.hidden,
+                            rows::gather<value_type>{x_, p.row_token, send_view()});
   }
 
   // Shared experts: every token, on its home rank; their sum waits in shared_out for reduce.
@@ -700,65 +743,109 @@ class moe_layer {
     const index_t N = cfg_.shared_experts, T = tokens_, H = cfg_.hidden;
     stats_.shared_flops = 0;
     if (N == 0 || T == 0) return;
-    matrix_view<float> in(shared_in_.data(), T, H), out(shared_out_.data(), T, H);
+    const matrix_view<value_type> in(shared_in_.data(), T, H, layout_.row_stride);
+    shared_offsets_.host()[1] = T;
+    space_.to_device(shared_offsets_, 0, 2);
     for (index_t n = 0; n < N; ++n) {
-      for (index_t t = 0; t < T; ++t) std::copy_n(x_.row(t), H, in.row(t));
-      expert_type::forward(space_, w_.shared, n, in, scratch_.data());
-      space_.for_each(T * H, accumulate{out.data, in.data, n == 0});
+      space_.for_each_row(T, H, rows::copy<value_type>{x_, in});
+      expert_type::forward(
+          space_, expert_type::slice(w_.shared, n, 1),
+          grouped_rows<value_type>{in.data, H, in.stride, 1, shared_offsets_.host(),
+                                   shared_offsets_.device(), layout_.align},
+          scratch_.data());
+      space_.for_each_row(T, H, rows::accumulate<value_type>{in, shared_out_.data(), n == 0});
     }
     stats_.shared_flops = double(N * T) * expert_type::flops_per_row(H, cfg_.shared_width());
   }
 
-  struct accumulate {
-    float* into;
-    const float* add;
-    bool first;
-    EPMOE_HD void operator()(index_t i) const { into[i] = first ? add[i] : into[i] + add[i]; }
-  };
-
-  // The counts exchange; it also tells every rank whether all accepted their inputs.
+  // The counts exchange; it also tells every rank whether all accepted their inputs (with
+  // static shapes on a device: after the pass, see synchronize()).
   void do_counts() {
-    const int rejected = ex_.counts(!input_error_);
+    auto x = context();
+    const int rejected = ex_.counts(x, !input_error_, static_shapes() ? layout_.pad_rows : 0);
+    if (deferred()) return;
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
     if (rejected >= 0)
       throw input_error("forward inputs of rank " + std::to_string(rejected), "rejected",
                         "every rank must pass valid inputs; no rank ran this pass (rank " +
                             std::to_string(rejected) + " threw the reason)");
+    count_plan_stats();
+  }
+
+  // The plan's counts into the stats (its host arrays arrived with the counts).
+  void count_plan_stats() const {
+    dispatch_plan& p = plan_.host();
+    count_send_plan(p, cfg_.experts);
+    stats_.tokens = tokens_;
+    stats_.assignments = p.assignments;
+    stats_.dropped = p.dropped;
+    stats_.capacity = std::same_as<capacity_type, capacity::dropless>
+                          ? std::nullopt
+                          : std::optional<index_t>(limit_);
+    stats_.padding_rows = p.padding;
+    std::copy_n(p.routed, cfg_.experts, stats_.routed_per_expert.begin());
+    stats_.expert_imbalance = imbalance::of(stats_.routed_per_expert);
   }
 
   void do_experts(int u) {
-    const int L = plan_.local_experts;
-    const double t0 = now();
-    index_t rows = 0;
-    for (int j = 0; j < L; ++j) {
-      const matrix_view<float> in = ex_.expert_rows(u, j);
-      expert_type::forward(space_, w_.experts, j, in, scratch_.data());
-      rows += in.rows;
-      ex_.progress();
-    }
+    auto x = context();
+    const mark t0 = clock_.now();
+    const grouped_rows<value_type> rows = ex_.expert_rows(x, u);
+    expert_type::forward(space_, w_.experts, rows, scratch_.data());
+    ex_.progress();
     stats_.expert_flops +=
-        static_cast<double>(rows) * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
-    ex_.record(
-        {ex_.chunk_of_unit(u), stage_kind::experts, t0, now(), ex_.round_of_unit(u), rows, 0});
+        static_cast<double>(rows.rows()) * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
+    const dispatch_plan& p = plan_.host();
+    clock_.event(ex_.chunk_of_unit(p, u), stage_kind::experts, ex_.round_of_unit(p, u), rows.rows(),
+                 0, t0, clock_.now());
   }
 
   void do_reduce() {
+    const dispatch_plan& p = plan_.host();
+    const float* shared = cfg_.shared_experts > 0 && tokens_ > 0 ? shared_out_.data() : nullptr;
     if constexpr (dedup)
-      space_.for_each(
-          tokens_, rows::sum_unique{send_view(unique_send_rows()), plan_.unique_slot, width_, y_});
+      space_.for_each_row(
+          tokens_, cfg_.hidden,
+          rows::sum_unique<value_type>{send_view(), p.unique_slot, width_, shared, y_});
     else
-      space_.for_each(tokens_, rows::weighted_reduce{send_view(plan_.send_rows()), plan_.slot,
-                                                     weights_view(tokens_), y_});
-    if (cfg_.shared_experts > 0 && tokens_ > 0)
-      for (index_t t = 0; t < tokens_; ++t)  // y rows may be strided: add row by row
-        space_.for_each(cfg_.hidden,
-                        accumulate{y_.row(t), shared_out_.data() + t * cfg_.hidden, false});
-    const double comm = stats_.comm_seconds;
-    stats_.overlap = comm > 0 ? 1.0 - stats_.exposed_comm_seconds / comm : 0.0;
+      space_.for_each_row(
+          tokens_, cfg_.hidden,
+          rows::weighted_reduce<value_type>{send_view(), p.slot, weights_view(tokens_), shared, y_,
+                                            ex_.verdicts(p), ex_.verdict_stride(p), cfg_.ranks});
   }
 
-  index_t unique_send_rows() const { return ex_.unique_send_rows(); }
-  matrix_view<float> send_view(index_t rows) const { return ex_.send_view(rows); }
+  matrix_view<value_type> send_view() const {
+    return {ex_.send_buffer(), layout_.send_rows, cfg_.hidden, layout_.row_stride};
+  }
+
+  // Fills what a pass leaves for later: stage times from the clock's marks and the router's
+  // losses from the pass's logits (after the space finished the pass).
+  void resolve_stats() const {
+    if (deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
+    space_.synchronize();
+    pending_ = false;
+    if (deferred()) {
+      auto x = context();
+      const int rejected = ex_.resolve(x);
+      if (rejected >= 0)
+        throw input_error("forward inputs of rank " + std::to_string(rejected), "rejected",
+                          "every rank must pass valid inputs; no rank wrote y in that pass");
+      count_plan_stats();
+    }
+    clock_.resolve(stats_);
+    stats_.losses = {};
+    if constexpr (router_type::uses_gate && has_probabilities<router_type>) {
+      if (!routing_given_) {
+        const index_t T = tokens_, E = cfg_.experts;
+        space_.to_host(logits_, 0, T * E);
+        const routing_view r = last_routing();
+        compute_losses(router_, cfg_, {logits_.host(), T, E}, r, std::span<float>(loss_probs_),
+                       std::span<double>(loss_acc_), stats_.losses);
+      }
+    }
+  }
+  // Static shapes on a device: the pass's counts are read after it (resolve_stats).
+  bool deferred() const { return device_space<space_type> && static_shapes(); }
 
   layer_config cfg_;
   comm_type comm_;
@@ -767,33 +854,44 @@ class moe_layer {
   capacity_type capacity_;
   space_type space_;
   placement_type placement_;
-  pass_stats stats_;
-  dispatch_plan plan_;
+  decltype(placement_view(std::declval<const placement_type&>())) where_{
+      placement_view(placement_)};
+  std::vector<mirror<int>> placement_arrays_;  // a device space: the placement's arrays
+  mutable pass_stats stats_;
   int width_;  // routing slots per token
-
-  buffer<float> logits_, noise_logits_, gate_input_, batch_floats_, weights_, scratch_, shared_in_,
-      shared_out_, bias_;
-  buffer<std::int32_t> ids_, slot_, phys_, row_token_, batch_ints_;
-  buffer<index_t> counts_;
-  std::vector<float> loss_probs_;  // host: losses are computed on the host for now
-  std::vector<double> loss_acc_;
-  std::vector<index_t> load_send_, load_recv_, global_load_;
-  std::vector<buffer<float>> owned_experts_;  // expert weights after a live re-placement
-  using exchange_type = detail::exchange<comm_type, space_type, dedup>;
-  exchange_type ex_;  // the exchanges: counts, then per unit dispatch/combine (core/exchange.hpp)
   int chunks_max_ = 1, chunks_ = 1;
-  clock::time_point built_ = clock::now(), pass_start_{};
-  buffer<std::int32_t> unique_slot_, unique_token_;
-  buffer<index_t> unique_counts_;
-  buffer<std::int64_t> meta_, meta_recv_;
+  workspace_layout layout_;
+  mutable plan_storage<space_type> plan_;  // (mutable: stats() reads a static pass's counts)
+  mutable exchange_type ex_;
+  mutable pass_clock<space_type> clock_;
 
-  matrix_view<const float> x_;
-  matrix_view<float> y_;
+  mirror<float> logits_, weights_, bias_;
+  mirror<std::int32_t> ids_;
+  mirror<index_t> shared_offsets_;  // [2]: the shared experts' one group, all T tokens
+  // The pass counter where the routers' noise reads it: a pass captured in a CUDA graph
+  // advances it each time it is replayed.
+  mirror<std::uint64_t> pass_counter_;
+  buffer<float> noise_logits_, shared_out_;
+  buffer<value_type> gate_scratch_, scratch_, shared_in_;
+  std::vector<float> batch_floats_;  // batch routers decide on the host
+  std::vector<std::int32_t> batch_ints_;
+  mutable std::vector<float> loss_probs_;  // losses are computed on the host
+  mutable std::vector<double> loss_acc_;
+  std::vector<index_t> load_send_, load_recv_, global_load_;
+  std::vector<mirror<value_type>> owned_experts_;  // expert weights after a live re-placement
+  std::vector<mirror<index_t>> owned_desc_;        // their first copy's block offsets
+  std::chrono::steady_clock::time_point built_ = std::chrono::steady_clock::now();
+
+  matrix_view<const value_type> x_;
+  matrix_view<value_type> y_;
   std::span<const std::int64_t> token_ids_;
   const routing_view* given_ = nullptr;  // a user-supplied routing for this pass, else null
+  bool routing_given_ = false;           // the last pass's routing was given (no losses)
   std::exception_ptr input_error_;       // this rank's rejected input, thrown at counts
   index_t tokens_ = 0;
+  index_t limit_ = 0;  // the capacity of this pass's slots
   std::uint64_t pass_ = 0;
+  mutable bool pending_ = false;  // stats() has marks and losses to resolve
 };
 
 }  // namespace epmoe

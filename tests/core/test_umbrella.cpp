@@ -221,8 +221,8 @@ TEST_CASE("umbrella: the router entry point, losses and core names", "[umbrella]
   CHECK(losses.valid);
   static_assert(router_policy<router::hash<1>> && placement_policy<placement::round_robin> &&
                 capacity_policy<capacity::factor<true>> && communicator<comm::threads> &&
-                expert_policy<expert::swiglu> && schedule_policy<schedule::pipelined<3>> &&
-                space_policy<space::host>);
+                expert_policy<expert::swiglu, space::host> &&
+                schedule_policy<schedule::pipelined<3>> && space_policy<space::host>);
   static_assert(std::is_base_of_v<config_error, input_error> &&
                 std::is_base_of_v<comm_error, comm_aborted>);
   CHECK(no_expert == -1);

@@ -56,6 +56,14 @@ __global__ void other_routers(const float* logits, int* ids, float* w) {
   w[K + 4] = epmoe::router::jitter<epmoe::router::switch_top1>{}.factor(1, 2, 3);
 }
 
+// A row functor over whole rows, one thread per row.
+template <class F>
+struct whole_rows {
+  F f;
+  epmoe::index_t width;
+  __device__ void operator()(epmoe::index_t i) const { f(i, 0, width); }
+};
+
 template <class F>
 __global__ void for_each_kernel(epmoe::index_t n, F f) {
   const epmoe::index_t i = blockIdx.x * epmoe::index_t{blockDim.x} + threadIdx.x;
@@ -104,11 +112,12 @@ int main() {
       rt, {logits.data(), T, E}, {}, {ids_host.data(), T, K}, {w.data(), T, K}, nullptr, 0, 0, E};
   for (int t = 0; t < T; ++t) route_h(t);
   std::vector<float> send_h(T * K * H), send_d(T * K * H);
-  epmoe::rows::gather gather_h{{x.data(), T, H}, row_token.data(), {send_h.data(), T * K, H}};
-  for (int i = 0; i < T * K; ++i) gather_h(i);
-  epmoe::rows::weighted_reduce reduce_h{
-      {send_h.data(), T * K, H}, slot.data(), {w.data(), T, K}, {y_host.data(), T, H}};
-  for (int t = 0; t < T; ++t) reduce_h(t);
+  epmoe::rows::gather<float> gather_h{
+      {x.data(), T, H}, row_token.data(), {send_h.data(), T * K, H}};
+  for (int i = 0; i < T * K; ++i) gather_h(i, 0, H);
+  epmoe::rows::weighted_reduce<float> reduce_h{
+      {send_h.data(), T * K, H}, slot.data(), {w.data(), T, K}, nullptr, {y_host.data(), T, H}};
+  for (int t = 0; t < T; ++t) reduce_h(t, 0, H);
 
   // Device: same inputs, same functors, one thread per token / row.
   float *d_logits, *d_x, *d_w, *d_send, *d_y, *d_act;
@@ -135,9 +144,11 @@ int main() {
       T, epmoe::rows::route_tokens<router>{
              rt, {d_logits, T, E}, {}, {d_ids, T, K}, {d_w, T, K}, nullptr, 0, 0, E});
   for_each_kernel<<<(T * K + 63) / 64, 64>>>(
-      T * K, epmoe::rows::gather{{d_x, T, H}, d_row_token, {d_send, T * K, H}});
+      T * K,
+      whole_rows<epmoe::rows::gather<float>>{{{d_x, T, H}, d_row_token, {d_send, T * K, H}}, H});
   for_each_kernel<<<1, 64>>>(
-      T, epmoe::rows::weighted_reduce{{d_send, T * K, H}, d_slot, {d_w, T, K}, {d_y, T, H}});
+      T, whole_rows<epmoe::rows::weighted_reduce<float>>{
+             {{d_send, T * K, H}, d_slot, {d_w, T, K}, nullptr, {d_y, T, H}}, H});
   epmoe::layer_config cfg{
       .hidden = H, .ffn = 8, .experts = E, .top_k = K, .ranks = R, .max_tokens = T};
   other_routers<<<1, 1>>>(d_logits + E, d_ids, d_w);  // results unchecked: it must build

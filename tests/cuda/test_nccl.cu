@@ -1,8 +1,10 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 //
-// The CUDA layer over NCCL, one rank per GPU (one process, a thread per GPU), vs the host
-// reference: dynamic mode (dropless) and static mode (padded capacity, no host sync).
+// The layer on space::cuda over NCCL, one rank per GPU (one process, a thread per GPU), vs
+// the host reference: dynamic (dropless), static shapes (padded capacity, no host wait), the
+// pipelined schedule with dedup (exchanges on the comm stream under the experts) and a
+// receive bound (rounds).
 // Exits 77 (CTest: skipped) with one GPU or none on the machine; a CUDA error on a machine
 // with a GPU fails.
 #include <nccl.h>
@@ -15,19 +17,23 @@
 #include "skip.hpp"
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/comm/nccl.cuh>
-#include <epmoe/cuda/moe_layer.cuh>
+#include <epmoe/moe_layer.hpp>
 #include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
+#include <epmoe/schedule/pipelined.hpp>
+#include <epmoe/space/cuda.cuh>
 
 namespace {
 using namespace epmoe;
 
-template <class Capacity>
+template <class Capacity, class Schedule = schedule::sequential, bool Dedup = false>
 struct nccl_policies : default_policies {
   using space = epmoe::space::cuda<float>;
   using comm = epmoe::comm::nccl;
   using capacity = Capacity;
+  using schedule = Schedule;
+  static constexpr layer_options options{.dedup = Dedup};
 };
 
 template <class T>
@@ -38,8 +44,9 @@ device_buffer<T> upload(const float* p, index_t n) {
   return d;
 }
 
-template <class Capacity>
-double run(int gpus) {
+template <class P>
+double run(int gpus, int max_recv_rows = 0) {
+  using Capacity = typename P::capacity;
   layer_config cfg;
   cfg.hidden = 64;
   cfg.ffn = 96;
@@ -47,6 +54,7 @@ double run(int gpus) {
   cfg.top_k = 2;
   cfg.ranks = gpus;
   cfg.max_tokens = 128;
+  cfg.max_recv_rows = max_recv_rows;
   const auto w = reference::full_weights::random(cfg, 7);
   const index_t T = 128, H = cfg.hidden, L = cfg.experts / gpus;
   const std::vector<float> x = reference::random_tokens(T * gpus, H, 8);
@@ -73,11 +81,11 @@ double run(int gpus) {
       device_buffer<float> yd(T * H);
       // 0xff bytes are NaN: a row the layer leaves unwritten fails the comparison.
       EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
-      using P = nccl_policies<Capacity>;
       moe_layer<P> layer(
           cfg, comm::nccl(comms[d], s),
           {{gate.data(), cfg.experts, H},
-           {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H}, {w2.data(), L, H, cfg.ffn}}});
+           {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H}, {w2.data(), L, H, cfg.ffn}}},
+          {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
       layer.forward({xd.data(), T, H}, {yd.data(), T, H});
       layer.synchronize();
       EPMOE_CUDA_CHECK(cudaMemcpy(y.data() + d * T * H, yd.data(), sizeof(float) * T * H,
@@ -100,8 +108,14 @@ int main() {
     std::printf("cuda.nccl: needs two GPUs (found %d): skipped\n", gpus);
     return test::skip_code;
   }
-  const double dynamic = run<capacity::dropless>(gpus);
-  const double fixed = run<capacity::factor<true>>(gpus);
-  std::printf("NCCL on %d GPUs: relative error dynamic %.2e, static %.2e\n", gpus, dynamic, fixed);
-  return dynamic <= 1e-4 && fixed <= 1e-4 ? 0 : 1;
+  const double dynamic = run<nccl_policies<capacity::dropless>>(gpus);
+  const double fixed = run<nccl_policies<capacity::factor<true>>>(gpus);
+  const double piped = run<nccl_policies<capacity::dropless, schedule::pipelined<4>, true>>(gpus);
+  const double rounds =
+      run<nccl_policies<capacity::dropless, schedule::pipelined<2>>>(gpus, 3 * gpus * 16);
+  std::printf(
+      "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
+      "rounds %.2e\n",
+      gpus, dynamic, fixed, piped, rounds);
+  return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 ? 0 : 1;
 }

@@ -71,8 +71,9 @@ TEST_CASE("host: gemm_nt matches a double loop on the streaming and the BLAS pat
 TEST_CASE("host: the streaming GEMM split over helper threads matches", "[expert][gemm]") {
   const int threads = GENERATE(2, 3);
   const index_t N = GENERATE(5, 40, 203);
+  epmoe::space::detail::stream_helpers helpers;  // a space's own helper threads
   check_gemm(5, N, 77, 1, [&](auto a, auto b, auto c) {
-    epmoe::space::detail::gemm_nt_stream(a, b, c, threads);
+    epmoe::space::detail::gemm_nt_stream(a, b, c, threads, &helpers);
   });
 }
 
@@ -85,12 +86,13 @@ TEST_CASE("host: two threads streaming at once both get the right answer", "[exp
     for (index_t j = 0; j < N; ++j)
       for (index_t k = 0; k < K; ++k) want[i * N + j] += double{a[i * K + k]} * b[j * K + k];
   std::vector<std::vector<float>> got(2, std::vector<float>(M * N));
+  epmoe::space::detail::stream_helpers helpers;  // shared by both callers
   std::vector<std::thread> callers;
   for (int t = 0; t < 2; ++t)
     callers.emplace_back([&, t] {
       for (int rep = 0; rep < 50; ++rep)
         epmoe::space::detail::gemm_nt_stream({a.data(), M, K}, {b.data(), N, K},
-                                             {got[t].data(), M, N}, 2);
+                                             {got[t].data(), M, N}, 2, &helpers);
     });
   for (auto& c : callers) c.join();
   for (int t = 0; t < 2; ++t)

@@ -68,7 +68,7 @@ std::string field_of(F&& f) {
 }  // namespace
 
 TEST_CASE("swiglu: satisfies expert_policy", "[expert]") {
-  STATIC_REQUIRE(epmoe::expert_policy<swiglu>);
+  STATIC_REQUIRE(epmoe::expert_policy<swiglu, epmoe::space::host>);
   STATIC_REQUIRE(epmoe::space_policy<epmoe::space::host>);
 }
 

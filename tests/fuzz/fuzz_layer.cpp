@@ -45,7 +45,7 @@ struct policies : default_policies {
   using capacity = Capacity;
   using comm = epmoe::comm::threads;
   using schedule = Schedule;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 using p_seq = policies<capacity::dropless, schedule::sequential>;
 using p_pipe = policies<capacity::dropless, schedule::pipelined<2>>;

@@ -5,9 +5,13 @@
 // Runs a layer on R in-process ranks and the plain reference on the same tokens.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <optional>
+#include <span>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <epmoe/epmoe.hpp>
@@ -17,8 +21,71 @@
 
 namespace epmoe::test {
 
-template <int K, class Capacity = capacity::dropless>
+/// The spaces a behaviour's tests run on: the host here; a CUDA test TU defines
+/// EPMOE_TEST_SPACES (space::cuda<float>, ...) and includes the same test file, so each
+/// behaviour is written once and instantiated per space (as Kokkos tests its backends).
+#ifndef EPMOE_TEST_SPACES
+#define EPMOE_TEST_SPACES epmoe::space::host
+#endif
+using spaces = std::tuple<EPMOE_TEST_SPACES>;
+
+namespace detail {
+template <class A, class B>
+struct cross;
+template <class... A, class... B>
+struct cross<std::tuple<A...>, std::tuple<B...>> {
+  template <class X>
+  using row = std::tuple<std::pair<X, B>...>;
+  using type = decltype(std::tuple_cat(std::declval<row<A>>()...));
+};
+template <template <class> class L, class S>
+struct per_space;
+template <template <class> class L, class... S>
+struct per_space<L, std::tuple<S...>> {
+  using type = decltype(std::tuple_cat(std::declval<L<S>>()...));
+};
+}  // namespace detail
+/// Every (a, space) pair of a type list and the spaces, as std::pair<a, space>.
+template <class List>
+using with_spaces = typename detail::cross<List, spaces>::type;
+/// L<space> (a tuple of bundles) for every space, concatenated.
+template <template <class> class L>
+using per_space = typename detail::per_space<L, spaces>::type;
+
+/// How tests move data to and from a space: host vectors here; a device space specialises
+/// this (tests/cuda/space_io.cuh): uploads convert to its element type, downloads back.
+template <class Space>
+struct space_io {
+  using value_type = float;
+  using array = std::vector<float>;
+  static array upload(std::span<const float> v) { return {v.begin(), v.end()}; }
+  template <class U>
+  static std::vector<U> upload_as(std::span<const U> v) {
+    return {v.begin(), v.end()};
+  }
+  template <class A>
+  static auto* data(A& a) {
+    return a.data();
+  }
+  static std::vector<float> download(const array& a, const Space&) { return a; }
+  /// NaN over every element, before the call under test (ordered before the space's work).
+  static void poison(array& a, const Space&) {
+    std::fill(a.begin(), a.end(), std::numeric_limits<float>::quiet_NaN());
+  }
+  /// A value as the space holds it (rounded to its element type).
+  static float round(float v) { return v; }
+  /// The error bound of a check made in fp32: the element type's rounding may add to it.
+  static double tolerance(double fp32) { return fp32; }
+};
+
+template <class Space>
+double tolerance(double fp32) {
+  return space_io<Space>::tolerance(fp32);
+}
+
+template <int K, class Capacity = capacity::dropless, class Space = space::host>
 struct threads_policies : default_policies {
+  using space = Space;
   using router = epmoe::router::topk_softmax<K>;
   using capacity = Capacity;
   using comm = epmoe::comm::threads;
@@ -41,15 +108,17 @@ inline global_tokens make_tokens(std::vector<index_t> per_rank, index_t hidden,
   return g;
 }
 
-/// What a multi-rank run returns: outputs in global token order and each rank's stats
-/// (one entry per pass).
+/// What a multi-rank run returns: outputs in global token order (the last pass, and every
+/// pass) and each rank's stats (one entry per pass).
 struct run_result {
   std::vector<float> y;
   std::vector<std::vector<pass_stats>> stats;  // [rank][pass]
+  std::vector<std::vector<float>> ys;          // [pass]
 };
 
 /// What a run may set beyond the policies: router and capacity objects, token ids (all
-/// ranks, global order), a router bias to load, and the number of passes.
+/// ranks, global order), a router bias to load, the number of passes, a placement, and a
+/// step every rank runs after each pass (a collective such as update_router).
 template <class P>
 struct run_options {
   typename P::router router{};
@@ -58,39 +127,105 @@ struct run_options {
   std::vector<float> bias{};
   int passes = 1;
   std::optional<typename P::placement> placement{};  // default: P::placement(cfg)
+  std::function<void(moe_layer<P>&)> between{};
 };
 
-/// Runs `passes` forward passes of moe_layer<P> on cfg.ranks threads over the same tokens
-/// (y is the last pass; every pass starts from NaN, so a row the layer leaves unwritten fails
-/// any comparison).
+/// The weights a layer with expert type X takes, over stacked arrays of element type T:
+/// SwiGLU's w1, w3, w2; another expert specialises this (tests/policies/test_user_policies).
+template <class X>
+struct expert_weights {
+  template <class T>
+  static expert::swiglu::weights_of<T> of(const T* w1, const T* w3, const T* w2, index_t n,
+                                          index_t ffn, index_t hidden) {
+    return {{w1, n, ffn, hidden}, {w3, n, ffn, hidden}, {w2, n, hidden, ffn}};
+  }
+};
+
+/// One rank's weights in a space's memory, and the layer's views of them.
+template <class P>
+struct rank_arrays {
+  using io = space_io<typename P::space>;
+  typename io::array gate, w1, w3, w2, s1, s3, s2, noise;
+  rank_arrays(const reference::full_weights& w, const reference::rank_weights& mine)
+      : gate(io::upload(w.gate)),
+        w1(io::upload(mine.w1)),
+        w3(io::upload(mine.w3)),
+        w2(io::upload(mine.w2)),
+        s1(io::upload(w.shared_w1)),
+        s3(io::upload(w.shared_w3)),
+        s2(io::upload(w.shared_w2)),
+        noise(io::upload(w.noise_gate)) {}
+  typename moe_layer<P>::weights views(const layer_config& cfg, index_t L) {
+    using X = expert_weights<typename P::expert>;
+    const index_t H = cfg.hidden, F = cfg.ffn, N = cfg.shared_experts, Fs = cfg.shared_width();
+    return {{io::data(gate), cfg.experts, H},
+            X::of(io::data(w1), io::data(w3), io::data(w2), L, F, H),
+            X::of(io::data(s1), io::data(s3), io::data(s2), N, Fs, H),
+            {io::data(noise), cfg.experts, H}};
+  }
+};
+
+/// Runs `passes` forward passes of moe_layer<P> on cfg.ranks ranks (threads of this process;
+/// on a device space, all on one device) over the same tokens. Every pass starts from NaN
+/// (a row the layer leaves unwritten fails any comparison); y is the last pass.
 template <class P>
 run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
                      const global_tokens& g, const run_options<P>& opt = {}) {
+  using io = space_io<typename P::space>;
   constexpr float nan = std::numeric_limits<float>::quiet_NaN();
   run_result out{std::vector<float>(g.x.size(), nan),
-                 std::vector<std::vector<pass_stats>>(cfg.ranks)};
-  comm::threads_world world(cfg.ranks);
-  world.run([&](comm::threads c) {
+                 std::vector<std::vector<pass_stats>>(cfg.ranks),
+                 std::vector<std::vector<float>>(static_cast<std::size_t>(opt.passes),
+                                                 std::vector<float>(g.x.size(), nan))};
+  const auto body = [&](typename P::comm c) {
     const int r = c.rank();
     const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
-    const auto mine = reference::slice(w, where, r);
-    moe_layer<P> layer(cfg, c, {w.gate_view(), mine.experts(), w.shared(), w.noise_gate_view()},
-                       opt.router, opt.capacity, where);
+    rank_arrays<P> arrays(w, reference::slice(w, where, r));
+    const typename P::space space{};
+    moe_layer<P> layer(cfg, c, arrays.views(cfg, where.slots_per_rank()), opt.router, opt.capacity,
+                       where, space);
     if constexpr (router_with_bias<typename P::router>)
       if (!opt.bias.empty())
         std::copy(opt.bias.begin(), opt.bias.end(), layer.router_bias().begin());
     const index_t T = g.per_rank[r], H = cfg.hidden;
-    std::span<const std::int64_t> ids;
-    if (!opt.token_ids.empty())
-      ids = {opt.token_ids.data() + g.offset(r), static_cast<std::size_t>(T)};
-    float* y = out.y.data() + g.offset(r) * H;
+    const auto x = io::upload(std::span(g.x).subspan(g.offset(r) * H, T * H));
+    auto y = io::upload(std::vector<float>(T * H));
+    auto ids = io::upload_as(
+        std::span(opt.token_ids)
+            .subspan(opt.token_ids.empty() ? 0 : g.offset(r), opt.token_ids.empty() ? 0 : T));
+    const std::span<const std::int64_t> id_span(io::data(ids), opt.token_ids.empty() ? 0 : T);
     for (int p = 0; p < opt.passes; ++p) {
-      std::fill(y, y + T * H, nan);  // this rank's rows: a row only an earlier pass wrote fails
-      layer.forward({g.x.data() + g.offset(r) * H, T, H}, {y, T, H}, ids);
+      io::poison(y, space);  // a row only an earlier pass wrote fails too
+      layer.forward({io::data(x), T, H}, {io::data(y), T, H}, id_span);
       out.stats[r].push_back(layer.stats());
+      const std::vector<float> yh = io::download(y, space);
+      std::copy(yh.begin(), yh.end(), out.ys[p].begin() + g.offset(r) * H);
+      if (opt.between) opt.between(layer);
     }
-  });
+    if (opt.passes > 0)
+      std::copy_n(out.ys.back().begin() + g.offset(r) * H, T * H, out.y.begin() + g.offset(r) * H);
+  };
+  if constexpr (std::is_same_v<typename P::comm, comm::local>) {
+    body(comm::local{});
+  } else {
+    comm::threads_world world(cfg.ranks);
+    world.run(body);
+  }
   return out;
+}
+
+/// Weights and tokens as a space holds them (rounded to its element type), for the reference.
+template <class Space>
+reference::full_weights rounded(reference::full_weights w) {
+  for (auto* v :
+       {&w.gate, &w.w1, &w.w3, &w.w2, &w.shared_w1, &w.shared_w3, &w.shared_w2, &w.noise_gate})
+    for (float& x : *v) x = space_io<Space>::round(x);
+  return w;
+}
+template <class Space>
+std::vector<float> rounded(std::vector<float> v) {
+  for (float& x : v) x = space_io<Space>::round(x);
+  return v;
 }
 
 /// The reference on the same tokens; `pass` is the layer pass to match (training noise).
@@ -106,9 +241,12 @@ std::vector<float> run_reference(const layer_config& cfg, const reference::full_
   const typename P::placement where = opt.placement ? *opt.placement : typename P::placement(cfg);
   // The run's config rules, as in the layer (weights made for another one may carry more
   // shared experts than cfg switches on).
-  reference::full_weights run_w = w;
+  // Weights and tokens as the layer's space holds them: what is left is the rounding of
+  // intermediates.
+  reference::full_weights run_w = rounded<typename P::space>(w);
   run_w.cfg = cfg;
-  reference::forward<typename P::expert>(run_w, router, opt.capacity, where, {g.x.data(), n, H},
+  const std::vector<float> x = rounded<typename P::space>(g.x);
+  reference::forward<typename P::expert>(run_w, router, opt.capacity, where, {x.data(), n, H},
                                          g.per_rank, {y.data(), n, H}, {opt.token_ids, pass});
   return y;
 }

@@ -14,8 +14,10 @@ using namespace epmoe;
 
 namespace {
 
-template <int K, class Schedule = schedule::sequential, class Capacity = capacity::dropless>
+template <int K, class Schedule = schedule::sequential, class Capacity = capacity::dropless,
+          class Space = space::host>
 struct policies : default_policies {
+  using space = Space;
   using router = epmoe::router::topk_softmax<K>;
   using capacity = Capacity;
   using comm = epmoe::comm::threads;
@@ -51,7 +53,8 @@ void check_bounded_all_to_one(int chunks) {
   cfg.max_recv_rows = static_cast<int>(total / 8);
   const auto s = all_to_one(cfg, 5, 81);
   const auto got = test::run_layer<P>(cfg, s.w, s.g);
-  CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, s.w, s.g)) <= 1e-5);
+  CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, s.w, s.g)) <=
+        test::tolerance<typename P::space>(1e-5));
   // Expert 5 lives on rank 5 and computed every token of every rank: nothing dropped.
   CHECK(got.stats[5][0].rows_per_local_expert[0] == index_t{cfg.ranks} * cfg.max_tokens);
   for (int r = 0; r < cfg.ranks; ++r) {
@@ -65,30 +68,39 @@ void check_bounded_all_to_one(int chunks) {
 }
 
 struct dedup_p : policies<2> {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 }  // namespace
 
-TEST_CASE("bounded: all tokens to one expert on 8 ranks, bound 1/8 of the rows, sequential",
-          "[layer][bounded]") {
-  check_bounded_all_to_one<policies<2>>(1);
+TEMPLATE_LIST_TEST_CASE(
+    "bounded: all tokens to one expert on 8 ranks, bound 1/8 of the rows, sequential",
+    "[layer][bounded]", test::spaces) {
+  using Space = TestType;
+  check_bounded_all_to_one<policies<2, schedule::sequential, capacity::dropless, Space>>(1);
 }
 
-TEST_CASE("bounded: all tokens to one expert on 8 ranks, sequential with 3 chunks",
-          "[layer][bounded]") {
-  check_bounded_all_to_one<policies<2>>(3);
+TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, sequential with 3 chunks",
+                        "[layer][bounded]", test::spaces) {
+  using Space = TestType;
+  check_bounded_all_to_one<policies<2, schedule::sequential, capacity::dropless, Space>>(3);
 }
 
-TEST_CASE("bounded: all tokens to one expert on 8 ranks, pipelined", "[layer][bounded]") {
-  check_bounded_all_to_one<policies<2, schedule::pipelined<4>>>(0);
+TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, pipelined",
+                        "[layer][bounded]", test::spaces) {
+  using Space = TestType;
+  check_bounded_all_to_one<policies<2, schedule::pipelined<4>, capacity::dropless, Space>>(0);
 }
 
-TEST_CASE("bounded: all tokens to one expert on 8 ranks, K = 1", "[layer][bounded]") {
-  check_bounded_all_to_one<policies<1>>(1);
+TEMPLATE_LIST_TEST_CASE("bounded: all tokens to one expert on 8 ranks, K = 1", "[layer][bounded]",
+                        test::spaces) {
+  using Space = TestType;
+  check_bounded_all_to_one<policies<1, schedule::sequential, capacity::dropless, Space>>(1);
 }
 
-TEST_CASE("bounded: the unbounded pass and every bound give the same outputs", "[layer][bounded]") {
+TEMPLATE_LIST_TEST_CASE("bounded: the unbounded pass and every bound give the same outputs",
+                        "[layer][bounded]", test::spaces) {
+  using Space = TestType;
   // Uneven T, idle ranks, capacity factor (bounded also works with drops), many bounds.
   for (int R : {1, 2, 3, 4}) {
     layer_config cfg{
@@ -97,39 +109,51 @@ TEST_CASE("bounded: the unbounded pass and every bound give the same outputs", "
     std::vector<index_t> per_rank;
     for (int r = 0; r < R; ++r) per_rank.push_back(r == 1 ? 0 : 23 - 3 * r);
     const auto g = test::make_tokens(per_rank, cfg.hidden, 91 + R);
-    const auto want = test::run_reference<policies<2>>(cfg, w, g);
+    const auto want =
+        test::run_reference<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w,
+                                                                                          g);
     for (int bound : {R, R + 1, 3 * R, 7 * R, 1000}) {
       for (int chunks : {1, 2}) {
         INFO("R " << R << " bound " << bound << " chunks " << chunks);
         layer_config c = cfg;
         c.max_recv_rows = bound;
         c.chunks = chunks;
-        const auto seq = test::run_layer<policies<2>>(c, w, g);
-        CHECK(test::relative_error(seq.y, want) <= 1e-5);
+        const auto seq =
+            test::run_layer<policies<2, schedule::sequential, capacity::dropless, Space>>(c, w, g);
+        CHECK(test::relative_error(seq.y, want) <= test::tolerance<Space>(1e-5));
         for (int r = 0; r < R; ++r) CHECK(seq.stats[r][0].peak_recv_rows <= bound);
         if (bound >= 3 * R) {
-          const auto pipe = test::run_layer<policies<2, schedule::pipelined<2>>>(c, w, g);
-          CHECK(test::relative_error(pipe.y, want) <= 1e-5);
+          const auto pipe =
+              test::run_layer<policies<2, schedule::pipelined<2>, capacity::dropless, Space>>(c, w,
+                                                                                              g);
+          CHECK(test::relative_error(pipe.y, want) <= test::tolerance<Space>(1e-5));
           for (int r = 0; r < R; ++r) CHECK(pipe.stats[r][0].recv_buffer_rows <= bound);
         }
-        using F = policies<2, schedule::sequential, capacity::factor<false>>;
+        using F = policies<2, schedule::sequential, capacity::factor<false>, Space>;
         const test::run_options<F> opt{};
         const auto drop = test::run_layer<F>(c, w, g, opt);
-        CHECK(test::relative_error(drop.y, test::run_reference<F>(cfg, w, g, opt)) <= 1e-5);
+        CHECK(test::relative_error(drop.y, test::run_reference<F>(cfg, w, g, opt)) <=
+              test::tolerance<Space>(1e-5));
       }
     }
   }
 }
 
-TEST_CASE("bounded: repeated passes reuse the rounds workspace", "[layer][bounded]") {
+TEMPLATE_LIST_TEST_CASE("bounded: repeated passes reuse the rounds workspace", "[layer][bounded]",
+                        test::spaces) {
+  using Space = TestType;
   layer_config cfg{.hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 40};
   cfg.max_recv_rows = 6;
   const auto w = reference::full_weights::random(cfg, 93);
-  test::run_options<policies<2>> opt;
+  test::run_options<policies<2, schedule::sequential, capacity::dropless, Space>> opt;
   opt.passes = 3;
   const auto g = test::make_tokens({40, 17}, cfg.hidden, 94);
-  const auto got = test::run_layer<policies<2>>(cfg, w, g, opt);
-  CHECK(test::relative_error(got.y, test::run_reference<policies<2>>(cfg, w, g)) <= 1e-5);
+  const auto got =
+      test::run_layer<policies<2, schedule::sequential, capacity::dropless, Space>>(cfg, w, g, opt);
+  CHECK(
+      test::relative_error(
+          got.y, test::run_reference<policies<2, schedule::sequential, capacity::dropless, Space>>(
+                     cfg, w, g)) <= test::tolerance<Space>(1e-5));
   for (int r = 0; r < 2; ++r) {
     REQUIRE(got.stats[r].size() == 3);
     for (const pass_stats& s : got.stats[r]) {
@@ -140,6 +164,7 @@ TEST_CASE("bounded: repeated passes reuse the rounds workspace", "[layer][bounde
   }
 }
 
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
 TEST_CASE("bounded: invalid max_recv_rows and unsupported combinations are rejected",
           "[layer][bounded][error]") {
   layer_config cfg{.hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 8};
@@ -198,3 +223,4 @@ TEST_CASE("bounded: ranks that disagree on max_recv_rows all throw naming it",
   CHECK(fields[0] == "max_recv_rows");
   CHECK(fields[1] == "max_recv_rows");
 }
+#endif  // EPMOE_TEST_SPACES_ONLY_GENERIC

@@ -9,14 +9,16 @@ using namespace epmoe;
 
 namespace {
 
-template <int K, class Capacity = capacity::dropless>
-struct dedup_policies : test::threads_policies<K, Capacity> {
-  static constexpr bool dedup = true;
+template <int K, class Capacity = capacity::dropless, class Space = space::host>
+struct dedup_policies : test::threads_policies<K, Capacity, Space> {
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 }  // namespace
 
-TEST_CASE("dedup: same outputs as per-assignment dispatch and as the reference", "[layer][dedup]") {
+TEMPLATE_LIST_TEST_CASE("dedup: same outputs as per-assignment dispatch and as the reference",
+                        "[layer][dedup]", test::spaces) {
+  using Space = TestType;
   for (int R : {1, 2, 3, 4})
     for (int K : {1, 2, 4}) {
       const layer_config cfg{.hidden = 13,
@@ -32,16 +34,17 @@ TEST_CASE("dedup: same outputs as per-assignment dispatch and as the reference",
       const auto g = test::make_tokens(per_rank, cfg.hidden, 7 + R);
       test::with_top_k(K, [&]<int KK>() {
         CAPTURE(R, K);
-        const auto plain = test::run_layer<test::threads_policies<KK>>(cfg, w, g);
-        const auto dedup = test::run_layer<dedup_policies<KK>>(cfg, w, g);
-        CHECK(test::relative_error(dedup.y, plain.y) <= 1e-6);
-        CHECK(test::relative_error(dedup.y, test::run_reference<dedup_policies<KK>>(cfg, w, g)) <=
-              1e-4);
+        using D = capacity::dropless;
+        const auto plain = test::run_layer<test::threads_policies<KK, D, Space>>(cfg, w, g);
+        const auto dedup = test::run_layer<dedup_policies<KK, D, Space>>(cfg, w, g);
+        CHECK(test::relative_error(dedup.y, plain.y) <= test::tolerance<Space>(1e-6));
+        CHECK(test::relative_error(dedup.y, test::run_reference<dedup_policies<KK, D, Space>>(
+                                                cfg, w, g)) <= test::tolerance<Space>(1e-4));
         // With capacity (drops) too.
         using C = capacity::factor<false>;
-        const auto plain_c = test::run_layer<test::threads_policies<KK, C>>(cfg, w, g);
-        const auto dedup_c = test::run_layer<dedup_policies<KK, C>>(cfg, w, g);
-        CHECK(test::relative_error(dedup_c.y, plain_c.y) <= 1e-6);
+        const auto plain_c = test::run_layer<test::threads_policies<KK, C, Space>>(cfg, w, g);
+        const auto dedup_c = test::run_layer<dedup_policies<KK, C, Space>>(cfg, w, g);
+        CHECK(test::relative_error(dedup_c.y, plain_c.y) <= test::tolerance<Space>(1e-6));
         CHECK(dedup_c.stats[0][0].dropped == plain_c.stats[0][0].dropped);
         // Never more rows than without dedup; as many assignments.
         for (int r = 0; r < R; ++r)
@@ -53,7 +56,9 @@ TEST_CASE("dedup: same outputs as per-assignment dispatch and as the reference",
     }
 }
 
-TEST_CASE("dedup: rows and bytes of both all-to-alls match a hand count", "[layer][dedup]") {
+TEMPLATE_LIST_TEST_CASE("dedup: rows and bytes of both all-to-alls match a hand count",
+                        "[layer][dedup]", test::spaces) {
+  using Space = TestType;
   // 2 ranks, experts 0,1 on rank 0 and 2,3 on rank 1, top-2. Rank 0 holds 4 tokens:
   //   t0 -> (0, 1): both on rank 0     t1 -> (0, 2): one on each rank
   //   t2 -> (2, 3): both on rank 1     t3 -> (3, 1): one on each rank
@@ -70,10 +75,12 @@ TEST_CASE("dedup: rows and bytes of both all-to-alls match a hand count", "[laye
     g.x[t * cfg.hidden + pick[t][0]] = 2.f;
     g.x[t * cfg.hidden + pick[t][1]] = 1.f;
   }
-  const index_t row = cfg.hidden * 4, meta = 8;  // bytes of a row, of an assignment's metadata
+  // Bytes of a row (the space's element type), of an assignment's metadata.
+  const index_t row = cfg.hidden * sizeof(typename test::space_io<Space>::value_type), meta = 8;
 
-  const auto plain = test::run_layer<test::threads_policies<2>>(cfg, w, g).stats;
-  const auto dedup = test::run_layer<dedup_policies<2>>(cfg, w, g).stats;
+  using D = capacity::dropless;
+  const auto plain = test::run_layer<test::threads_policies<2, D, Space>>(cfg, w, g).stats;
+  const auto dedup = test::run_layer<dedup_policies<2, D, Space>>(cfg, w, g).stats;
   // Without dedup: one row per assignment. To rank 0: t0 x2, t1, t3 = 4; to rank 1: t1, t2 x2,
   // t3 = 4.
   CHECK(plain[0][0].rows_sent == std::vector<index_t>{4, 4});

@@ -18,8 +18,9 @@ namespace {
 
 constexpr int passes = 3;
 
-template <class Router, class Capacity = capacity::dropless>
+template <class Space, class Router, class Capacity = capacity::dropless>
 struct policies : default_policies {
+  using space = Space;
   using router = Router;
   using capacity = Capacity;
   using comm = epmoe::comm::threads;
@@ -53,7 +54,7 @@ void check_training_noise(const layer_config& cfg, const test::run_options<P>& o
   for (int p = 0; p < passes; ++p) {
     CAPTURE(p);
     want.push_back(test::run_reference<P>(cfg, w, g, opt, static_cast<std::uint64_t>(p)));
-    CHECK(test::relative_error(got[p], want[p]) <= 1e-4);
+    CHECK(test::relative_error(got[p], want[p]) <= test::tolerance<typename P::space>(1e-4));
   }
   REQUIRE(want.size() == passes);
   // The noise changes the output from pass to pass, so noise stuck at one pass fails above.
@@ -63,36 +64,41 @@ void check_training_noise(const layer_config& cfg, const test::run_options<P>& o
 
 }  // namespace
 
-TEST_CASE("passes: shared experts are recomputed, not accumulated, every pass",
-          "[layer][passes][shared]") {
+TEMPLATE_LIST_TEST_CASE("passes: shared experts are recomputed, not accumulated, every pass",
+                        "[layer][passes][shared]", test::spaces) {
+  using Space = TestType;
   int checked = 0;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
     layer_config cfg = small(R, 2);
     cfg.shared_experts = 2;
     cfg.shared_ffn = 7;
-    using P = policies<router::mixtral<2>>;
+    using P = policies<Space, router::mixtral<2>>;
     const auto w = reference::full_weights::random(cfg, 11);
     const auto g = tokens(cfg, 12);
     const auto got = test::run_passes<P>(cfg, w, g, {}, passes);
     const auto want = test::run_reference<P>(cfg, w, g);
     for (int p = 0; p < passes; ++p, ++checked) {
       CAPTURE(p);
-      CHECK(test::relative_error(got[p], want) <= 1e-4);
+      CHECK(test::relative_error(got[p], want) <= test::tolerance<Space>(1e-4));
     }
   }
   CHECK(checked == 3 * passes);
 }
 
-TEST_CASE("passes: noisy top-k draws new noise every pass", "[layer][passes][noise]") {
+TEMPLATE_LIST_TEST_CASE("passes: noisy top-k draws new noise every pass", "[layer][passes][noise]",
+                        test::spaces) {
+  using Space = TestType;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
-    check_training_noise<policies<router::noisy_topk<2>, capacity::factor<>>>(
+    check_training_noise<policies<Space, router::noisy_topk<2>, capacity::factor<>>>(
         small(R, 2), {.router = {.training = true, .seed = 9}});
   }
 }
 
-TEST_CASE("passes: Switch jitter draws new factors every pass", "[layer][passes][noise]") {
+TEMPLATE_LIST_TEST_CASE("passes: Switch jitter draws new factors every pass",
+                        "[layer][passes][noise]", test::spaces) {
+  using Space = TestType;
   using J = router::jitter<router::switch_top1>;
   J j{};
   j.training = true;
@@ -100,14 +106,15 @@ TEST_CASE("passes: Switch jitter draws new factors every pass", "[layer][passes]
   j.seed = 4;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
-    check_training_noise<policies<J>>(small(R, 1), {.router = j});
+    check_training_noise<policies<Space, J>>(small(R, 1), {.router = j});
   }
 }
 
-TEST_CASE("passes: the DeepSeek bias after update_router matches its definition",
-          "[layer][passes][bias]") {
+TEMPLATE_LIST_TEST_CASE("passes: the DeepSeek bias after update_router matches its definition",
+                        "[layer][passes][bias]", test::spaces) {
+  using Space = TestType;
   using Router = router::sigmoid_bias<4>;
-  using P = policies<Router>;
+  using P = policies<Space, Router>;
   const Router router{.groups = 4, .top_groups = 2, .scaling = 2.5f, .gamma = 0.05f};
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
@@ -127,7 +134,7 @@ TEST_CASE("passes: the DeepSeek bias after update_router matches its definition"
       test::run_options<P> now = opt;
       now.bias = bias;
       const auto want = test::run_reference<P>(cfg, w, g, now, static_cast<std::uint64_t>(p));
-      CHECK(test::relative_error(got[p], want) <= 1e-4);
+      CHECK(test::relative_error(got[p], want) <= test::tolerance<Space>(1e-4));
       if (p > 0)  // the update changed the routing: a skipped update fails above
         CHECK(test::relative_error(want, test::run_reference<P>(cfg, w, g, opt)) > 1e-3);
       Router biased = router;

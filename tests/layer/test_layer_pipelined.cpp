@@ -14,16 +14,16 @@ using namespace epmoe;
 
 namespace {
 
-template <class Capacity, bool Dedup, class Schedule>
-struct policies : test::threads_policies<2, Capacity> {
+template <class Capacity, bool Dedup, class Schedule, class Space = space::host>
+struct policies : test::threads_policies<2, Capacity, Space> {
   using schedule = Schedule;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 
-template <class Capacity, bool Dedup>
+template <class Capacity, bool Dedup, class Space>
 void pipelined_equals_sequential() {
-  using Seq = policies<Capacity, Dedup, schedule::sequential>;
-  using Pipe = policies<Capacity, Dedup, schedule::pipelined<4>>;
+  using Seq = policies<Capacity, Dedup, schedule::sequential, Space>;
+  using Pipe = policies<Capacity, Dedup, schedule::pipelined<4>, Space>;
   for (int C : {1, 2, 3, 4, 8, 40}) {  // 40 > the tokens of some ranks: empty chunks
     CAPTURE(C);
     layer_config cfg{.hidden = 11,
@@ -38,8 +38,9 @@ void pipelined_equals_sequential() {
     const auto g = test::make_tokens({33, 0, 5, 17}, cfg.hidden, 20 + C);
     const auto seq = test::run_layer<Seq>(cfg, w, g);
     const auto pipe = test::run_layer<Pipe>(cfg, w, g);
-    CHECK(test::relative_error(pipe.y, seq.y) <= 1e-6);
-    CHECK(test::relative_error(pipe.y, test::run_reference<Seq>(cfg, w, g)) <= 1e-4);
+    CHECK(test::relative_error(pipe.y, seq.y) <= test::tolerance<Space>(1e-6));
+    CHECK(test::relative_error(pipe.y, test::run_reference<Seq>(cfg, w, g)) <=
+          test::tolerance<Space>(1e-4));
     for (int r = 0; r < 4; ++r) {
       CHECK(pipe.stats[r][0].chunks == C);
       CHECK(pipe.stats[r][0].dropped == seq.stats[r][0].dropped);
@@ -50,19 +51,25 @@ void pipelined_equals_sequential() {
 
 }  // namespace
 
-TEST_CASE("pipelined: equals sequential, dropless", "[layer][pipelined]") {
-  pipelined_equals_sequential<capacity::dropless, false>();
+TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, dropless", "[layer][pipelined]",
+                        test::spaces) {
+  pipelined_equals_sequential<capacity::dropless, false, TestType>();
 }
-TEST_CASE("pipelined: equals sequential, capacity factor", "[layer][pipelined]") {
-  pipelined_equals_sequential<capacity::factor<false>, false>();
+TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, capacity factor", "[layer][pipelined]",
+                        test::spaces) {
+  pipelined_equals_sequential<capacity::factor<false>, false, TestType>();
 }
-TEST_CASE("pipelined: equals sequential, padded capacity", "[layer][pipelined]") {
-  pipelined_equals_sequential<capacity::factor<true>, false>();
+TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, padded capacity", "[layer][pipelined]",
+                        test::spaces) {
+  pipelined_equals_sequential<capacity::factor<true>, false, TestType>();
 }
-TEST_CASE("pipelined: equals sequential, dedup", "[layer][pipelined]") {
-  pipelined_equals_sequential<capacity::dropless, true>();
-  pipelined_equals_sequential<capacity::factor<false>, true>();
+TEMPLATE_LIST_TEST_CASE("pipelined: equals sequential, dedup", "[layer][pipelined]", test::spaces) {
+  pipelined_equals_sequential<capacity::dropless, true, TestType>();
+  pipelined_equals_sequential<capacity::factor<false>, true, TestType>();
 }
+
+// Below: the host's timeline and a throttled link (host comms).
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
 
 TEST_CASE("pipelined: T = 0 on every rank, and shared experts", "[layer][pipelined]") {
   using Pipe = policies<capacity::dropless, false, schedule::pipelined<3>>;
@@ -248,3 +255,4 @@ TEST_CASE("pipelined: over a throttled link, outputs unchanged and the wire time
     for (int c = 0; c + 1 < 4; ++c) CHECK(ev[c + 1][dispatch]->start < ev[c][experts]->end);
   }
 }
+#endif  // EPMOE_TEST_SPACES_ONLY_GENERIC

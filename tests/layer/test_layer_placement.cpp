@@ -16,10 +16,11 @@ using namespace epmoe;
 
 namespace {
 
-template <class Placement, class Capacity = capacity::dropless, bool Dedup = false>
-struct policies : test::threads_policies<2, Capacity> {
+template <class Placement, class Capacity = capacity::dropless, bool Dedup = false,
+          class Space = space::host>
+struct policies : test::threads_policies<2, Capacity, Space> {
   using placement = Placement;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 
 // 8 experts on 4 ranks with 12 slots (3 per rank): experts 0 and 1 are hot and get copies.
@@ -49,21 +50,25 @@ test::global_tokens skewed(const layer_config& cfg, reference::full_weights& w) 
 
 }  // namespace
 
-TEST_CASE("placement: block, round-robin and replicated tables all equal the reference",
-          "[layer][placement]") {
+TEMPLATE_LIST_TEST_CASE(
+    "placement: block, round-robin and replicated tables all equal the reference",
+    "[layer][placement]", test::spaces) {
+  using Space = TestType;
   const layer_config cfg = cfg4();
   auto w = reference::full_weights::random(cfg, 1);
   const auto g = skewed(cfg, w);
-  using B = policies<placement::block>;
-  using RR = policies<placement::round_robin>;
-  using Tab = policies<placement::table>;
+  using B = policies<placement::block, capacity::dropless, false, Space>;
+  using RR = policies<placement::round_robin, capacity::dropless, false, Space>;
+  using Tab = policies<placement::table, capacity::dropless, false, Space>;
   const auto block = test::run_layer<B>(cfg, w, g);
-  CHECK(test::relative_error(block.y, test::run_reference<B>(cfg, w, g)) <= 1e-4);
-  CHECK(test::relative_error(test::run_layer<RR>(cfg, w, g).y, block.y) <= 1e-5);
+  CHECK(test::relative_error(block.y, test::run_reference<B>(cfg, w, g)) <=
+        test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(test::run_layer<RR>(cfg, w, g).y, block.y) <=
+        test::tolerance<Space>(1e-5));
   for (int rpn : {0, 2}) {  // one node, or two nodes of two ranks: a different copy choice
     CAPTURE(rpn);
     const auto rep = test::run_layer<Tab>(cfg, w, g, {.placement = replicated(rpn)});
-    CHECK(test::relative_error(rep.y, block.y) <= 1e-5);
+    CHECK(test::relative_error(rep.y, block.y) <= test::tolerance<Space>(1e-5));
     // The hot expert's rows are spread over its copies: no rank computes them all.
     std::vector<index_t> copy_rows;  // rows each copy of expert 0 computed
     index_t routed_e0 = 0;
@@ -80,21 +85,23 @@ TEST_CASE("placement: block, round-robin and replicated tables all equal the ref
   }
 }
 
-TEST_CASE("placement: with capacity and dedup, replicated tables match the reference",
-          "[layer][placement]") {
+TEMPLATE_LIST_TEST_CASE("placement: with capacity and dedup, replicated tables match the reference",
+                        "[layer][placement]", test::spaces) {
+  using Space = TestType;
   const layer_config cfg = cfg4(0.75);
   auto w = reference::full_weights::random(cfg, 2);
   const auto g = skewed(cfg, w);
   using C = capacity::factor<false>;
-  using Tab = policies<placement::table, C>;
-  using TabDedup = policies<placement::table, C, true>;
+  using Tab = policies<placement::table, C, false, Space>;
+  using TabDedup = policies<placement::table, C, true, Space>;
   const test::run_options<Tab> opt{.placement = replicated()};
   const auto rep = test::run_layer<Tab>(cfg, w, g, opt);
-  CHECK(test::relative_error(rep.y, test::run_reference<Tab>(cfg, w, g, opt)) <= 1e-4);
+  CHECK(test::relative_error(rep.y, test::run_reference<Tab>(cfg, w, g, opt)) <=
+        test::tolerance<Space>(1e-4));
   const auto dedup = test::run_layer<TabDedup>(cfg, w, g, {.placement = replicated()});
-  CHECK(test::relative_error(dedup.y, rep.y) <= 1e-6);
+  CHECK(test::relative_error(dedup.y, rep.y) <= test::tolerance<Space>(1e-6));
   // Copies share a hot expert's load, so fewer rows are dropped than with one copy each.
-  using Blk = policies<placement::block, C>;
+  using Blk = policies<placement::block, C, false, Space>;
   index_t dropped_block = 0, dropped_rep = 0;
   const auto blk = test::run_layer<Blk>(cfg, w, g);
   for (int r = 0; r < 4; ++r) {
@@ -104,12 +111,13 @@ TEST_CASE("placement: with capacity and dedup, replicated tables match the refer
   CHECK(dropped_rep < dropped_block);
 }
 
-TEST_CASE("placement: a token uses the copy on its own rank when there is one",
-          "[layer][placement]") {
+TEMPLATE_LIST_TEST_CASE("placement: a token uses the copy on its own rank when there is one",
+                        "[layer][placement]", test::spaces) {
+  using Space = TestType;
   const layer_config cfg = cfg4();
   auto w = reference::full_weights::random(cfg, 3);
   const auto g = skewed(cfg, w);
-  using Tab = policies<placement::table>;
+  using Tab = policies<placement::table, capacity::dropless, false, Space>;
   const auto rep = test::run_layer<Tab>(cfg, w, g, {.placement = replicated()});
   // Expert 0 has copies on ranks 0, 2, 3: their tokens keep expert-0 rows at home.
   for (int r : {0, 3}) {
@@ -121,39 +129,39 @@ TEST_CASE("placement: a token uses the copy on its own rank when there is one",
   }
 }
 
-TEST_CASE("placement: live re-placement moves only changed slots and keeps outputs",
-          "[layer][placement]") {
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
+#endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+TEMPLATE_LIST_TEST_CASE("placement: live re-placement moves only changed slots and keeps outputs",
+                        "[layer][placement]", test::spaces) {
+  using Space = TestType;
   const layer_config cfg = cfg4();
   auto w = reference::full_weights::random(cfg, 4);
   const auto g = skewed(cfg, w);
-  using Tab = policies<placement::table>;
+  using Tab = policies<placement::table, capacity::dropless, false, Space>;
   const placement::table start(cfg);                           // identity: 2 slots per rank
   const std::vector<int> next_map = {1, 0, 2, 3, 5, 4, 6, 7};  // swap 0<->1 and 4<->5
   const placement::table next(8, 4, next_map);
-  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
-  std::vector<float> before(g.x.size(), nan), after(g.x.size(), nan);
-  std::vector<index_t> moved(4);
+  std::vector<index_t> moved(4, -1);
   std::vector<int> placed(4, 0);  // Catch's CHECK is not thread-safe: check after the run
-  comm::threads_world world(4);
-  world.run([&](comm::threads c) {
-    const int r = c.rank();
-    const auto mine = reference::slice(w, start, r);
-    moe_layer<Tab> layer(cfg, c, {w.gate_view(), mine.experts()}, {}, {}, start);
-    const index_t T = g.per_rank[r], H = cfg.hidden;
-    const float* x = g.x.data() + g.offset(r) * H;
-    layer.forward({x, T, H}, {before.data() + g.offset(r) * H, T, H});
-    moved[r] = layer.apply_placement(next);
-    placed[r] = layer.placement() == next;
-    layer.forward({x, T, H}, {after.data() + g.offset(r) * H, T, H});
-  });
+  test::run_options<Tab> opt{.passes = 2, .placement = start};
+  opt.between = [&](moe_layer<Tab>& layer) {
+    if (layer.passes() != 1) return;  // after the first pass only
+    moved[layer.rank()] = layer.apply_placement(next);
+    placed[layer.rank()] = layer.placement() == next;
+  };
+  const auto got = test::run_layer<Tab>(cfg, w, g, opt);
   CHECK(placed == std::vector<int>(4, 1));
   const auto want = test::run_reference<Tab>(cfg, w, g);
-  CHECK(test::relative_error(before, want) <= 1e-4);
-  CHECK(test::relative_error(after, want) <= 1e-4);
-  // 4 slots changed; each holds w1, w3 [F, H] and w2 [H, F].
-  const index_t slot_bytes = 3 * index_t{cfg.ffn} * cfg.hidden * 4;
+  CHECK(test::relative_error(got.ys[0], want) <= test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(got.ys[1], want) <= test::tolerance<Space>(1e-4));
+  // 4 slots changed; each holds w1, w3 [F, H] and w2 [H, F] of the space's element type.
+  const index_t slot_bytes = 3 * index_t{cfg.ffn} * cfg.hidden *
+                             index_t{sizeof(typename test::space_io<Space>::value_type)};
   CHECK(moved == std::vector<index_t>{2 * slot_bytes, 0, 2 * slot_bytes, 0});
 }
+
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
 
 TEST_CASE("placement: the balancer's table, applied live, evens out rank load",
           "[layer][placement]") {
@@ -196,8 +204,12 @@ TEST_CASE("placement: the balancer's table, applied live, evens out rank load",
   CHECK(test::relative_error(y, test::run_reference<Tab>(cfg, w, g)) <= 1e-4);
 }
 
-TEST_CASE("placement: two copies on the token's own rank share its rows (hash), as documented",
-          "[layer][placement]") {
+#endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+TEMPLATE_LIST_TEST_CASE(
+    "placement: two copies on the token's own rank share its rows (hash), as documented",
+    "[layer][placement]", test::spaces) {
+  using Space = TestType;
   // The balancer may put two copies of a hot expert on one rank (a twin) when that balances
   // best; a token of that rank then picks between them by its hash, like copies on its node.
   const layer_config cfg = cfg4(0.75);
@@ -205,10 +217,11 @@ TEST_CASE("placement: two copies on the token's own rank share its rows (hash), 
   const auto g = skewed(cfg, w);
   //                                         rank 0    rank 1    rank 2    rank 3
   const placement::table twins(8, 4, {0, 0, 2, 1, 3, 4, 5, 6, 7, 0, 1, 2});
-  using Tab = policies<placement::table, capacity::factor<false>>;
+  using Tab = policies<placement::table, capacity::factor<false>, false, Space>;
   const test::run_options<Tab> opt{.placement = twins};
   const auto got = test::run_layer<Tab>(cfg, w, g, opt);
-  CHECK(test::relative_error(got.y, test::run_reference<Tab>(cfg, w, g, opt)) <= 1e-4);
+  CHECK(test::relative_error(got.y, test::run_reference<Tab>(cfg, w, g, opt)) <=
+        test::tolerance<Space>(1e-4));
   // Rank 0's own tokens for expert 0 reach both of its copies.
   const pass_stats& s0 = got.stats[0][0];
   CHECK(s0.rows_per_local_expert[0] > 0);

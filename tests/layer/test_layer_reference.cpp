@@ -12,11 +12,14 @@ using test::with_top_k;
 
 // Layer == reference over R in {1,2,3,4,8}, E in {R, 2R, 64}, K in {1,2,4}, T in
 // {0,1,7,513}, H and F not multiples of 8, ranks 1, 4, 7 passing no tokens. Written once
-// for each capacity policy.
+// for each capacity policy and each space (test::spaces: the host here, the GPU in
+// tests/cuda).
 using capacities = std::tuple<capacity::dropless, capacity::factor<false>, capacity::factor<true>>;
 
 TEMPLATE_LIST_TEST_CASE("layer: equals the reference over ranks, experts, top-k, tokens",
-                        "[layer][reference]", capacities) {
+                        "[layer][reference]", test::with_spaces<capacities>) {
+  using Capacity = typename TestType::first_type;
+  using Space = typename TestType::second_type;
   int runs = 0;
   for (int R : {1, 2, 3, 4, 8})
     for (int E : {R, 2 * R, 64})
@@ -35,11 +38,11 @@ TEMPLATE_LIST_TEST_CASE("layer: equals the reference over ranks, experts, top-k,
           const auto w = reference::full_weights::random(cfg, 1000 + E * 7 + K);
           const auto g = test::make_tokens(per_rank, cfg.hidden, 7 * R + T);
           with_top_k(K, [&]<int KK>() {
-            using P = test::threads_policies<KK, TestType>;
+            using P = test::threads_policies<KK, Capacity, Space>;
             const auto got = test::run_layer<P>(cfg, w, g);
             const auto want = test::run_reference<P>(cfg, w, g);
             INFO("R=" << R << " E=" << E << " K=" << K << " T=" << T);
-            CHECK(test::relative_error(got.y, want) <= 1e-4);
+            CHECK(test::relative_error(got.y, want) <= test::tolerance<Space>(1e-4));
           });
           ++runs;
         }
@@ -47,7 +50,8 @@ TEMPLATE_LIST_TEST_CASE("layer: equals the reference over ranks, experts, top-k,
 }
 
 TEMPLATE_LIST_TEST_CASE("layer: uneven tokens per rank match the reference", "[layer][reference]",
-                        capacities) {
+                        test::with_spaces<capacities>) {
+  using Space = typename TestType::second_type;
   const layer_config cfg{.hidden = 21,
                          .ffn = 11,
                          .experts = 12,
@@ -57,40 +61,47 @@ TEMPLATE_LIST_TEST_CASE("layer: uneven tokens per rank match the reference", "[l
                          .capacity_factor = 0.75};
   const auto w = reference::full_weights::random(cfg, 5);
   const auto g = test::make_tokens({0, 1, 7, 64}, cfg.hidden, 9);
-  using P = test::threads_policies<2, TestType>;
+  using P = test::threads_policies<2, typename TestType::first_type, Space>;
   CHECK(test::relative_error(test::run_layer<P>(cfg, w, g).y, test::run_reference<P>(cfg, w, g)) <=
-        1e-4);
+        test::tolerance<Space>(1e-4));
 }
 
-TEST_CASE("layer: one rank with comm::local equals the reference", "[layer][reference]") {
-  struct P : default_policies {
-    using router = epmoe::router::topk_softmax<2, false>;  // Switch/GShard: no renormalisation
-  };
+namespace {
+template <class Space>
+struct local_policies : default_policies {
+  using space = Space;
+  using router = epmoe::router::topk_softmax<2, false>;  // Switch/GShard: no renormalisation
+};
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("layer: one rank with comm::local equals the reference",
+                        "[layer][reference]", test::spaces) {
+  using P = local_policies<TestType>;
   const layer_config cfg{
       .hidden = 17, .ffn = 23, .experts = 6, .top_k = 2, .ranks = 1, .max_tokens = 50};
   const auto w = reference::full_weights::random(cfg, 3);
   const auto g = test::make_tokens({50}, cfg.hidden, 4);
-  const auto mine = reference::slice(w, placement::block(cfg), 0);
-  moe_layer<P> layer(cfg, comm::local{}, {w.gate_view(), mine.experts()});
-  std::vector<float> y(g.x.size(), std::numeric_limits<float>::quiet_NaN());  // unwritten fails
-  layer.forward({g.x.data(), 50, 17}, {y.data(), 50, 17});
-  CHECK(test::relative_error(y, test::run_reference<P>(cfg, w, g)) <= 1e-4);
+  CHECK(test::relative_error(test::run_layer<P>(cfg, w, g).y, test::run_reference<P>(cfg, w, g)) <=
+        test::tolerance<TestType>(1e-4));
 }
 
 namespace {
 
 template <class Base>
 struct dedup_of : Base {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 template <class Base>
 struct pipelined_of : Base {
   using schedule = epmoe::schedule::pipelined<3>;
 };
-using drop_policies = std::tuple<test::threads_policies<2, capacity::factor<false>>,
-                                 test::threads_policies<2, capacity::factor<true>>,
-                                 dedup_of<test::threads_policies<2, capacity::factor<false>>>,
-                                 pipelined_of<test::threads_policies<2, capacity::factor<false>>>>;
+template <class Space>
+using drop_policies_on =
+    std::tuple<test::threads_policies<2, capacity::factor<false>, Space>,
+               test::threads_policies<2, capacity::factor<true>, Space>,
+               dedup_of<test::threads_policies<2, capacity::factor<false>, Space>>,
+               pipelined_of<test::threads_policies<2, capacity::factor<false>, Space>>>;
+using drop_policies = test::per_space<drop_policies_on>;
 
 }  // namespace
 
@@ -114,7 +125,7 @@ TEMPLATE_LIST_TEST_CASE("layer: a token with every assignment dropped gets zero 
     const auto w = reference::full_weights::random(cfg, 42);
     const auto got = test::run_layer<P>(cfg, w, g, {.passes = 2});
     const auto want = test::run_reference<P>(cfg, w, g);
-    CHECK(test::relative_error(got.y, want) <= 1e-4);
+    CHECK(test::relative_error(got.y, want) <= test::tolerance<typename P::space>(1e-4));
     if (shared > 0) continue;
     // Without shared experts a fully dropped token's reference row is exactly zero: the case
     // this test is for happens on both ranks.

@@ -18,8 +18,9 @@ using namespace epmoe;
 
 namespace {
 
-template <class Router, class Capacity = capacity::dropless>
+template <class Space, class Router, class Capacity = capacity::dropless>
 struct policies : default_policies {
+  using space = Space;
   using router = Router;
   using capacity = Capacity;
   using comm = epmoe::comm::threads;
@@ -56,64 +57,82 @@ double layer_vs_reference(const layer_config& cfg, const test::run_options<P>& o
 
 }  // namespace
 
-TEST_CASE("routers through the layer: softmax family", "[layer][routers]") {
+TEMPLATE_LIST_TEST_CASE("routers through the layer: softmax family", "[layer][routers]",
+                        test::spaces) {
+  using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    CHECK(layer_vs_reference<policies<router::mixtral<2>>>(small(R, 2)) <= 1e-4);
-    CHECK(layer_vs_reference<policies<router::qwen<4, false>>>(small(R, 4)) <= 1e-4);
-    CHECK(layer_vs_reference<policies<router::switch_top1>>(small(R, 1)) <= 1e-4);
-    CHECK(layer_vs_reference<policies<router::gshard_top2, capacity::factor<>>>(small(R, 2)) <=
-          1e-4);
+    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::qwen<4, false>>>(small(R, 4)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::switch_top1>>(small(R, 1)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::gshard_top2, capacity::factor<>>>(
+              small(R, 2)) <= 1e-4);
     // Group-limited softmax: 4 groups of 4, best 2 groups.
-    test::run_options<policies<router::topk_softmax<2>>> grouped{.router = {4, 2}};
-    CHECK(layer_vs_reference(small(R, 2, 16), grouped) <= 1e-4);
+    test::run_options<policies<Space, router::topk_softmax<2>>> grouped{.router = {4, 2}};
+    CHECK(layer_vs_reference(small(R, 2, 16), grouped) <= test::tolerance<Space>(1e-4));
   }
 }
 
-TEST_CASE("routers through the layer: DeepSeek-V3 sigmoid with bias and groups",
-          "[layer][routers]") {
-  using P = policies<router::sigmoid_bias<4>>;
+TEMPLATE_LIST_TEST_CASE("routers through the layer: DeepSeek-V3 sigmoid with bias and groups",
+                        "[layer][routers]", test::spaces) {
+  using Space = TestType;
+  using P = policies<Space, router::sigmoid_bias<4>>;
   for (int R : {1, 4}) {
     CAPTURE(R);
     test::run_options<P> opt{.router = {.groups = 4, .top_groups = 2, .scaling = 2.5f}};
     opt.bias.resize(16);
     for (int e = 0; e < 16; ++e) opt.bias[e] = 0.05f * static_cast<float>(e % 5) - 0.1f;
-    CHECK(layer_vs_reference(small(R, 4, 16), opt) <= 1e-4);
+    CHECK(layer_vs_reference(small(R, 4, 16), opt) <= test::tolerance<Space>(1e-4));
   }
 }
 
-TEST_CASE("routers through the layer: expert choice, hash, Sinkhorn", "[layer][routers]") {
+TEMPLATE_LIST_TEST_CASE("routers through the layer: expert choice, hash, Sinkhorn",
+                        "[layer][routers]", test::spaces) {
+  using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    CHECK(layer_vs_reference<policies<router::expert_choice>>(small(R, 2)) <= 1e-4);
-    CHECK(layer_vs_reference<policies<router::hash<2>>>(small(R, 2)) <= 1e-4);
-    CHECK(layer_vs_reference<policies<router::sinkhorn<2>>>(small(R, 2)) <= 1e-4);
-    CHECK(layer_vs_reference<policies<router::sinkhorn<1>>>(small(R, 1)) <= 1e-4);
+    CHECK(layer_vs_reference<policies<Space, router::expert_choice>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::hash<2>>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<2>>>(small(R, 2)) <=
+          test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<1>>>(small(R, 1)) <=
+          test::tolerance<Space>(1e-4));
   }
 }
 
-TEST_CASE("routers through the layer: training noise, seeded", "[layer][routers]") {
+TEMPLATE_LIST_TEST_CASE("routers through the layer: training noise, seeded", "[layer][routers]",
+                        test::spaces) {
+  using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
     for (bool training : {false, true}) {
       CAPTURE(training);
-      CHECK(layer_vs_reference<policies<router::noisy_topk<2>>>(
-                small(R, 2), {.router = {.training = training, .seed = 9}}) <= 1e-4);
+      CHECK(layer_vs_reference<policies<Space, router::noisy_topk<2>>>(
+                small(R, 2), {.router = {.training = training, .seed = 9}}) <=
+            test::tolerance<Space>(1e-4));
       using J = router::jitter<router::switch_top1>;
       J j{};
       j.training = training;
       j.eps = 0.1f;
-      CHECK(layer_vs_reference<policies<J>>(small(R, 1), {.router = j}) <= 1e-4);
+      CHECK(layer_vs_reference<policies<Space, J>>(small(R, 1), {.router = j}) <=
+            test::tolerance<Space>(1e-4));
     }
   }
 }
 
-TEST_CASE("routers through the layer: expert choice gives every expert C tokens per rank",
-          "[layer][routers]") {
+TEMPLATE_LIST_TEST_CASE(
+    "routers through the layer: expert choice gives every expert C tokens per rank",
+    "[layer][routers]", test::spaces) {
+  using Space = TestType;
   const layer_config cfg = small(4, 2);
   const auto w = reference::full_weights::random(cfg, 3);
   const auto g = test::make_tokens({40, 40, 40, 40}, cfg.hidden, 4);
-  const auto run = test::run_layer<policies<router::expert_choice>>(cfg, w, g);
+  const auto run = test::run_layer<policies<Space, router::expert_choice>>(cfg, w, g);
   const index_t C = router::expert_choice::capacity(cfg, 40);  // ceil(1.0 * 40 * 2 / 8) = 10
   REQUIRE(C == 10);
   for (int r = 0; r < 4; ++r) {
@@ -126,18 +145,22 @@ TEST_CASE("routers through the layer: expert choice gives every expert C tokens 
   }
 }
 
-TEST_CASE("shared experts: every token's output adds N always-on experts", "[layer][shared]") {
+TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on experts",
+                        "[layer][shared]", test::spaces) {
+  using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
     layer_config cfg = small(R, 2);
     cfg.shared_experts = 2;
     cfg.shared_ffn = 7;
-    CHECK(layer_vs_reference<policies<router::mixtral<2>>>(cfg) <= 1e-4);
+    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(cfg) <=
+          test::tolerance<Space>(1e-4));
     cfg.shared_ffn = 0;  // same width as the routed experts
-    CHECK(layer_vs_reference<policies<router::sigmoid_bias<2>>>(cfg) <= 1e-4);
+    CHECK(layer_vs_reference<policies<Space, router::sigmoid_bias<2>>>(cfg) <=
+          test::tolerance<Space>(1e-4));
   }
   // Stats count their FLOPs; without them the output differs.
-  using M = policies<router::mixtral<2>>;
+  using M = policies<Space, router::mixtral<2>>;
   layer_config cfg = small(1, 2);
   cfg.shared_experts = 1;
   const auto w = reference::full_weights::random(cfg, 5);
@@ -148,18 +171,21 @@ TEST_CASE("shared experts: every token's output adds N always-on experts", "[lay
   w_none.cfg.shared_experts = 0;
   const auto without = test::run_layer<M>(w_none.cfg, w_none, g);
   // Both right (a NaN output would also make them "differ"), and not the same.
-  CHECK(test::relative_error(with.y, test::run_reference<M>(cfg, w, g)) <= 1e-4);
-  CHECK(test::relative_error(without.y, test::run_reference<M>(w_none.cfg, w_none, g)) <= 1e-4);
+  CHECK(test::relative_error(with.y, test::run_reference<M>(cfg, w, g)) <=
+        test::tolerance<Space>(1e-4));
+  CHECK(test::relative_error(without.y, test::run_reference<M>(w_none.cfg, w_none, g)) <=
+        test::tolerance<Space>(1e-4));
   CHECK(test::relative_error(without.y, with.y) > 1e-3);
 }
 
-TEST_CASE("router losses are reported per pass", "[layer][losses]") {
+TEMPLATE_LIST_TEST_CASE("router losses are reported per pass", "[layer][losses]", test::spaces) {
+  using Space = TestType;
   layer_config cfg = small(2, 2);
   cfg.seq_len = 10;
   const auto w = reference::full_weights::random(cfg, 7);
   const auto g = test::make_tokens({40, 40}, cfg.hidden, 8);
-  const auto soft = test::run_layer<policies<router::mixtral<2>>>(cfg, w, g);
-  const auto hashed = test::run_layer<policies<router::hash<2>>>(
+  const auto soft = test::run_layer<policies<Space, router::mixtral<2>>>(cfg, w, g);
+  const auto hashed = test::run_layer<policies<Space, router::hash<2>>>(
       cfg, w, g, {.token_ids = std::vector<std::int64_t>(80, 3)});
   for (int r = 0; r < 2; ++r) {
     const router_losses& l = soft.stats[r][0].losses;
@@ -171,6 +197,7 @@ TEST_CASE("router losses are reported per pass", "[layer][losses]") {
   }
 }
 
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC  // a host loop of 200 updates
 TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][bias]") {
   // 16 experts; tokens whose gate prefers experts 0..3. Each pass, every rank routes its
   // tokens, then update_router() applies b_i += gamma * sign(mean - load_i) from the global
@@ -179,7 +206,7 @@ TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][b
   auto w = reference::full_weights::random(cfg, 10);
   for (int e = 0; e < 4; ++e)
     for (int h = 0; h < cfg.hidden; ++h) w.gate[e * cfg.hidden + h] += 0.25f;
-  using P = policies<router::sigmoid_bias<2>>;
+  using P = policies<space::host, router::sigmoid_bias<2>>;
   std::vector<double> curve(200);
   std::vector<std::vector<float>> bias(2);  // [rank]: after the last update
   std::vector<float> last_bias;             // rank 0's, as the last pass used it
@@ -225,3 +252,4 @@ TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][b
   CHECK(first > 2.0);
   CHECK(last < 0.6 * first);
 }
+#endif  // EPMOE_TEST_SPACES_ONLY_GENERIC

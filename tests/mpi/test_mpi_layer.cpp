@@ -21,7 +21,7 @@ struct mpi_policies : default_policies {
 };
 
 struct mpi_dedup_policies : mpi_policies {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 struct mpi_pipelined_policies : mpi_policies {
@@ -29,7 +29,7 @@ struct mpi_pipelined_policies : mpi_policies {
 };
 
 struct mpi_pipelined_dedup_policies : mpi_pipelined_policies {
-  static constexpr bool dedup = true;
+  static constexpr epmoe::layer_options options{.dedup = true};
 };
 
 struct mpi_round_robin_policies : mpi_policies {

@@ -21,7 +21,7 @@ namespace {
 template <class Placement, class Capacity = capacity::dropless, bool Dedup = false>
 struct policies : test::threads_policies<2, Capacity> {
   using placement = Placement;
-  static constexpr bool dedup = Dedup;
+  static constexpr epmoe::layer_options options{.dedup = Dedup};
 };
 
 template <class Placement, int C>

@@ -2,20 +2,25 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// comm::nccl: ranks on GPUs, rows moved by grouped ncclSend/ncclRecv on the stream.
-// Dynamic mode: each rank's counts go to its peers on the device, then one device->host
-// copy (and one stream synchronisation per pass) tells the host the receive sizes that the
-// row exchanges and the grouped GEMM need. Static mode (capacity::factor<true>: every block
-// padded to the capacity): every size is known in advance, nothing waits on the host, and a
-// whole forward pass can be captured in a CUDA graph.
+// comm::nccl: ranks on GPUs, and its transport for space::cuda: rows move by grouped
+// ncclSend/ncclRecv per peer on the space's comm stream, after an event from the work stream,
+// and the work stream waits for an event after them, so a pipelined schedule's exchange of
+// one chunk runs while another chunk's experts compute. The counts go on the work stream; in
+// dynamic mode one device->host copy and one wait tell the host the receive sizes, in static
+// mode (padded capacity) nothing waits and a pass can be captured in a CUDA graph.
 #include <nccl.h>
 
+#include <algorithm>
+#include <array>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "epmoe/core/error.hpp"
-#include "epmoe/cuda/exchange.cuh"
-#include "epmoe/cuda/runtime.cuh"
+#include "epmoe/core/transport.hpp"
+#include "epmoe/space/cuda/runtime.cuh"
+#include "epmoe/space/cuda/space.cuh"
 
 namespace epmoe {
 namespace cuda_detail {
@@ -26,11 +31,12 @@ inline void check(ncclResult_t r, const char* call) {
 
 namespace comm {
 
-/// One rank of a user-supplied NCCL communicator (the user creates and destroys it), with
-/// the stream NCCL work is ordered on (the layer's stream unless its space names another).
+/// One rank of a user-supplied NCCL communicator (the user creates and destroys it). `stream`
+/// orders the few host-array exchanges (start-up agreement, router load); a pass's rows move
+/// on the layer's own streams.
 class nccl {
  public:
-  nccl(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream) {
+  explicit nccl(ncclComm_t comm, cudaStream_t stream = nullptr) : comm_(comm), stream_(stream) {
     EPMOE_CUDA_CHECK(ncclCommUserRank(comm, &rank_));
     EPMOE_CUDA_CHECK(ncclCommCount(comm, &size_));
   }
@@ -51,6 +57,36 @@ class nccl {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(d, send, bytes, cudaMemcpyHostToDevice, stream_));
     alltoall_device(d, d + bytes, sizeof(T) * n, stream_);
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(recv, d + bytes, bytes, cudaMemcpyDeviceToHost, stream_));
+    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  /// Host arrays, all-to-all-v (counts and displacements in elements): staged through device
+  /// memory, synchronous. For the rare exchanges of host data (live re-placement's weights).
+  template <class T>
+  void alltoallv(const T* send, const index_t* sn, const index_t* sd, T* recv, const index_t* rn,
+                 const index_t* rd) {
+    index_t out = 0, in = 0;
+    for (int r = 0; r < size_; ++r) {
+      out = std::max(out, sd[r] + sn[r]);
+      in = std::max(in, rd[r] + rn[r]);
+    }
+    const std::size_t e = sizeof(T), bytes = e * static_cast<std::size_t>(out + in);
+    if (!staging_ || staging_->size() < static_cast<index_t>(bytes))
+      staging_ = std::make_shared<device_buffer<char>>(static_cast<index_t>(bytes));
+    char* d_send = staging_->data();
+    char* d_recv = d_send + e * out;
+    if (out > 0)
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(d_send, send, e * out, cudaMemcpyHostToDevice, stream_));
+    EPMOE_CUDA_CHECK(ncclGroupStart());
+    for (int r = 0; r < size_; ++r) {
+      if (sn[r] > 0)
+        EPMOE_CUDA_CHECK(ncclSend(d_send + e * sd[r], e * sn[r], ncclInt8, r, comm_, stream_));
+      if (rn[r] > 0)
+        EPMOE_CUDA_CHECK(ncclRecv(d_recv + e * rd[r], e * rn[r], ncclInt8, r, comm_, stream_));
+    }
+    EPMOE_CUDA_CHECK(ncclGroupEnd());
+    if (in > 0)
+      EPMOE_CUDA_CHECK(cudaMemcpyAsync(recv, d_recv, e * in, cudaMemcpyDeviceToHost, stream_));
     EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 
@@ -75,53 +111,69 @@ class nccl {
 
 }  // namespace comm
 
-namespace cuda_detail {
-
-/// NCCL's engine: every block a grouped send or receive; counts exchanged on the device.
-class nccl_exchange {
+template <class T>
+class transport<comm::nccl, space::cuda<T>> {
  public:
-  static constexpr bool device_counts = true;
-  static constexpr bool needs_remote = false;  // sends and receives pair up in order
+  static constexpr bool async = true;
+  /// A started exchange: the event after its sends and receives on the comm stream.
+  struct request {
+    cudaEvent_t done = nullptr;
+  };
 
-  nccl_exchange() = default;
-  nccl_exchange(comm::nccl* c, const void*, const void*) : comm_(c) {}
+  transport() = default;
+  transport(comm::nccl& c, const space::cuda<T>& s)
+      : comm_(&c), work_(s.stream()), side_(s.comm_stream()), events_(std::make_shared<ring>()) {}
 
-  template <class T>
-  void exchange(exchange_source, const T* src, const row_block* sends, int n_sends, T* dst,
-                const row_block* recvs, int n_recvs, index_t W, cudaStream_t s) {
-    const std::size_t row = sizeof(T) * static_cast<std::size_t>(W);
+  /// Device arrays on the work stream: n elements to every rank.
+  template <class U>
+  void alltoall(const U* send, U* recv, index_t n) {
+    comm_->alltoall_device(send, recv, sizeof(U) * static_cast<std::size_t>(n), work_);
+  }
+  template <class U>
+  void start(std::optional<request>& req, const U* send, const index_t* sn, const index_t* sd,
+             U* recv, const index_t* rn, const index_t* rd) {
+    cudaEvent_t ready = events_->next(), done = events_->next();
+    EPMOE_CUDA_CHECK(cudaEventRecord(ready, work_));
+    EPMOE_CUDA_CHECK(cudaStreamWaitEvent(side_, ready));
+    const std::size_t e = sizeof(U);
     EPMOE_CUDA_CHECK(ncclGroupStart());
-    for (int i = 0; i < n_sends; ++i)
-      if (sends[i].rows > 0)
-        EPMOE_CUDA_CHECK(ncclSend(src + sends[i].local * W, row * sends[i].rows, ncclInt8,
-                                  sends[i].peer, comm_->get(), s));
-    for (int i = 0; i < n_recvs; ++i)
-      if (recvs[i].rows > 0)
-        EPMOE_CUDA_CHECK(ncclRecv(dst + recvs[i].local * W, row * recvs[i].rows, ncclInt8,
-                                  recvs[i].peer, comm_->get(), s));
+    for (int r = 0; r < comm_->size(); ++r) {
+      if (sn[r] > 0)
+        EPMOE_CUDA_CHECK(ncclSend(send + sd[r], e * sn[r], ncclInt8, r, comm_->get(), side_));
+      if (rn[r] > 0)
+        EPMOE_CUDA_CHECK(ncclRecv(recv + rd[r], e * rn[r], ncclInt8, r, comm_->get(), side_));
+    }
     EPMOE_CUDA_CHECK(ncclGroupEnd());
+    EPMOE_CUDA_CHECK(cudaEventRecord(done, side_));
+    req.emplace(request{done});
   }
-
-  /// Counts on the device, then one copy of what arrived to the host (no sync here).
-  void counts(const index_t* d_send, index_t* d_recv, const index_t*, index_t* h_recv, index_t n,
-              cudaStream_t s) {
-    comm_->alltoall_device(d_send, d_recv, sizeof(index_t) * n, s);
-    EPMOE_CUDA_CHECK(cudaMemcpyAsync(h_recv, d_recv, sizeof(index_t) * n * comm_->size(),
-                                     cudaMemcpyDeviceToHost, s));
+  /// The work stream waits for the exchange (the host does not).
+  double wait(std::optional<request>& req) {
+    if (req) EPMOE_CUDA_CHECK(cudaStreamWaitEvent(work_, req->done));
+    req.reset();
+    return 0;
   }
-
-  void host_alltoall(const index_t* send, index_t* recv, index_t n) {
-    comm_->alltoall(send, recv, n);
-  }
+  void progress(std::optional<request>&) {}
 
  private:
+  // Events for the exchanges in flight, reused round-robin (a schedule keeps a few in flight).
+  struct ring {
+    ring() {
+      for (cudaEvent_t& e : events)
+        EPMOE_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    }
+    ring(const ring&) = delete;
+    ring& operator=(const ring&) = delete;
+    ~ring() {
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+    }
+    cudaEvent_t next() { return events[i++ % events.size()]; }
+    std::array<cudaEvent_t, 64> events{};
+    std::size_t i = 0;
+  };
   comm::nccl* comm_ = nullptr;
+  cudaStream_t work_ = nullptr, side_ = nullptr;
+  std::shared_ptr<ring> events_;
 };
 
-template <>
-struct device_exchange_for<comm::nccl> {
-  using type = nccl_exchange;
-};
-
-}  // namespace cuda_detail
 }  // namespace epmoe

@@ -147,6 +147,18 @@ class threads {
   template <class T>
   void alltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
                  const index_t* recv_counts, const index_t* recv_displs) {
+    alltoallv_with(
+        send, send_counts, send_displs, recv, recv_counts, recv_displs,
+        [](void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }, [] {});
+  }
+
+  /// The same with the row copies made by copy(dst, src, bytes) (device memory: an
+  /// asynchronous device copy), and finish() run once this rank's copies are queued, before
+  /// the ranks meet again (it must complete them: peers then reuse their buffers).
+  template <class T, class Copy, class Finish>
+  void alltoallv_with(const T* send, const index_t* send_counts, const index_t* send_displs,
+                      T* recv, const index_t* recv_counts, const index_t* recv_displs, Copy&& copy,
+                      Finish&& finish) {
     static_assert(std::is_trivially_copyable_v<T>, "comm::threads moves trivially copyable data");
     threads_world& w = *world_;
     w.slots_[rank_] = {send, send_counts, send_displs, sizeof(T)};
@@ -164,9 +176,10 @@ class threads {
         continue;
       }
       if (n > 0)
-        std::memcpy(recv + recv_displs[s], static_cast<const T*>(peer.send) + peer.displs[rank_],
-                    static_cast<std::size_t>(n) * sizeof(T));
+        copy(recv + recv_displs[s], static_cast<const T*>(peer.send) + peer.displs[rank_],
+             static_cast<std::size_t>(n) * sizeof(T));
     }
+    finish();
     // A rank that found a mismatch still waits for the others: peers may be reading its
     // send buffer, which must stay valid until every copy of this exchange is done.
     if (bad_peer >= 0) w.fail();

@@ -15,11 +15,59 @@
 // says what to provide, so a wrong policy fails with one readable line.
 namespace epmoe {
 
-/// Where memory lives and kernels run: workspace allocation, GEMM, element-wise loops.
+/// A space whose memory is on a device (space::cuda): host code reaches it only through
+/// mirrors and the space's copies.
 template <class S>
-concept space_policy = std::semiregular<S> && requires(const S& s, index_t n) {
+concept device_space = requires {
+  requires S::device;
+};
+
+namespace detail {
+// Stand-ins for what the layer hands a space's loops.
+struct element_functor {
+  void operator()(index_t) const {}
+};
+struct row_functor {
+  void operator()(index_t, index_t, index_t) const {}
+};
+}  // namespace detail
+
+/// Where memory lives and kernels run: exactly what the layer and its stages call of a
+/// space (see space/host.hpp): buffers and host mirrors, loops over elements and rows, the
+/// plan's count / scan / stable sort, block copies, GEMMs (the gate's, and the experts'
+/// grouped), a stage clock, and ordering with the caller.
+template <class S>
+concept space_policy = std::copyable<S> && requires {
+  typename S::value_type;
+  typename S::clock;
+} && requires(const S& s, index_t n, index_t* pn, const index_t* cn, std::int32_t* pi,
+              const std::int32_t* ci, void* scratch, typename S::clock& c) {
   { s.template allocate<float>(n).data() } -> std::same_as<float*>;
-  s.gemm_nt(matrix_view<const float>{}, matrix_view<const float>{}, matrix_view<float>{});
+  { s.template allocate_mirror<index_t>(n).host() } -> std::same_as<index_t*>;
+  { s.template allocate_mirror<index_t>(n).device() } -> std::same_as<index_t*>;
+  s.to_host(s.template allocate_mirror<index_t>(n), n, n);
+  s.to_device(s.template allocate_mirror<index_t>(n), n, n);
+  s.for_each(n, detail::element_functor{});
+  s.for_each_row(n, n, detail::row_functor{});
+  s.for_each_row_n(cn, n, n, detail::row_functor{});
+  s.fill(pi, n, std::int32_t{});
+  s.count(ci, n, n, pn);
+  s.exclusive_scan(cn, pn, n);
+  s.sort_by_key(ci, n, n, pi, pi, scratch);
+  { S::sort_scratch_bytes(n, n) } -> std::convertible_to<index_t>;
+  s.copy_blocks(matrix_view<const typename S::value_type>{}, matrix_view<typename S::value_type>{},
+                n, cn, cn, cn);
+  s.gemm_nt(matrix_view<const typename S::value_type>{},
+            matrix_view<const typename S::value_type>{}, matrix_view<float>{});
+  s.grouped_gemm_nt(grouped_rows<const typename S::value_type>{},
+                    stacked_view<const typename S::value_type>{},
+                    grouped_rows<typename S::value_type>{});
+  { s.make_clock(n) } -> std::same_as<typename S::clock>;
+  s.reserve(int{}, int{}, n);
+  c.begin_pass();
+  { c.seconds(c.now()) } -> std::convertible_to<double>;
+  s.enter();
+  s.leave();
   s.synchronize();
 };
 
@@ -94,27 +142,44 @@ concept capacity_policy = std::semiregular<C> &&
   { c.limit(cfg, tokens) } -> std::convertible_to<index_t>;
 };
 
-/// Moves rows between ranks: rank/size, a fixed-size all-to-all for counts, an all-to-all-v
-/// for rows (counts and displacements in elements).
+/// What the layer calls of a comm itself: rank/size and a fixed-size all-to-all of host
+/// arrays (counts, the start-up agreement, the router's load). Rows move through
+/// transport<Comm, Space> (core/transport.hpp), which for host memory needs host_communicator.
 template <class C>
 concept communicator = std::movable<C> &&
-    requires(C& c, const index_t* si, index_t* ri, const float* sf, float* rf, index_t n) {
+    requires(C& c, const index_t* si, index_t* ri, const std::int64_t* sl, std::int64_t* rl,
+             index_t n) {
   { c.rank() } -> std::convertible_to<int>;
   { c.size() } -> std::convertible_to<int>;
   c.alltoall(si, ri, n);
-  c.alltoallv(sf, si, si, rf, si, si);
+  c.alltoall(sl, rl, n);
 };
 
-/// The expert FFN: its weight bundle, shape checks, cost, scratch, and a grouped forward.
-template <class X>
+/// A comm that moves rows in host memory: an all-to-all-v (counts and displacements in
+/// elements) of every element type the layer exchanges (float rows, int64 dedup metadata).
+template <class C>
+concept host_communicator = communicator<C> &&
+    requires(C& c, const index_t* si, const float* sf, float* rf, const std::int64_t* sl,
+             std::int64_t* rl) {
+  c.alltoallv(sf, si, si, rf, si, si);
+  c.alltoallv(sl, si, si, rl, si, si);
+};
+
+/// The expert FFN on a space: its weight bundle per element type, shape checks, the tensors
+/// it holds (live re-placement moves them), a slice (one shared expert), cost, scratch, and a
+/// grouped forward over every local expert's rows.
+template <class X, class Space>
 concept expert_policy = requires {
-  typename X::weights;
+  typename X::template weights_of<typename Space::value_type>;
 }
-&&requires(const layer_config& cfg, const typename X::weights& w) {
-  X::validate(cfg, w);
+&&requires(const Space& space, typename X::template weights_of<typename Space::value_type>& w,
+           grouped_rows<typename Space::value_type> rows, typename Space::value_type* scratch) {
   X::validate(w, index_t{}, index_t{}, index_t{}, std::string{});
+  X::tensors(w);
+  X::slice(w, index_t{}, index_t{});
   { X::flops_per_row(index_t{}, index_t{}) } -> std::convertible_to<double>;
   { X::scratch_per_row(index_t{}) } -> std::convertible_to<index_t>;
+  X::forward(space, w, rows, scratch);
 };
 
 namespace detail {

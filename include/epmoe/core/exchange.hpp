@@ -3,7 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <chrono>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
@@ -11,182 +10,480 @@
 #include <utility>
 #include <vector>
 
+#include "epmoe/core/clock.hpp"
 #include "epmoe/core/error.hpp"
+#include "epmoe/core/numeric.hpp"
 #include "epmoe/core/plan.hpp"
+#include "epmoe/core/rows.hpp"
 #include "epmoe/core/stats.hpp"
+#include "epmoe/core/transport.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/core/workspace.hpp"
 
-// The exchange engine of moe_layer: the counts all-to-all, then per unit (a chunk, or with a
-// receive bound one round of a chunk) the dispatch all-to-all, the regroup to expert-major,
-// the reverse regroup and the combine all-to-all; dedup's expansion and weighted sum; and the
-// comm stats. The layer drives it stage by stage (see docs/architecture.md).
-namespace epmoe::detail {
+// The exchange engine of moe_layer, one for every space and comm: the counts all-to-all, then
+// per unit (a chunk, or with a receive bound one round of a chunk) the dispatch all-to-all,
+// the regroup to expert-major, the reverse regroup and the combine all-to-all; dedup's
+// expansion and weighted sums; and the comm stats. Rows move through transport<Comm, Space>;
+// copies and per-row math run as the space's primitives and EPMOE_HD functors, so a device
+// runs the host's code. The layer drives it stage by stage (docs/architecture.md).
+namespace epmoe {
 
-/// The request type of a comm's ialltoallv (int for a comm without one).
-template <class Comm, bool Async>
-struct request_of {
-  using type = int;
+namespace exchange_ops {
+
+/// The counts message to peer r: per chunk, L padded counts, L real counts and the unique
+/// rows (dedup); then per chunk the rounds this rank's sends need (bounded: the most any
+/// pair needs); then whether this rank accepted its inputs.
+struct count_message {
+  const index_t* send_counts;
+  const index_t* send_valid;
+  const index_t* send_offsets;
+  const index_t* unique_counts;  // nullptr without dedup
+  int R, L, C;
+  index_t quota;  // 0: unbounded
+  int valid;
+  index_t* out;  // [R][P]
+  EPMOE_HD static index_t per_peer(int L, int C) { return C * (2 * L + 1) + C + 1; }
+  EPMOE_HD void operator()(index_t r) const {
+    const int W = 2 * L + 1;
+    index_t* o = out + r * per_peer(L, C);
+    for (int c = 0; c < C; ++c) {
+      for (int j = 0; j < L; ++j) {
+        const index_t b = (c * R + r) * L + j;
+        o[c * W + j] = send_counts[b];
+        o[c * W + L + j] = send_valid[b];
+      }
+      o[c * W + 2 * L] = unique_counts ? unique_counts[c * R + r] : 0;
+      index_t rounds = 1;
+      for (int d = 0; quota > 0 && d < R; ++d) {
+        const index_t n = send_offsets[(c * R + d + 1) * L] - send_offsets[(c * R + d) * L];
+        rounds = rounds > (n + quota - 1) / quota ? rounds : (n + quota - 1) / quota;
+      }
+      o[C * W + c] = rounds;
+    }
+    o[C * W + C] = valid;
+  }
 };
-template <class Comm>
-struct request_of<Comm, true> {
-  using type = decltype(std::declval<Comm&>().ialltoallv(
-      std::declval<const float*>(), std::declval<const index_t*>(), std::declval<const index_t*>(),
-      std::declval<float*>(), std::declval<const index_t*>(), std::declval<const index_t*>()));
+
+/// The block b in [b0, b0 + n) whose rows [offsets[b], offsets[b+1]) hold `row`.
+EPMOE_HD index_t block_of(const index_t* offsets, index_t b0, index_t n, index_t row) {
+  index_t lo = b0, hi = b0 + n;  // the first offset past row, minus one
+  while (lo < hi) {
+    const index_t mid = lo + (hi - lo) / 2;
+    if (offsets[mid + 1] <= row)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+/// Dedup, received assignment row i of chunk c: its unique row's index within the chunk's
+/// unique rows (the key of the weighted sums) and its expert-major row.
+struct unique_of_row {
+  const index_t* recv_offsets;
+  const index_t* regroup_offsets;
+  const index_t* recv_unique_offsets;
+  const std::int64_t* meta_recv;
+  int c, R, L;
+  std::int32_t* key;
+  index_t* expert_row;
+  EPMOE_HD void operator()(index_t i) const {
+    const index_t b0 = static_cast<index_t>(c) * R * L, first = recv_offsets[b0];
+    const index_t row = first + i, b = block_of(recv_offsets, b0, static_cast<index_t>(R) * L, row);
+    const int s = static_cast<int>((b / L) % R);
+    key[i] = static_cast<std::int32_t>(recv_unique_offsets[c * R + s] - recv_unique_offsets[c * R] +
+                                       meta_index(meta_recv[row]));
+    expert_row[i] = regroup_offsets[b] + (row - recv_offsets[b]);
+  }
+};
+
+/// Dedup: each received assignment row's expert-major row <- its unique row.
+template <class T>
+struct expand_unique {
+  const std::int32_t* key;
+  const index_t* expert_row;
+  matrix_view<const T> unique;  // the chunk's unique rows
+  matrix_view<T> expert;
+  EPMOE_HD void operator()(index_t i, index_t h0, index_t h1) const {
+    const T* src = unique.row(key[i]);
+    T* dst = expert.row(expert_row[i]);
+    for (index_t h = h0; h < h1; ++h) dst[h] = src[h];
+  }
+};
+
+/// Dedup: unique row u = the weighted sum of its assignments' expert outputs, in the order
+/// they were received (the same sum on every space).
+template <class T>
+struct weighted_unique_sum {
+  const std::int32_t* order;  // received rows sorted by unique row (stable)
+  const index_t* first;       // [U+1]: their first position per unique row
+  const index_t* expert_row;
+  const std::int64_t* meta;  // the chunk's received metadata
+  matrix_view<const T> expert;
+  matrix_view<T> unique;
+  EPMOE_HD void operator()(index_t u, index_t h0, index_t h1) const {
+    for (index_t h = h0; h < h1; h += rows::piece) {
+      const index_t n = h1 - h < rows::piece ? h1 - h : rows::piece;
+      float acc[rows::piece] = {};
+      for (index_t p = first[u]; p < first[u + 1]; ++p) {
+        const std::int32_t i = order[p];
+        const float w = meta_weight(meta[i]);
+        const T* src = expert.row(expert_row[i]) + h;
+        for (index_t j = 0; j < n; ++j) acc[j] += w * to_float(src[j]);
+      }
+      T* out = unique.row(u) + h;
+      for (index_t j = 0; j < n; ++j) out[j] = from_float<T>(acc[j]);
+    }
+  }
+};
+
+}  // namespace exchange_ops
+
+/// What the exchange reads and writes during a pass (no back-pointers kept between calls).
+template <class Space>
+struct exchange_context {
+  const Space& space;
+  dispatch_plan& plan;     // host view
+  const device_plan& dev;  // the plan's arrays in the space's memory
+  const typename Space::template mirror<index_t>& recv_blocks;  // the plan's receive arrays
+  pass_clock<Space>& clock;                                     // marks of this pass
+  pass_stats& stats;
 };
 
 template <class Comm, class Space, bool Dedup>
 class exchange {
  public:
-  using clock = std::chrono::steady_clock;
+  using value_type = typename Space::value_type;
+  using transport_type = transport<Comm, Space>;
+  using context = exchange_context<Space>;
   template <class T>
   using buffer = typename Space::template buffer<T>;
+  template <class T>
+  using mirror = typename Space::template mirror<T>;
+  using mark = typename pass_clock<Space>::mark;
 
-  /// Whether the comm can start an exchange and wait for it later (ialltoallv).
-  static constexpr bool async = requires(Comm & c, const float* s, float* r, const index_t* n) {
-    c.ialltoallv(s, n, n, r, n, n).wait();
-  };
-  using request_type = typename request_of<Comm, async>::type;
+  static constexpr bool async = transport_type::async;
 
-  /// What the workspace is sized from (rows; all fixed at construction).
-  struct shape {
-    int ranks = 1;
-    int local_experts = 1;
-    int chunks_max = 1;
-    index_t hidden = 0;
-    index_t send_rows = 0;      // the send buffer: every assignment row of a pass
-    index_t recv_rows = 0;      // unbounded: the receive buffer of a whole pass
-    index_t from_one_rank = 0;  // most rows one source can send this rank in a pass
-    index_t bound = 0;          // config max_recv_rows (0: unbounded)
-    int live_units = 1;         // units a schedule keeps in flight (bounded: receive slots)
-    index_t max_rounds = 1;     // most rounds one chunk can need (bounded), sizes the timeline
-  };
-
-  void bind(Comm* comm, Space* space, dispatch_plan* plan, pass_stats* stats,
-            const clock::time_point* pass_start) {
-    comm_ = comm;
-    space_ = space;
-    plan_ = plan;
-    stats_ = stats;
-    pass_start_ = pass_start;
-  }
-
-  void allocate(const shape& s, std::int64_t* meta_recv) {
-    s_ = s;
-    const index_t R = s.ranks, L = s.local_experts, C = s.chunks_max, H = s.hidden;
-    bounded_ = s.bound > 0;
-    // Bounded: every (source, destination) pair moves at most `quota_` rows per round, and a
-    // receive slot holds one round from every source; `live_units` slots are in flight.
-    quota_ = bounded_ ? std::max<index_t>(1, s.bound / (R * s.live_units)) : 0;
-    per_source_ = bounded_ ? std::min(quota_, s.from_one_rank) : 0;
-    slot_rows_ = R * per_source_;
-    slots_ = bounded_ ? s.live_units : static_cast<int>(C);
-    const index_t recv_rows = bounded_ ? slots_ * slot_rows_ : s.recv_rows;
-    const index_t expert_rows = bounded_ ? slot_rows_ : s.recv_rows;
-    x_send_ = space_->template allocate<float>(s.send_rows * H);
-    x_recv_ = space_->template allocate<float>(recv_rows * H);
-    x_expert_ = space_->template allocate<float>(expert_rows * H);
-    recv_capacity_ = recv_rows;
-    expert_capacity_ = expert_rows;
-    meta_recv_ = meta_recv;
-    const index_t P = counts_per_peer(C);
+  exchange() = default;
+  exchange(Comm& comm, const Space& space, const workspace_layout& w)
+      : tr_(comm, space), w_(w), me_(comm.rank()) {
+    const index_t R = w.ranks, L = w.local_experts, C = w.chunks, H = w.row_stride;
+    bounded_ = w.quota > 0;
+    slots_ = bounded_ ? w.units_in_flight : static_cast<int>(C);
+    slot_rows_ = R * w.per_source;
+    const index_t recv_rows = w.recv_buffer_rows;
+    x_send_ = space.template allocate<value_type>(w.send_rows * H);
+    x_recv_ = space.template allocate<value_type>(recv_rows * H);
+    x_expert_ = space.template allocate<value_type>(w.expert_rows * H);
+    const index_t P =
+        exchange_ops::count_message::per_peer(static_cast<int>(L), static_cast<int>(C));
+    msg_send_ = space.template allocate<index_t>(R * P);
+    msg_recv_ = space.template allocate_mirror<index_t>(R * P);
     const index_t S = slots_;
-    counts_ = space_->template allocate<index_t>(2 * R * P + 8 * R * S + (C + 1) +
-                                                 (bounded_ ? S * (3 * R * L + L + 1) : 0));
-    index_t* x = counts_.data() + 2 * R * P;
-    ex_.resize(static_cast<std::size_t>(S));
-    for (index_t c = 0; c < S; ++c, x += 8 * R)
-      ex_[c] = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
-    first_unit_ = x;
-    x += C + 1;
-    units_.assign(static_cast<std::size_t>(S), unit_state{});
-    for (auto& u : units_)
-      if (bounded_) {
-        u.count = x, u.recv = x + R * L, u.regroup = x + 2 * R * L, u.expert = x + 3 * R * L;
-        x += 3 * R * L + L + 1;
-      }
-    if constexpr (async) {
-      dispatch_req_.resize(static_cast<std::size_t>(S));
-      meta_req_.resize(static_cast<std::size_t>(S));
-      combine_req_.resize(static_cast<std::size_t>(S));
+    host_ = std::vector<index_t>(static_cast<std::size_t>(8 * R * S + C + 1));
+    index_t* x = host_.data();
+    counts_.resize(static_cast<std::size_t>(S));
+    for (auto& k : counts_) {
+      k = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
+      x += 8 * R;
     }
-    event_start_.resize(static_cast<std::size_t>(2 * S));
-    stats_->timeline.reserve(static_cast<std::size_t>(3 * C * (bounded_ ? s.max_rounds : 1)));
-    stats_->recv_buffer_rows = recv_rows;
+    first_unit_ = x;
+    units_.assign(static_cast<std::size_t>(S), unit_state{});
+    if (bounded_) {
+      const index_t per = 3 * R * L + L + 1;
+      unit_arrays_ = space.template allocate_mirror<index_t>(S * per);
+      for (index_t k = 0; k < S; ++k) {
+        units_[k].host = unit_arrays_.host() + k * per;
+        units_[k].dev = unit_arrays_.device() + k * per;
+      }
+    }
+    dispatch_req_.resize(static_cast<std::size_t>(S));
+    meta_req_.resize(static_cast<std::size_t>(S));
+    combine_req_.resize(static_cast<std::size_t>(S));
+    marks_.resize(static_cast<std::size_t>(4 * S));
+    if constexpr (Dedup) {
+      meta_recv_ = space.template allocate<std::int64_t>(recv_rows);
+      const index_t n = recv_rows;
+      sum_key_ = space.template allocate<std::int32_t>(3 * n);
+      sum_first_ = space.template allocate<index_t>(2 * (n + 1) + n);
+      sum_sort_ = space.template allocate<char>(Space::sort_scratch_bytes(n, n));
+    }
   }
 
-  bool bounded() const { return bounded_; }
-  /// Rows of the receive buffer (bounded: live_units slots of ranks * per-pair quota rows).
-  index_t receive_buffer_rows() const { return recv_capacity_; }
-  /// Rows every (source, destination) pair moves per round (0: unbounded, one round).
-  index_t quota() const { return quota_; }
+  /// Rows of the receive buffer (bounded: units in flight x ranks x per-pair quota rows).
+  index_t receive_buffer_rows() const { return w_.recv_buffer_rows; }
   /// Units of the pass: its chunks, or with a bound every round of every chunk.
-  int units() const {
-    return bounded_ ? static_cast<int>(first_unit_[plan_->chunks]) : plan_->chunks;
+  int units(const dispatch_plan& p) const {
+    return bounded_ ? static_cast<int>(first_unit_[p.chunks]) : p.chunks;
   }
-  int chunk_of_unit(int u) const {
+  int chunk_of_unit(const dispatch_plan& p, int u) const {
     if (!bounded_) return u;
-    return static_cast<int>(std::upper_bound(first_unit_, first_unit_ + plan_->chunks + 1, u) -
+    return static_cast<int>(std::upper_bound(first_unit_, first_unit_ + p.chunks + 1, u) -
                             first_unit_) -
            1;
   }
-  int round_of_unit(int u) const {
-    return bounded_ ? u - static_cast<int>(first_unit_[chunk_of_unit(u)]) : 0;
+  int round_of_unit(const dispatch_plan& p, int u) const {
+    return bounded_ ? u - static_cast<int>(first_unit_[chunk_of_unit(p, u)]) : 0;
   }
 
-  matrix_view<float> send_view(index_t rows) const { return {x_send_.data(), rows, s_.hidden}; }
-  index_t unique_send_rows() const { return plan_->unique_offsets[plan_->chunks * s_.ranks]; }
+  value_type* send_buffer() const { return x_send_.data(); }
+  std::int64_t* meta_recv() const { return meta_recv_.data(); }
 
   /// The counts all-to-all: every rank learns the rows it will receive per (chunk, source,
-  /// local slot), whether every rank accepted its inputs (`valid`), and with a bound the
-  /// rounds each chunk takes (the most any pair needs, the same on every rank). Returns the
-  /// first rank that rejected its inputs, or -1; then no row moved and the caller throws.
-  int counts(bool valid) {
-    dispatch_plan& p = *plan_;
-    const int R = s_.ranks, L = p.local_experts, C = p.chunks, W = 2 * L + 1;
-    const index_t P = counts_per_peer(C);
-    const auto t0 = clock::now();
-    // A pass that threw mid-way (a failed exchange) may have left slots marked in use.
+  /// local slot), whether every rank accepted its inputs (`valid`), and with a bound the rounds
+  /// each chunk takes. Returns the first rank that rejected its inputs, or -1; then no row
+  /// moved and the caller throws. The space's synchronize() here also brings the plan's host
+  /// arrays (copied before the call).
+  /// Static shapes (`static_rows` > 0: padded capacity, one chunk): every block holds
+  /// static_rows rows, so the layout needs no counts. On a device nothing then waits (the
+  /// pass can be captured in a graph): the counts arrive for stats and for the verdict on
+  /// the inputs, which resolve() reads after the pass; the reduce writes nothing when a rank
+  /// rejected its inputs. On the host the counts are read at once and must agree.
+  int counts(context& x, bool valid, index_t static_rows = 0) {
+    dispatch_plan& p = x.plan;
+    const int R = w_.ranks, L = p.local_experts, C = p.chunks;
+    const index_t P = exchange_ops::count_message::per_peer(L, C);
+    // A pass that threw mid-way (a failed exchange) may have left slots or requests in use.
     expert_owner_ = -1;
-    for (unit_state& u : units_) u.busy = false;
-    if constexpr (async)
-      for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
-        for (auto& r : *reqs) r.reset();
-    index_t* send_counts = counts_.data();
-    index_t* recv_counts = send_counts + R * P;
-    for (int r = 0; r < R; ++r) {
-      index_t* out = send_counts + r * P;
-      for (int c = 0; c < C; ++c) {
-        index_t* blk = out + c * W;
-        for (int j = 0; j < L; ++j) {
-          blk[j] = p.send_counts[p.block(c, r, j)];
-          blk[L + j] = p.send_valid[p.block(c, r, j)];
-        }
-        blk[2 * L] = Dedup ? p.unique_counts[c * R + r] : 0;
-        // Rounds chunk c needs for this rank's sends (every pair's rows split in quotas).
-        index_t rounds = 1;
-        if (bounded_)
-          for (int d = 0; d < R; ++d)
-            rounds = std::max(rounds, (p.send_rows_to(c, d) + quota_ - 1) / quota_);
-        out[C * W + c] = rounds;
+    for (unit_state& us : units_) us.busy = false;
+    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
+      for (auto& r : *reqs) r.reset();
+    const mark t0 = x.clock.now();
+    x.space.for_each(
+        R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
+                                       Dedup ? x.dev.unique_counts : nullptr, R, L, C, w_.quota,
+                                       valid ? 1 : 0, msg_send_.data()});
+    tr_.alltoall(msg_send_.data(), msg_recv_.device(), P);
+    x.space.to_host(msg_recv_, 0, R * P);
+    static_rows_ = static_rows;
+    deferred_ = static_rows > 0 && device_space<Space>;
+    if (deferred_) {
+      static_layout(x);
+      x.clock.exchange(t0, x.clock.now(), t0, t0, 0);
+      return -1;
+    }
+    x.space.synchronize();
+    const mark t1 = x.clock.now();
+    x.clock.exchange(t0, t1, t1, t1, 0);
+    return read_message(x);
+  }
+
+  /// Static shapes on a device: after the pass, the counts that arrived (stats) and the
+  /// first rank that rejected its inputs, or -1. Call after the space's synchronize().
+  int resolve(context& x) {
+    if (!deferred_) return -1;
+    deferred_ = false;
+    return read_message(x);
+  }
+  /// Where the reduce finds every rank's verdict on its inputs (static shapes on a device:
+  /// nothing is written when one rank rejected), else nullptr.
+  const index_t* verdicts(const dispatch_plan& p) const {
+    return deferred_ ? msg_recv_.device() + verdict_at(p) : nullptr;
+  }
+  /// Elements between two ranks' verdicts.
+  index_t verdict_stride(const dispatch_plan& p) const {
+    return exchange_ops::count_message::per_peer(p.local_experts, p.chunks);
+  }
+
+  void start_dispatch(context& x, int u) {
+    const int k = slot_of(u);
+    marks_[4 * k] = x.clock.now();
+    if (bounded_) layout_unit(x, u);
+    rank_counts& n = counts_[k];
+    tr_.start(dispatch_req_[k], x_send_.data(), n.send_n, n.send_d, x_recv_.data(), n.recv_n,
+              n.recv_d);
+    if constexpr (Dedup)
+      tr_.start(meta_req_[k], x.plan.meta, n.meta_send_n, n.meta_send_d, meta_recv_.data(),
+                n.meta_recv_n, n.meta_recv_d);
+    marks_[4 * k + 1] = x.clock.now();
+  }
+
+  void wait_dispatch(context& x, int u) {
+    const int k = slot_of(u);
+    const mark w0 = x.clock.now();
+    double modeled = tr_.wait(dispatch_req_[k]);
+    const dispatch_plan& p = x.plan;
+    const int B = w_.ranks * p.local_experts;
+    index_t rows = 0;
+    if (bounded_) {
+      const mark w1 = x.clock.now();
+      x.clock.exchange(marks_[4 * k], marks_[4 * k + 1], w0, w1, modeled);
+      unit_state& us = units_[k];
+      if (expert_owner_ >= 0)
+        throw std::logic_error(
+            "epmoe: the schedule waited two dispatches before the first one's combine_start; a "
+            "receive bound (max_recv_rows) keeps one round in the expert buffer at a time");
+      expert_owner_ = u;
+      x.space.copy_blocks(slot_view(k), expert_view(), B, us.dev + recv_at(), us.dev + regroup_at(),
+                          us.dev);
+      rows = us.host[expert_at() + p.local_experts];
+    } else {
+      if constexpr (Dedup) modeled += tr_.wait(meta_req_[k]);
+      const mark w1 = x.clock.now();
+      x.clock.exchange(marks_[4 * k], marks_[4 * k + 1], w0, w1, modeled);
+      if constexpr (Dedup) {
+        expand_unique_rows(x, u);
+      } else {
+        const int b = u * B;
+        x.space.copy_blocks(recv_view(p), expert_view(), B, x.dev.recv_offsets + b,
+                            x.dev.regroup_offsets + b, x.dev.recv_counts + b);
       }
-      out[C * W + C] = valid ? 1 : 0;
+      rows = p.expert_offsets[(u + 1) * p.local_experts] - p.expert_offsets[u * p.local_experts];
     }
-    comm_->alltoall(send_counts, recv_counts, P);
-    int rejected = -1;
-    for (int s = R - 1; s >= 0; --s)
-      if (recv_counts[s * P + C * W + C] == 0) rejected = s;
-    if (rejected >= 0) {
-      account(seconds_since(t0));
-      return rejected;
+    x.clock.event(chunk_of_unit(p, u), stage_kind::dispatch, round_of_unit(p, u), rows,
+                  crossing_bytes(counts_[k].recv_n), marks_[4 * k], x.clock.now());
+  }
+
+  /// The rows every local expert computes in unit u: groups of the expert buffer.
+  grouped_rows<value_type> expert_rows(const context& x, int u) const {
+    const dispatch_plan& p = x.plan;
+    const int L = p.local_experts;
+    if (bounded_) {
+      const unit_state& us = units_[slot_of(u)];
+      return {x_expert_.data(),     w_.hidden, w_.row_stride, L, us.host + expert_at(),
+              us.dev + expert_at(), w_.align};
     }
+    const index_t first = p.expert_offsets[u * L];
+    return {x_expert_.data() + first * w_.row_stride,
+            w_.hidden,
+            w_.row_stride,
+            L,
+            p.expert_offsets + u * L,
+            x.dev.expert_offsets + u * L,
+            w_.align};
+  }
+
+  void start_combine(context& x, int u) {
+    const int k = slot_of(u);
+    marks_[4 * k + 2] = x.clock.now();
+    const dispatch_plan& p = x.plan;
+    const int R = w_.ranks, L = p.local_experts;
+    if (bounded_) {
+      const unit_state& us = units_[k];
+      x.space.copy_blocks(const_view(expert_view()), slot_view(k), R * L, us.dev + regroup_at(),
+                          us.dev + recv_at(), us.dev);
+      expert_owner_ = -1;
+    } else if constexpr (Dedup) {
+      weighted_unique_sums(x, u);
+    } else {
+      const int B = R * L, b = u * B;
+      x.space.copy_blocks(const_view(expert_view()), recv_view(p), B, x.dev.regroup_offsets + b,
+                          x.dev.recv_offsets + b, x.dev.recv_counts + b);
+    }
+    // The reverse exchange: what came from rank s goes back to rank s, into the send rows.
+    rank_counts& n = counts_[k];
+    tr_.start(combine_req_[k], x_recv_.data(), n.recv_n, n.recv_d, x_send_.data(), n.send_n,
+              n.send_d);
+    marks_[4 * k + 3] = x.clock.now();
+  }
+
+  void wait_combine(context& x, int u) {
+    const int k = slot_of(u);
+    const mark w0 = x.clock.now();
+    const double modeled = tr_.wait(combine_req_[k]);
+    const mark w1 = x.clock.now();
+    x.clock.exchange(marks_[4 * k + 2], marks_[4 * k + 3], w0, w1, modeled);
+    units_[k].busy = false;
+    index_t rows = 0;
+    for (int r = 0; r < w_.ranks; ++r) rows += counts_[k].recv_n[r] / w_.row_stride;
+    x.clock.event(chunk_of_unit(x.plan, u), stage_kind::combine, round_of_unit(x.plan, u), rows,
+                  crossing_bytes(counts_[k].recv_n), marks_[4 * k + 2], w1);
+  }
+
+  /// Lets the comm progress pending exchanges (MPI moves data inside its calls).
+  void progress() {
+    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
+      for (auto& r : *reqs) tr_.progress(r);
+  }
+
+ private:
+  struct rank_counts {  // per-rank counts/displacements (elements) of one unit's exchanges
+    index_t *send_n, *send_d, *recv_n, *recv_d;
+    index_t *meta_send_n, *meta_send_d, *meta_recv_n, *meta_recv_d;
+  };
+  // A bounded unit's receive layout, host and space copies of one array: per block (source
+  // s, local slot j) = s * L + j, its rows this round ([0, RL)), where they sit in the
+  // receive buffer ([RL, 2RL)) and in the expert buffer ([2RL, 3RL)); then per local slot its
+  // first row in the expert buffer ([3RL, 3RL + L + 1)).
+  struct unit_state {
+    index_t* host = nullptr;
+    index_t* dev = nullptr;
+    bool busy = false;
+  };
+  index_t recv_at() const { return index_t{w_.ranks} * w_.local_experts; }
+  index_t regroup_at() const { return 2 * recv_at(); }
+  index_t expert_at() const { return 3 * recv_at(); }
+
+  int slot_of(int u) const { return bounded_ ? u % slots_ : u; }
+
+  [[noreturn]] void overflow(index_t rows) const {
+    throw comm_error("epmoe: rank " + std::to_string(me_) + " would receive " +
+                     std::to_string(rows) + " rows, more than its workspace (" +
+                     std::to_string(w_.recv_buffer_rows) +
+                     "); a peer passed more tokens than max_tokens?");
+  }
+
+  // Bytes of the rows (H elements each; the alignment padding is not counted) that crossed
+  // to or from other ranks.
+  index_t crossing_bytes(const index_t* n) const {
+    index_t e = 0;
+    for (int r = 0; r < w_.ranks; ++r)
+      if (r != me_) e += n[r];
+    return e / w_.row_stride * w_.hidden * static_cast<index_t>(sizeof(value_type));
+  }
+
+  index_t verdict_at(const dispatch_plan& p) const {
+    return p.chunks * (2 * p.local_experts + 1) + p.chunks;
+  }
+
+  // The counts message that arrived: the verdicts, then the receive plan (static shapes: it
+  // must equal the fixed one).
+  int read_message(context& x) {
+    const dispatch_plan& p = x.plan;
+    const index_t* in = msg_recv_.host();
+    const index_t P = verdict_stride(p);
+    for (int s = 0; s < w_.ranks; ++s)
+      if (in[s * P + verdict_at(p)] == 0) return s;
+    read_counts(x, in);
+    if (static_rows_ > 0)
+      for (int b = 0; b < p.blocks(); ++b)
+        if (p.recv_counts[b] != static_rows_)
+          throw comm_error("epmoe: rank " + std::to_string(me_) + " expected " +
+                           std::to_string(static_rows_) +
+                           " rows per block (padded capacity) "
+                           "and got " +
+                           std::to_string(p.recv_counts[b]) +
+                           ": every rank must use the same config and capacity");
+    return -1;
+  }
+
+  // Static shapes: every block (one chunk) holds static_rows_ rows on both sides.
+  void static_layout(context& x) {
+    dispatch_plan& p = x.plan;
+    const int B = p.blocks();
+    p.send_offsets[0] = 0;
+    for (int b = 0; b < B; ++b) {
+      p.recv_counts[b] = p.send_counts[b] = static_rows_;
+      p.send_offsets[b + 1] = p.send_offsets[b] + static_rows_;
+    }
+    build_recv_plan(p);
+    set_rank_counts(p, 0);
+    x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
+  }
+
+  // The received counts: the receive plan, the rounds, the exchanges' counts and the stats.
+  void read_counts(context& x, const index_t* in) {
+    dispatch_plan& p = x.plan;
+    const int R = w_.ranks, L = p.local_experts, C = p.chunks, W = 2 * L + 1;
+    const index_t P = exchange_ops::count_message::per_peer(L, C);
     for (int s = 0; s < R; ++s)
       for (int c = 0; c < C; ++c) {
-        const index_t* in = recv_counts + s * P + c * W;
+        const index_t* m = in + s * P + c * W;
         for (int j = 0; j < L; ++j) {
-          p.recv_counts[p.block(c, s, j)] = in[j];
-          p.recv_valid[p.block(c, s, j)] = in[L + j];
+          p.recv_counts[p.block(c, s, j)] = m[j];
+          p.recv_valid[p.block(c, s, j)] = m[L + j];
         }
-        if constexpr (Dedup) p.recv_unique_counts[c * R + s] = in[2 * L];
+        if constexpr (Dedup) p.recv_unique_counts[c * R + s] = m[2 * L];
       }
     build_recv_plan(p);
     if constexpr (Dedup) {
@@ -200,255 +497,106 @@ class exchange {
       for (int c = 0; c < C; ++c) {
         index_t rounds = 1;
         for (int s = 0; s < R; ++s) {
-          rounds = std::max(rounds, recv_counts[s * P + C * W + c]);
+          rounds = std::max(rounds, in[s * P + C * W + c]);
           // A round from one source must fit its share of a slot.
-          if (std::min(quota_, p.recv_rows_from(c, s)) > per_source_) overflow(p.recv_rows());
+          if (std::min(w_.quota, p.recv_rows_from(c, s)) > w_.per_source) overflow(p.recv_rows());
         }
         first_unit_[c + 1] = first_unit_[c] + rounds;
         most = std::max(most, rounds);
       }
-      stats_->rounds = static_cast<int>(most);
-      stats_->peak_recv_rows = 0;
+      x.stats.rounds = static_cast<int>(most);
+      x.stats.peak_recv_rows = 0;
     } else {
-      if (p.recv_rows() > recv_capacity_) overflow(p.recv_rows());
-      for (int c = 0; c < C; ++c) set_rank_counts(c);
-      stats_->rounds = 1;
-      stats_->peak_recv_rows = Dedup ? p.recv_unique_offsets[C * R] : p.recv_rows();
+      if (p.recv_rows() > w_.recv_buffer_rows) overflow(p.recv_rows());
+      for (int c = 0; c < C; ++c) set_rank_counts(p, c);
+      x.stats.rounds = 1;
+      x.stats.peak_recv_rows = Dedup ? p.recv_unique_offsets[C * R] : p.recv_rows();
     }
-    fill_comm_stats();
-    account(seconds_since(t0));
-    return -1;
-  }
-
-  void start_dispatch(int u) {
-    const int k = slot_of(u);
-    event_start_[2 * k] = now();
-    if (bounded_) layout_unit(u);
-    rank_counts& x = ex_[k];
-    start_exchange(req(dispatch_req_, k), x_send_.data(), x.send_n, x.send_d, x_recv_.data(),
-                   x.recv_n, x.recv_d);
-    if constexpr (Dedup)
-      start_exchange(req(meta_req_, k), plan_->meta, x.meta_send_n, x.meta_send_d, meta_recv_,
-                     x.meta_recv_n, x.meta_recv_d);
-  }
-
-  void wait_dispatch(int u) {
-    const int k = slot_of(u);
-    finish_exchange(req(dispatch_req_, k));
-    const dispatch_plan& p = *plan_;
-    const int B = s_.ranks * p.local_experts;
-    index_t rows = 0;
-    if (bounded_) {
-      unit_state& us = units_[k];
-      if (expert_owner_ >= 0)
-        throw std::logic_error(
-            "epmoe: the schedule waited two dispatches before the first one's combine_start; a "
-            "receive bound (max_recv_rows) keeps one round in the expert buffer at a time");
-      expert_owner_ = u;
-      space_->copy_blocks(slot_view(k), expert_view(), B, us.recv, us.regroup, us.count);
-      rows = us.expert[p.local_experts];
-    } else {
-      if constexpr (Dedup) {
-        finish_exchange(req(meta_req_, k));
-        expand_unique_rows(u);
-      } else {
-        const int b = u * B;
-        space_->copy_blocks(recv_view(), expert_view(), B, p.recv_offsets + b,
-                            p.regroup_offsets + b, p.recv_counts + b);
-      }
-      rows = p.expert_offsets[(u + 1) * p.local_experts] - p.expert_offsets[u * p.local_experts];
-    }
-    record({chunk_of_unit(u), stage_kind::dispatch, event_start_[2 * k], now(), round_of_unit(u),
-            rows, crossing_bytes(ex_[k].recv_n)});
-  }
-
-  /// The rows local slot j computes in unit u (a view of the expert buffer).
-  matrix_view<float> expert_rows(int u, int j) const {
-    const dispatch_plan& p = *plan_;
-    const int L = p.local_experts;
-    if (bounded_) {
-      const unit_state& us = units_[slot_of(u)];
-      return expert_view().rows_slice(us.expert[j], us.expert[j + 1] - us.expert[j]);
-    }
-    const index_t begin = p.expert_offsets[u * L + j];
-    return expert_view().rows_slice(begin, p.expert_offsets[u * L + j + 1] - begin);
-  }
-
-  void start_combine(int u) {
-    const int k = slot_of(u);
-    event_start_[2 * k + 1] = now();
-    const dispatch_plan& p = *plan_;
-    const int R = s_.ranks, L = p.local_experts;
-    if (bounded_) {
-      const unit_state& us = units_[k];
-      space_->copy_blocks(expert_view(), slot_view(k), R * L, us.regroup, us.recv, us.count);
-      expert_owner_ = -1;
-    } else if constexpr (Dedup) {
-      weighted_unique_sums(u);
-    } else {
-      const int B = R * L, b = u * B;
-      space_->copy_blocks(expert_view(), recv_view(), B, p.regroup_offsets + b, p.recv_offsets + b,
-                          p.recv_counts + b);
-    }
-    // The reverse exchange: what came from rank s goes back to rank s, into the send rows.
-    rank_counts& x = ex_[k];
-    start_exchange(req(combine_req_, k), x_recv_.data(), x.recv_n, x.recv_d, x_send_.data(),
-                   x.send_n, x.send_d);
-  }
-
-  void wait_combine(int u) {
-    const int k = slot_of(u);
-    finish_exchange(req(combine_req_, k));
-    units_[k].busy = false;
-    index_t rows = 0;
-    for (int r = 0; r < s_.ranks; ++r) rows += ex_[k].recv_n[r] / s_.hidden;
-    record({chunk_of_unit(u), stage_kind::combine, event_start_[2 * k + 1], now(), round_of_unit(u),
-            rows, crossing_bytes(ex_[k].recv_n)});
-  }
-
-  /// Lets the comm progress pending exchanges (MPI moves data inside its calls).
-  void progress() {
-    if constexpr (async)
-      for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
-        for (auto& r : *reqs)
-          if (r) r->test();
-  }
-
-  /// Appends to the timeline while its reserved capacity lasts (a pass allocates nothing).
-  void record(const timeline_event& e) {
-    if (stats_->timeline.size() < stats_->timeline.capacity()) stats_->timeline.push_back(e);
-  }
-
-  double now() const { return seconds_since(*pass_start_); }
-
- private:
-  struct rank_counts {  // per-rank counts/displacements (elements) of one unit's exchanges
-    index_t *send_n, *send_d, *recv_n, *recv_d;
-    index_t *meta_send_n, *meta_send_d, *meta_recv_n, *meta_recv_d;
-  };
-  // A bounded unit's receive layout: per block (source s, local slot j) = s * L + j, its rows
-  // this round, where they sit in the receive buffer and in the expert buffer; per local slot
-  // its first row in the expert buffer.
-  struct unit_state {
-    index_t *count = nullptr, *recv = nullptr, *regroup = nullptr, *expert = nullptr;
-    bool busy = false;
-  };
-
-  static double seconds_since(clock::time_point t) {
-    return std::chrono::duration<double>(clock::now() - t).count();
-  }
-  // Per peer: per chunk L padded counts, L real counts, unique rows (dedup); then per chunk
-  // the rounds this rank's sends need; then whether this rank accepted its inputs.
-  index_t counts_per_peer(index_t chunks) const {
-    return chunks * (2 * s_.local_experts + 1) + chunks + 1;
-  }
-
-  int slot_of(int u) const { return bounded_ ? u % slots_ : u; }
-
-  template <class V>
-  static std::optional<request_type>* req(V& v, int k) {
-    if constexpr (async)
-      return &v[static_cast<std::size_t>(k)];
-    else
-      return nullptr;  // a blocking comm finishes inside start_exchange
-  }
-
-  void account(double t) {
-    stats_->comm_seconds += t;  // a blocking exchange: all of it exposed
-    stats_->exposed_comm_seconds += t;
-  }
-
-  [[noreturn]] void overflow(index_t rows) const {
-    throw comm_error("epmoe: rank " + std::to_string(comm_->rank()) + " would receive " +
-                     std::to_string(rows) + " rows, more than its workspace (" +
-                     std::to_string(recv_capacity_) +
-                     "); a peer passed more tokens than max_tokens?");
-  }
-
-  index_t crossing_bytes(const index_t* n) const {
-    index_t e = 0;
-    for (int r = 0; r < s_.ranks; ++r)
-      if (r != comm_->rank()) e += n[r];
-    return e * static_cast<index_t>(sizeof(float));
+    x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
+    fill_comm_stats(x);
   }
 
   // Bounded: unit u is round i of chunk c; pair (s, d) moves rows [i*q, min(n, (i+1)*q)) of
   // the source's contiguous rows of chunk c to d, which span d's local slots in order, so
   // both sides compute the same split from the counts alone.
-  void layout_unit(int u) {
-    const dispatch_plan& p = *plan_;
-    const int R = s_.ranks, L = p.local_experts, k = slot_of(u);
-    const int c = chunk_of_unit(u), i = round_of_unit(u);
-    const index_t H = s_.hidden, lo = i * quota_, hi = lo + quota_;
+  void layout_unit(context& x, int u) {
+    const dispatch_plan& p = x.plan;
+    const int R = w_.ranks, L = p.local_experts, k = slot_of(u);
+    const int c = chunk_of_unit(p, u), i = round_of_unit(p, u);
+    const index_t H = w_.row_stride, lo = i * w_.quota, hi = lo + w_.quota;
     unit_state& us = units_[k];
     if (us.busy)
       throw std::logic_error("epmoe: the schedule keeps more than " + std::to_string(slots_) +
                              " exchange rounds in flight; a receive bound (max_recv_rows) "
                              "sizes that many receive slots");
     us.busy = true;
-    rank_counts& x = ex_[k];
+    rank_counts& n = counts_[k];
+    index_t* count = us.host;
+    index_t* recv = us.host + recv_at();
+    index_t* regroup = us.host + regroup_at();
+    index_t* expert = us.host + expert_at();
     const index_t base = k * slot_rows_;
     index_t at = base;
     for (int r = 0; r < R; ++r) {
       const index_t ns = p.send_rows_to(c, r);
       const index_t sa = std::min(ns, lo), sb = std::min(ns, hi);
-      x.send_n[r] = (sb - sa) * H;
-      x.send_d[r] = (p.send_offsets[p.block(c, r, 0)] + sa) * H;
+      n.send_n[r] = (sb - sa) * H;
+      n.send_d[r] = (p.send_offsets[p.block(c, r, 0)] + sa) * H;
       const index_t nr = p.recv_rows_from(c, r);
       const index_t ra = std::min(nr, lo), rb = std::min(nr, hi);
-      x.recv_n[r] = (rb - ra) * H;
-      x.recv_d[r] = at * H;
+      n.recv_n[r] = (rb - ra) * H;
+      n.recv_d[r] = at * H;
       const index_t first = p.recv_offsets[p.block(c, r, 0)];
       for (int j = 0; j < L; ++j) {
         const int b = p.block(c, r, j);
         const index_t b0 = p.recv_offsets[b] - first, b1 = b0 + p.recv_counts[b];
         const index_t x0 = std::max(b0, ra), x1 = std::min(b1, rb);
-        us.count[r * L + j] = std::max<index_t>(0, x1 - x0);
-        us.recv[r * L + j] = at + std::max<index_t>(0, x0 - ra);
+        count[r * L + j] = std::max<index_t>(0, x1 - x0);
+        recv[r * L + j] = at + std::max<index_t>(0, x0 - ra);
       }
       at += rb - ra;
     }
-    stats_->peak_recv_rows = std::max(stats_->peak_recv_rows, at - base);
+    x.stats.peak_recv_rows = std::max(x.stats.peak_recv_rows, at - base);
     index_t row = 0;
     for (int j = 0; j < L; ++j) {
-      us.expert[j] = row;
+      expert[j] = row;
       for (int r = 0; r < R; ++r) {
-        us.regroup[r * L + j] = row;
-        row += us.count[r * L + j];
+        regroup[r * L + j] = row;
+        row += count[r * L + j];
       }
     }
-    us.expert[L] = row;
+    expert[L] = row;
+    x.space.to_device(unit_arrays_, us.host - unit_arrays_.host(), expert_at() + L + 1);
   }
 
   // Per-rank element counts and displacements of chunk c's exchanges (unbounded): rows (per
   // assignment, or unique with dedup) and, with dedup, the per-assignment metadata.
-  void set_rank_counts(int c) {
-    const dispatch_plan& p = *plan_;
-    const int R = s_.ranks;
-    const index_t H = s_.hidden;
-    rank_counts& x = ex_[c];
+  void set_rank_counts(const dispatch_plan& p, int c) {
+    const int R = w_.ranks;
+    const index_t H = w_.row_stride;  // elements per row moved (the padding rides along)
+    rank_counts& n = counts_[c];
     for (int r = 0; r < R; ++r) {
       const int b = p.block(c, r, 0);
       const index_t rows_to = Dedup ? p.unique_counts[c * R + r] : p.send_rows_to(c, r);
       const index_t rows_at = Dedup ? p.unique_offsets[c * R + r] : p.send_offsets[b];
       const index_t rows_from = Dedup ? p.recv_unique_counts[c * R + r] : p.recv_rows_from(c, r);
       const index_t rows_in = Dedup ? p.recv_unique_offsets[c * R + r] : p.recv_offsets[b];
-      x.send_n[r] = rows_to * H;
-      x.send_d[r] = rows_at * H;
-      x.recv_n[r] = rows_from * H;
-      x.recv_d[r] = rows_in * H;
-      x.meta_send_n[r] = p.send_rows_to(c, r);
-      x.meta_send_d[r] = p.send_offsets[b];
-      x.meta_recv_n[r] = p.recv_rows_from(c, r);
-      x.meta_recv_d[r] = p.recv_offsets[b];
+      n.send_n[r] = rows_to * H;
+      n.send_d[r] = rows_at * H;
+      n.recv_n[r] = rows_from * H;
+      n.recv_d[r] = rows_in * H;
+      n.meta_send_n[r] = p.send_rows_to(c, r);
+      n.meta_send_d[r] = p.send_offsets[b];
+      n.meta_recv_n[r] = p.recv_rows_from(c, r);
+      n.meta_recv_d[r] = p.recv_offsets[b];
     }
   }
 
-  void fill_comm_stats() {
-    const dispatch_plan& p = *plan_;
-    pass_stats& st = *stats_;
-    const int R = s_.ranks, L = p.local_experts, C = p.chunks, me = comm_->rank();
-    const index_t row_bytes = s_.hidden * static_cast<index_t>(sizeof(float));
+  void fill_comm_stats(context& x) {
+    const dispatch_plan& p = x.plan;
+    pass_stats& st = x.stats;
+    const int R = w_.ranks, L = p.local_experts, C = p.chunks;
+    const index_t row_bytes = w_.hidden * static_cast<index_t>(sizeof(value_type));
     const index_t meta_bytes = Dedup ? static_cast<index_t>(sizeof(std::int64_t)) : 0;
     index_t sent = 0, received = 0, meta_sent = 0, meta_received = 0;
     for (int r = 0; r < R; ++r) {
@@ -463,7 +611,7 @@ class exchange {
           st.rows_received[r] += p.recv_unique_counts[c * R + r];
         }
       }
-      if (r != me) {
+      if (r != me_) {
         sent += st.rows_sent[r];
         received += st.rows_received[r];
         meta_sent += st.assignment_rows_sent[r];
@@ -487,95 +635,89 @@ class exchange {
     }
   }
 
-  // One exchange: non-blocking when the comm can, else blocking; requests live per slot.
-  template <class T>
-  void start_exchange(std::optional<request_type>* req, const T* send, const index_t* sn,
-                      const index_t* sd, T* recv, const index_t* rn, const index_t* rd) {
-    if constexpr (async)
-      req->emplace(comm_->ialltoallv(send, sn, sd, recv, rn, rd));
-    else
-      comm_->alltoallv(send, sn, sd, recv, rn, rd);
-  }
-
-  void finish_exchange(std::optional<request_type>* req) {
-    if constexpr (async) {
-      const auto t0 = clock::now();
-      (*req)->wait();
-      const double blocked = seconds_since(t0);
-      double wire = blocked;
-      if constexpr (requires { (*req)->modeled_seconds(); })
-        wire = std::max(blocked, (*req)->modeled_seconds());
-      req->reset();
-      stats_->comm_seconds += wire;
-      stats_->exposed_comm_seconds += blocked;
-    }
-  }
-
   // Dedup: expert-major row of each received assignment of chunk c <- its unique row.
-  void expand_unique_rows(int c) {
-    const dispatch_plan& p = *plan_;
-    const int R = s_.ranks, L = p.local_experts;
-    const matrix_view<float> in = unique_recv_view(), out = expert_view();
-    for (int s = 0; s < R; ++s)
-      for (int j = 0; j < L; ++j) {
-        const int b = p.block(c, s, j);
-        for (index_t i = 0; i < p.recv_counts[b]; ++i) {
-          const index_t u =
-              p.recv_unique_offsets[c * R + s] + meta_index(p.meta_recv[p.recv_offsets[b] + i]);
-          std::copy_n(in.row(u), s_.hidden, out.row(p.regroup_offsets[b] + i));
-        }
-      }
+  void expand_unique_rows(context& x, int c) {
+    const dispatch_plan& p = x.plan;
+    const int R = w_.ranks, L = p.local_experts;
+    const index_t first = p.recv_offsets[p.block(c, 0, 0)];
+    const index_t n = p.recv_offsets[p.block(c + 1, 0, 0)] - first;
+    // Indexed by the pass's receive row, so a schedule may expand chunk c + 1 first.
+    std::int32_t* key = sum_key_.data() + first;
+    index_t* expert_row = sum_first_.data() + 2 * (w_.recv_buffer_rows + 1) + first;
+    x.space.for_each(n, exchange_ops::unique_of_row{x.dev.recv_offsets, x.dev.regroup_offsets,
+                                                    x.dev.recv_unique_offsets, meta_recv_.data(), c,
+                                                    R, L, key, expert_row});
+    const matrix_view<const value_type> unique = chunk_unique_view(p, c);
+    x.space.for_each_row(
+        n, w_.hidden,
+        exchange_ops::expand_unique<value_type>{key, expert_row, unique, expert_view()});
   }
 
   // Dedup: the expert rank sums each token's weighted outputs, one row per (token, rank).
-  void weighted_unique_sums(int c) {
-    const dispatch_plan& p = *plan_;
-    const int R = s_.ranks, L = p.local_experts;
-    const matrix_view<float> out = unique_recv_view(), in = expert_view();
-    for (index_t u = p.recv_unique_offsets[c * R]; u < p.recv_unique_offsets[(c + 1) * R]; ++u)
-      std::fill_n(out.row(u), s_.hidden, 0.f);
-    for (int s = 0; s < R; ++s)
-      for (int j = 0; j < L; ++j) {
-        const int b = p.block(c, s, j);
-        for (index_t i = 0; i < p.recv_counts[b]; ++i) {
-          const std::int64_t m = p.meta_recv[p.recv_offsets[b] + i];
-          const float w = meta_weight(m);
-          const float* src = in.row(p.regroup_offsets[b] + i);
-          float* dst = out.row(p.recv_unique_offsets[c * R + s] + meta_index(m));
-          for (index_t h = 0; h < s_.hidden; ++h) dst[h] += w * src[h];
-        }
-      }
+  void weighted_unique_sums(context& x, int c) {
+    const dispatch_plan& p = x.plan;
+    const int R = w_.ranks;
+    const index_t first = p.recv_offsets[p.block(c, 0, 0)];
+    const index_t n = p.recv_offsets[p.block(c + 1, 0, 0)] - first;
+    const index_t U = p.recv_unique_offsets[(c + 1) * R] - p.recv_unique_offsets[c * R];
+    const index_t cap = w_.recv_buffer_rows;
+    const std::int32_t* key = sum_key_.data() + first;  // from expand_unique_rows
+    std::int32_t* sorted = sum_key_.data() + cap;
+    std::int32_t* order = sorted + cap;
+    index_t* rows = sum_first_.data();
+    index_t* firsts = rows + cap + 1;
+    const index_t* expert_row = firsts + cap + 1 + first;
+    x.space.count(key, n, U, rows);
+    x.space.exclusive_scan(rows, firsts, U);
+    x.space.sort_by_key(key, n, U, sorted, order, sum_sort_.data());
+    x.space.for_each_row(U, w_.hidden,
+                         exchange_ops::weighted_unique_sum<value_type>{
+                             order, firsts, expert_row, meta_recv_.data() + first,
+                             const_view(expert_view()), chunk_unique_view(p, c)});
   }
 
-  matrix_view<float> unique_recv_view() const {
-    return {x_recv_.data(), plan_->recv_unique_offsets[plan_->chunks * s_.ranks], s_.hidden};
+  matrix_view<value_type> chunk_unique_view(const dispatch_plan& p, int c) const {
+    const int R = w_.ranks;
+    const index_t u0 = p.recv_unique_offsets[c * R];
+    return {x_recv_.data() + u0 * w_.row_stride, p.recv_unique_offsets[(c + 1) * R] - u0, w_.hidden,
+            w_.row_stride};
   }
-  matrix_view<float> recv_view() const { return {x_recv_.data(), plan_->recv_rows(), s_.hidden}; }
-  matrix_view<float> slot_view(int k) const {
-    return {x_recv_.data(), (k + 1) * slot_rows_, s_.hidden};
+  matrix_view<value_type> recv_view(const dispatch_plan& p) const {
+    return {x_recv_.data(), p.recv_rows(), w_.hidden, w_.row_stride};
   }
-  matrix_view<float> expert_view() const {
-    return {x_expert_.data(), bounded_ ? slot_rows_ : plan_->recv_rows(), s_.hidden};
+  matrix_view<value_type> slot_view(int k) const {
+    return {x_recv_.data(), (k + 1) * slot_rows_, w_.hidden, w_.row_stride};
   }
+  matrix_view<value_type> expert_view() const {
+    return {x_expert_.data(), w_.expert_rows, w_.hidden, w_.row_stride};
+  }
+  static matrix_view<const value_type> const_view(matrix_view<value_type> v) { return v; }
 
-  Comm* comm_ = nullptr;
-  Space* space_ = nullptr;
-  dispatch_plan* plan_ = nullptr;
-  pass_stats* stats_ = nullptr;
-  const clock::time_point* pass_start_ = nullptr;
-  shape s_{};
+  transport_type tr_{};
+  workspace_layout w_{};
+  int me_ = 0;
   bool bounded_ = false;
-  index_t quota_ = 0, per_source_ = 0, slot_rows_ = 0, recv_capacity_ = 0, expert_capacity_ = 0;
+  index_t slot_rows_ = 0;
   int slots_ = 1;
-  int expert_owner_ = -1;  // bounded: the unit whose rows are in the expert buffer
-  buffer<float> x_send_, x_recv_, x_expert_;
-  buffer<index_t> counts_;
-  std::int64_t* meta_recv_ = nullptr;
-  std::vector<rank_counts> ex_;    // [slots]
-  std::vector<unit_state> units_;  // [slots]
-  index_t* first_unit_ = nullptr;  // [C+1]: bounded: first unit of each chunk
-  std::vector<std::optional<request_type>> dispatch_req_, meta_req_, combine_req_;  // [slots]
-  std::vector<double> event_start_;  // [2 * slots]: when each slot's dispatch/combine began
+  int expert_owner_ = -1;    // bounded: the unit whose rows are in the expert buffer
+  index_t static_rows_ = 0;  // static shapes: rows of every block (0: counted)
+  bool deferred_ = false;    // static shapes on a device: the counts are read after the pass
+  buffer<value_type> x_send_, x_recv_, x_expert_;
+  buffer<index_t> msg_send_;
+  mirror<index_t> msg_recv_;
+  mirror<index_t> unit_arrays_;      // bounded: [slots] unit_state arrays
+  std::vector<index_t> host_;        // per slot: rank_counts; first unit of each chunk
+  std::vector<rank_counts> counts_;  // [slots]
+  std::vector<unit_state> units_;    // [slots]
+  index_t* first_unit_ = nullptr;    // [C+1]: bounded: first unit of each chunk
+  std::vector<std::optional<typename transport_type::request>> dispatch_req_, meta_req_,
+      combine_req_;                 // [slots]
+  std::vector<mark> marks_;         // [4 * slots]: when each slot's dispatch and combine began and
+                                    // their starts returned
+  buffer<std::int64_t> meta_recv_;  // dedup: the received assignments' metadata
+  buffer<std::int32_t> sum_key_;    // dedup: [3][recv rows] keys, sorted keys, order
+  buffer<index_t> sum_first_;       // dedup: rows and first per unique row; expert rows
+  buffer<char> sum_sort_;
 };
 
-}  // namespace epmoe::detail
+}  // namespace epmoe

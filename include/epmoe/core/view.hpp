@@ -68,7 +68,61 @@ struct stacked_view {
   EPMOE_HD matrix_view<T> operator[](index_t i) const {
     return {data + i * batch_stride, rows, cols, stride};
   }
+  /// Matrices [first, first + n).
+  EPMOE_HD stacked_view slice(index_t first, index_t n) const {
+    return {data + first * batch_stride, n, rows, cols, stride, batch_stride};
+  }
 };
+
+/// Rows in consecutive groups (the rows of each local expert, expert-major): group g is rows
+/// [offsets[g], offsets[g+1]) - offsets[0] from `data` (offsets may start past 0: a unit's
+/// slice of an expert buffer). `offsets` is host memory (the host sizes each group's GEMM);
+/// `device_offsets` the same in the space's memory (equal on the host), for kernels that find
+/// their group themselves.
+template <class T>
+struct grouped_rows {
+  T* data = nullptr;
+  index_t cols = 0;
+  index_t stride = 0;
+  int groups = 0;
+  const index_t* offsets = nullptr;         // [groups + 1], host
+  const index_t* device_offsets = nullptr;  // [groups + 1], the space's memory
+  index_t align = 1;  // rows of matrices over() makes start at multiples of align elements
+
+  index_t rows() const { return groups > 0 ? offsets[groups] - offsets[0] : 0; }
+  /// Group g as a matrix.
+  matrix_view<T> group(int g) const {
+    return {data + (offsets[g] - offsets[0]) * stride, offsets[g + 1] - offsets[g], cols, stride};
+  }
+  /// The same groups over another matrix of the same rows with c columns (e.g. an expert's
+  /// hidden layer), its row stride c rounded up to the alignment.
+  template <class U>
+  grouped_rows<U> over(U* d, index_t c) const {
+    return {d, c, (c + align - 1) / align * align, groups, offsets, device_offsets, align};
+  }
+  /// Elements a matrix of these rows with c columns takes (what over() lays out).
+  index_t elements(index_t c) const { return rows() * ((c + align - 1) / align * align); }
+  template <class U = T>
+  requires(!std::is_const_v<U>) operator grouped_rows<const U>() const {
+    return {data, cols, stride, groups, offsets, device_offsets, align};
+  }
+};
+
+namespace space {
+/// Every space's allocation, of its own buffer<T> and mirror<T> types (a space derives from
+/// allocates<itself>): sized once, never during a pass.
+template <class Space>
+struct allocates {
+  template <class T>
+  auto allocate(index_t n) const {
+    return typename Space::template buffer<T>(n);
+  }
+  template <class T>
+  auto allocate_mirror(index_t n) const {
+    return typename Space::template mirror<T>(n);
+  }
+};
+}  // namespace space
 
 namespace detail {
 inline std::string shape_text(index_t r, index_t c) {

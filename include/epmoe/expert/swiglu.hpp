@@ -2,11 +2,13 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <string>
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/macros.hpp"
+#include "epmoe/core/numeric.hpp"
 #include "epmoe/core/view.hpp"
 
 namespace epmoe::expert {
@@ -48,31 +50,58 @@ struct swiglu {
     return flops_per_row(cfg.hidden, cfg.ffn);
   }
 
-  /// Scratch floats per row: the two [rows, F] projections.
+  /// Scratch elements per row: the two [rows, F] projections (the layer passes F padded to
+  /// its row alignment).
   static index_t scratch_per_row(index_t ffn) { return 2 * ffn; }
   static index_t scratch_per_row(const layer_config& cfg) { return scratch_per_row(cfg.ffn); }
 
+  /// The stacked tensors of a weight bundle, for what moves or checks every tensor alike
+  /// (live re-placement moves each slot's matrices).
+  template <class T>
+  static std::array<stacked_view<const T>*, 3> tensors(weights_of<T>& w) {
+    return {&w.w1, &w.w3, &w.w2};
+  }
+  /// Experts [first, first + n) of a bundle (a shared expert, one local expert).
+  template <class T>
+  static weights_of<T> slice(const weights_of<T>& w, index_t first, index_t n) {
+    return {w.w1.slice(first, n), w.w3.slice(first, n), w.w2.slice(first, n)};
+  }
+
+  template <class T>
   struct silu_mul_rows {
-    float* h1;
-    const float* h3;
-    EPMOE_HD void operator()(index_t i) const { h1[i] = silu_mul(h1[i], h3[i]); }
+    T* h1;
+    const T* h3;
+    EPMOE_HD void operator()(index_t i) const {
+      h1[i] = from_float<T>(silu_mul(to_float(h1[i]), to_float(h3[i])));
+    }
   };
 
-  /// Runs local expert j on rows x [n, H]; the output [n, H] overwrites x (its input is no
-  /// longer needed once both up-projections are done). scratch holds n * scratch_per_row.
-  template <class Space>
-  static void forward(const Space& space, const weights& w, index_t j, matrix_view<float> x,
-                      float* scratch) {
-    const index_t n = x.rows, F = w.w1.rows;
+  /// Runs every local expert g on its rows of x (group g; the groups' GEMMs go to the
+  /// space's grouped GEMM); the output [rows, H] overwrites x (its input is no longer needed
+  /// once both up-projections are done). scratch holds x.rows() * scratch_per_row elements.
+  template <class Space, class T>
+  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch) {
+    const index_t F = w.w1.rows, n = x.elements(F);  // the [rows, F] hidden layers
     if (n == 0) return;
-    matrix_view<float> h1(scratch, n, F), h3(scratch + n * F, n, F);
-    space.gemm_nt(x, w.w1[j], h1);
-    space.gemm_nt(x, w.w3[j], h3);
-    if constexpr (requires { space.silu_mul(h1.data, h3.data, n * F); })
-      space.silu_mul(h1.data, h3.data, n * F);  // the space's vectorised loop (space::host)
+    const grouped_rows<T> h1 = x.over(scratch, F), h3 = x.over(scratch + n, F);
+    space.grouped_gemm_nt(x, w.w1, h1);
+    space.grouped_gemm_nt(x, w.w3, h3);
+    // The gate over whole padded rows (padding elements are never read).
+    if constexpr (requires { space.silu_mul(h1.data, h3.data, n); })
+      space.silu_mul(h1.data, h3.data, n);  // the space's vectorised loop (space::host)
     else
-      space.for_each(n * F, silu_mul_rows{h1.data, h3.data});
-    space.gemm_nt(h1, w.w2[j], x);
+      space.for_each(n, silu_mul_rows<T>{h1.data, h3.data});
+    space.grouped_gemm_nt(h1, w.w2, x);
+  }
+
+  /// Local expert j alone on rows x [n, H] (tests, calibration): the grouped forward of one
+  /// group.
+  template <class Space, class T>
+  static void forward(const Space& space, const weights_of<T>& w, index_t j, matrix_view<T> x,
+                      T* scratch) {
+    const index_t offsets[2] = {0, x.rows};
+    forward(space, slice(w, j, 1), grouped_rows<T>{x.data, x.cols, x.stride, 1, offsets, offsets},
+            scratch);
   }
 };
 

@@ -22,9 +22,9 @@ namespace epmoe::placement {
 /// [slots per rank, rows, cols]), read from and written into: the send side is packed
 /// before anything is overwritten and the receive side lands in staging, so a failure leaves
 /// the old weights. Collective. Returns the bytes this rank's slots received.
-template <class Comm, std::size_t N>
+template <class Comm, class T, std::size_t N>
 index_t relocate(Comm& comm, const table& now, const table& next,
-                 const std::array<stacked_view<float>, N>& tensors) {
+                 const std::array<stacked_view<T>, N>& tensors) {
   const int R = now.ranks(), S = now.slots_per_rank(), me = comm.rank();
   detail::require(
       next.experts() == now.experts() && next.ranks() == R && next.slots_per_rank() == S,
@@ -34,8 +34,8 @@ index_t relocate(Comm& comm, const table& now, const table& next,
   const agreement_field same[] = {{"placement (the new table)", static_cast<std::int64_t>(h)}};
   agree_on(comm, std::span<const agreement_field>(same));
 
-  index_t slot_floats = 0;
-  for (const auto& v : tensors) slot_floats += v.rows * v.cols;
+  index_t slot_elements = 0;
+  for (const auto& v : tensors) slot_elements += v.rows * v.cols;
   // Every move (dest slot <- a current holder of its new expert), known to every rank and in
   // slot order, so each sender and receiver pack and unpack the same sequence.
   struct move {
@@ -48,15 +48,15 @@ index_t relocate(Comm& comm, const table& now, const table& next,
   }
   std::vector<index_t> sn(R, 0), sd(R, 0), rn(R, 0), rd(R, 0);
   for (const move& m : moves) {
-    if (m.src / S == me) sn[m.dst / S] += slot_floats;
-    if (m.dst / S == me) rn[m.src / S] += slot_floats;
+    if (m.src / S == me) sn[m.dst / S] += slot_elements;
+    if (m.dst / S == me) rn[m.src / S] += slot_elements;
   }
   for (int r = 1; r < R; ++r) {
     sd[r] = sd[r - 1] + sn[r - 1];
     rd[r] = rd[r - 1] + rn[r - 1];
   }
-  std::vector<float> send(static_cast<std::size_t>(sd[R - 1] + sn[R - 1]));
-  std::vector<float> recv(static_cast<std::size_t>(rd[R - 1] + rn[R - 1]));
+  std::vector<T> send(static_cast<std::size_t>(sd[R - 1] + sn[R - 1]));
+  std::vector<T> recv(static_cast<std::size_t>(rd[R - 1] + rn[R - 1]));
   std::vector<index_t> at = sd;
   for (const move& m : moves)
     if (m.src / S == me)
@@ -75,7 +75,7 @@ index_t relocate(Comm& comm, const table& now, const table& next,
           std::copy_n(recv.data() + at[m.src / S], v.cols, v[m.dst % S].row(i));
           at[m.src / S] += v.cols;
         }
-      received += slot_floats * static_cast<index_t>(sizeof(float));
+      received += slot_elements * static_cast<index_t>(sizeof(T));
     }
   return received;
 }

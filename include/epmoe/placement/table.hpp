@@ -143,6 +143,16 @@ class table {
     return {phy_to_log_.data(), log_to_phy_.data(), copies_.data(),
             max_copies_,        slots_per_rank(),   ranks_per_node_};
   }
+  /// The view with its arrays where `place` puts them: place(std::span<const int>) returns a
+  /// pointer to a copy the caller keeps (a device space's memory, for the plan's kernels).
+  template <class Place>
+  table_view view_in(Place&& place) const {
+    table_view v = view();
+    v.phy_to_log = place(std::span<const int>(phy_to_log_));
+    v.log_to_phy = place(std::span<const int>(log_to_phy_));
+    v.copies = place(std::span<const int>(copies_));
+    return v;
+  }
 
   bool operator==(const table& o) const {
     return experts_ == o.experts_ && ranks_ == o.ranks_ && ranks_per_node_ == o.ranks_per_node_ &&

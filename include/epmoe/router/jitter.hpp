@@ -5,7 +5,9 @@
 #include <cstdint>
 
 #include "epmoe/core/macros.hpp"
+#include "epmoe/core/numeric.hpp"
 #include "epmoe/core/random.hpp"
+#include "epmoe/router/gate.hpp"
 
 namespace epmoe::router {
 
@@ -26,6 +28,38 @@ struct jitter : Inner {
     const float u = math::uniform01(
         math::hash4(seed, pass, static_cast<std::uint64_t>(token), static_cast<std::uint64_t>(h)));
     return 1.f - eps + 2.f * eps * u;
+  }
+
+  /// x * U(1-eps, 1+eps), element i of a [T, H] pass (the gate's input while training).
+  template <class T>
+  struct jittered {
+    jitter router;
+    matrix_view<const T> x;
+    T* out;
+    const std::int64_t* ids;
+    std::int64_t first;
+    std::uint64_t pass;
+    const std::uint64_t* pass_counter;  // read on the device when set
+    EPMOE_HD void operator()(index_t i) const {
+      const index_t t = i / x.cols, h = i % x.cols;
+      const std::uint64_t p = pass_counter ? *pass_counter : pass;
+      out[i] = from_float<T>(to_float(x(t, h)) * router.factor(p, ids ? ids[t] : first + t, h));
+    }
+  };
+
+  /// Its gate stage: the inner router's, on the jittered input while training.
+  template <class Space, class T>
+  void gate(const Space& space, const gate_pass<T>& g) const {
+    if (!training) return router::gate(static_cast<const Inner&>(*this), space, g);
+    space.for_each(g.x.rows * g.x.cols, jittered<T>{*this, g.x, g.scratch, g.token_ids,
+                                                    g.first_token, g.pass, g.pass_counter});
+    gate_pass<T> in = g;
+    in.x = {g.scratch, g.x.rows, g.x.cols};
+    router::gate(static_cast<const Inner&>(*this), space, in);
+  }
+  /// The jittered input: [max_tokens, H].
+  static index_t gate_scratch(const layer_config& cfg) {
+    return static_cast<index_t>(cfg.max_tokens) * cfg.hidden;
   }
 };
 

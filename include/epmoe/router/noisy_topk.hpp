@@ -8,6 +8,7 @@
 #include "epmoe/core/random.hpp"
 #include "epmoe/core/routing.hpp"
 #include "epmoe/core/topk.hpp"
+#include "epmoe/router/gate.hpp"
 
 namespace epmoe::router {
 
@@ -25,6 +26,18 @@ struct noisy_topk {
 
   bool training = false;
   std::uint64_t seed = 0;
+
+  /// Its gate stage: the logits, and while training the noise logits x W_noise^T.
+  template <class Space, class T>
+  void gate(const Space& space, const gate_pass<T>& g) const {
+    space.gemm_nt(g.x, g.gate, g.logits);
+    if (training) space.gemm_nt(g.x, g.noise_gate, g.noise);
+  }
+  /// While training the pass needs weights.noise_gate [E, H].
+  template <class T>
+  void check(const layer_config& cfg, matrix_view<const T> noise_gate) const {
+    if (training) detail::require_shape(noise_gate, cfg.experts, cfg.hidden, "weights.noise_gate");
+  }
 
   /// The (noisy while training) logit H_e.
   EPMOE_HD float noisy_logit(const token_input& in, int e) const {

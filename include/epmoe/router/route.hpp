@@ -28,14 +28,16 @@ struct serial {
 
 /// What route() needs besides the logits; every field may stay at its default.
 struct route_options {
-  matrix_view<const float> noise{};           // [T, E] noise-gate logits (noisy_topk while
-                                              //   training), or empty
-  std::span<const std::int64_t> token_ids{};  // [T] token ids (router::hash needs them), or
-                                              //   empty: token t is first_token + t
-  std::int64_t first_token = 0;               // the layer: rank * max_tokens
-  std::uint64_t pass = 0;                     // pass counter of seeded training noise
-  std::span<float> float_scratch{};           // batch routers: >= scratch_floats(cfg) with
-  std::span<std::int32_t> int_scratch{};      //   max_tokens = T; empty: route() allocates
+  matrix_view<const float> noise{};             // [T, E] noise-gate logits (noisy_topk while
+                                                //   training), or empty
+  std::span<const std::int64_t> token_ids{};    // [T] token ids (router::hash needs them), or
+                                                //   empty: token t is first_token + t
+  std::int64_t first_token = 0;                 // the layer: rank * max_tokens
+  std::uint64_t pass = 0;                       // pass counter of seeded training noise
+  const std::uint64_t* pass_counter = nullptr;  // or the counter in the executor's memory (a
+                                                //   captured graph reads it when replayed)
+  std::span<float> float_scratch{};             // batch routers: >= scratch_floats(cfg) with
+  std::span<std::int32_t> int_scratch{};        //   max_tokens = T; empty: route() allocates
 };
 
 /// Routing slots per token: the router's top_k, or E for a variable count (expert choice).
@@ -85,7 +87,7 @@ void run_router(const Router& router, const layer_config& cfg, matrix_view<const
         T, rows::route_tokens<Router>{
                router, Router::uses_gate ? logits : matrix_view<const float>{}, opt.noise, out.ids,
                out.weights, opt.token_ids.empty() ? nullptr : opt.token_ids.data(), opt.first_token,
-               opt.pass, cfg.experts});
+               opt.pass, cfg.experts, opt.pass_counter});
   } else {
     // Batch scratch scales with the batch: size it for these T tokens.
     layer_config batch = cfg;

@@ -254,7 +254,7 @@ calibration measure(Comm& c, const calibration_options& o) {
     const float* xc = cold(x.size());
     sync();
     const auto t0 = clock::now();
-    space::host_gemm_nt({xc, T, H}, {gate.data(), E, H}, {logits.data(), T, E});
+    host.gemm_nt({xc, T, H}, {gate.data(), E, H}, {logits.data(), T, E});
     detail::route_probe(route_cfg, {logits.data(), T, E}, scratch_r);
     if (i > 0) mine_route.push_back(detail::seconds_since(t0));
   }
@@ -307,12 +307,15 @@ calibration measure(Comm& c, const calibration_options& o) {
       sync();
       const auto t0 = clock::now();
       if (pass == 0) {  // permute's own gather
-        const rows::gather g{{x.data(), T, H}, order.data(), {rows.data(), n_rows, H}};
-        for (index_t r = 0; r < n_rows; ++r) g(r);
+        const rows::gather<float> g{{x.data(), T, H}, order.data(), {rows.data(), n_rows, H}};
+        for (index_t r = 0; r < n_rows; ++r) g(r, 0, H);
       } else if (pass == 2) {  // the layer's weighted reduce: rows just back from the combine
-        const rows::weighted_reduce wr{
-            {rows.data(), n_rows, H}, slot.data(), {weights.data(), T, K}, {y.data(), T, H}};
-        for (index_t t = 0; t < T; ++t) wr(t);
+        const rows::weighted_reduce<float> wr{{rows.data(), n_rows, H},
+                                              slot.data(),
+                                              {weights.data(), T, K},
+                                              nullptr,
+                                              {y.data(), T, H}};
+        for (index_t t = 0; t < T; ++t) wr(t, 0, H);
       } else {  // the regroup's row memcpy (space::host::copy_blocks)
         for (int b = 0; b < B; ++b)
           for (index_t r = 0; r < block_first[b + 1] - block_first[b]; ++r)

@@ -39,20 +39,20 @@ inline link bottleneck(const topology& topo, const traffic& x) {
                                                                                    : link::intra;
 }
 
-/// SwiGLU expert FLOPs per row: three [H, F] GEMMs (gate, up, down), 2 FLOPs a multiply-add.
-inline double expert_flops_per_row(int hidden, int ffn) { return 6.0 * hidden * ffn; }
-/// Weight bytes one expert reads per GEMM call: its three [H, F] matrices.
-inline double expert_weight_bytes(const topology& topo, int hidden, int ffn) {
-  return 3.0 * hidden * ffn * topo.weight_bytes;
+/// Weight bytes one expert reads per GEMM call. A dense expert does one multiply-add (2
+/// FLOPs) per weight per row, so its weights are flops_per_row / 2 (the expert policy's own
+/// flops_per_row: SwiGLU's three [H, F] matrices, a plain MLP's two).
+inline double expert_weight_bytes(const topology& topo, double flops_per_row) {
+  return flops_per_row / 2 * topo.weight_bytes;
 }
 
-/// One grouped-GEMM slot of `rows` rows: bound by compute (at the rate for that many rows) or
-/// by reading its weights (small row counts are memory bound). An empty slot costs nothing (the
-/// grouped GEMM skips it).
-inline double slot_seconds(const topology& topo, int hidden, int ffn, double rows) {
+/// One grouped-GEMM slot of `rows` rows of an expert of `flops_per_row`: bound by compute (at
+/// the rate for that many rows) or by reading its weights (small row counts are memory
+/// bound). An empty slot costs nothing (the grouped GEMM skips it).
+inline double slot_seconds(const topology& topo, double flops_per_row, double rows) {
   if (rows <= 0) return 0;
-  return std::max(rows * expert_flops_per_row(hidden, ffn) / topo.gemm_rate(rows),
-                  expert_weight_bytes(topo, hidden, ffn) / topo.memory_bandwidth);
+  return std::max(rows * flops_per_row / topo.gemm_rate(rows),
+                  expert_weight_bytes(topo, flops_per_row) / topo.memory_bandwidth);
 }
 
 /// Routing T tokens: the gate GEMM ([T, H] x [H, E], 2 FLOPs a multiply-add) at the GEMM

@@ -16,9 +16,11 @@
 #include "epmoe/capacity/factor.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/options.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/random.hpp"
 #include "epmoe/core/stats.hpp"
+#include "epmoe/expert/swiglu.hpp"
 #include "epmoe/placement/block.hpp"
 #include "epmoe/placement/table.hpp"
 #include "epmoe/sim/cost.hpp"
@@ -29,13 +31,15 @@
 // and the cost model prices them.
 namespace epmoe::sim {
 
-/// The policy slots the planner reads (the layer's Policies work as they are).
+/// The policy slots the planner and the cost model read (the layer's Policies work as they
+/// are; without an expert slot the expert is SwiGLU).
 template <class Placement = placement::block, class Capacity = capacity::dropless,
-          bool Dedup = false>
+          bool Dedup = false, class Expert = expert::swiglu>
 struct policies {
   using placement = Placement;
   using capacity = Capacity;
-  static constexpr bool dedup = Dedup;
+  using expert = Expert;
+  static constexpr layer_options options{.dedup = Dedup};
 };
 
 struct options {
@@ -102,6 +106,17 @@ struct result {
 
 namespace detail {
 
+/// The expert a bundle names, else SwiGLU (the simulator's bundles may omit it).
+template <class P>
+struct expert_of {
+  using type = expert::swiglu;
+};
+template <class P>
+requires requires { typename P::expert; }
+struct expert_of<P> {
+  using type = typename P::expert;
+};
+
 /// The one plan workspace simulate() reuses for every rank.
 struct plan_workspace {
   std::vector<std::int32_t> slot, phys, row_token, unique_slot, unique_token;
@@ -109,6 +124,7 @@ struct plan_workspace {
       recv_offsets, expert_offsets, regroup_offsets, routed, unique_counts, unique_offsets;
   std::vector<std::int64_t> meta;
   dispatch_plan plan;
+  host_plan_scratch scratch;
 
   plan_workspace(int R, int L, int K, int C, int E) {
     const auto B = static_cast<std::size_t>(C) * R * L;
@@ -277,7 +293,8 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                 const typename Policies::capacity& cap = {}) {
   using placement_type = typename Policies::placement;
   using capacity_type = typename Policies::capacity;
-  constexpr bool dedup = requires { requires Policies::dedup; };
+  using expert_type = typename detail::expert_of<Policies>::type;
+  constexpr bool dedup = epmoe::detail::options_of<Policies>().dedup;
   static_assert(!(dedup && capacity_type::pads),
                 "epmoe::sim: per-rank dedup does not combine with padded capacity (as in the "
                 "layer): use capacity::factor<false> or capacity::dropless with dedup");
@@ -337,14 +354,16 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       weights.resize(static_cast<std::size_t>(T * K));
       src.route(r, {{ids.data(), T, K}, {weights.data(), T, K}});
       const index_t limit = cap.limit(cfg, T);
-      ws.reserve(T, K, std::max(T * K, capacity_type::pads ? limit * P : 0));
+      // Padded blocks hold the capacity of max_tokens, as in the layer.
+      const index_t pad_rows = capacity_type::pads ? cap.limit(cfg, cfg.max_tokens) : 0;
+      ws.reserve(T, K, std::max(T * K, pad_rows * P));
       dispatch_plan& p = ws.plan;
       const routing_view routing{{ids.data(), T, K}, {weights.data(), T, K}};
       if constexpr (requires { look.set_home(r); }) look.set_home(r);
       // Token ids as the layer numbers them without given ids: rank * max_tokens + t.
       build_send_plan(routing, look, E, limit, capacity_type::pads,
-                      token_origin{r, nullptr, std::int64_t{r} * cfg.max_tokens}, p);
-      if constexpr (dedup) build_dedup_plan(routing, p);
+                      token_origin{r, nullptr, std::int64_t{r} * cfg.max_tokens}, p, &ws.scratch,
+                      dedup, pad_rows);
 
       rank_result& me = out.per_rank[r];
       me.tokens = T, me.assignments = p.assignments, me.dropped = p.dropped;
@@ -508,6 +527,9 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   const double counts_time =
       counts_seconds(topo, double(C) * (2 * L + 1) * double(sizeof(index_t)));
   const int N = cfg.shared_experts;
+  // Each expert priced by its own policy's FLOPs (and so weight bytes).
+  const double expert_flops = expert_type::flops_per_row(cfg.hidden, cfg.ffn);
+  const double shared_flops = expert_type::flops_per_row(cfg.hidden, cfg.shared_width());
   for (int r = 0; r < R; ++r) {
     rank_result& me = out.per_rank[r];
     out.assignments += me.assignments;
@@ -516,8 +538,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     me.route = route_seconds(topo, T, cfg.hidden, E);
     me.permute = copy_seconds(topo, double(me.send_rows), row_bytes);
     if (N > 0 && T > 0)  // per shared expert: copy the tokens in, one [T, H] x [H, F'] FFN
-      me.shared = N * (slot_seconds(topo, cfg.hidden, cfg.shared_width(), T) +
-                       copy_seconds(topo, T, row_bytes));
+      me.shared = N * (slot_seconds(topo, shared_flops, T) + copy_seconds(topo, T, row_bytes));
     me.counts = counts_time;
     // Reduce reads each expert output row once (one per kept assignment, or per unique row
     // with dedup) and the shared experts' sum, and writes the T output rows: priced as that
@@ -541,7 +562,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       double x = 0, received = 0;  // received: assignment rows of this chunk, padding in
       for (int j = 0; j < L; ++j) {
         const double rows = double(unit_slot_rows[static_cast<std::size_t>(c) * P + r * L + j]);
-        x += slot_seconds(topo, cfg.hidden, cfg.ffn, rows);
+        x += slot_seconds(topo, expert_flops, rows);
         received += rows;
       }
       // Local copies: its rows to itself, and every received row regrouped by expert (and

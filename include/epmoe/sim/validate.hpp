@@ -21,9 +21,6 @@
 #if defined(__linux__)
 #include <sched.h>
 #endif
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 // Validation: a real moe_layer (block, dropless, sequential) on any comm routes exactly a
 // source's assignments, and its measured stage times are set against what simulate()
@@ -43,18 +40,6 @@ inline int share_blas_threads(int ranks) {
   const int n = std::max(1, cores / std::max(1, ranks));
   space::set_blas_threads(n);
   return n;
-}
-
-/// Maps every buffer of 128 KiB or more fresh from the OS (glibc; a no-op elsewhere). glibc
-/// otherwise raises its mapping threshold once such a buffer is freed and serves the next
-/// round's probe and layer buffers from reused heap memory, where the regroup probe's row
-/// copies measured 4x slower on the development VM than in fresh mappings: one round's
-/// rates would not predict the next round's passes. A process-wide allocator setting, for a
-/// validation or calibration program's main().
-inline void map_large_buffers_fresh() {
-#if defined(__GLIBC__)
-  mallopt(M_MMAP_THRESHOLD, 128 * 1024);
-#endif
 }
 
 template <int K, class Comm>

@@ -3,9 +3,13 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+#include <vector>
 
 #include "epmoe/core/view.hpp"
 #include "epmoe/space/host_gemm.hpp"
@@ -67,26 +71,74 @@ class host_buffer {
   index_t size_ = 0;
 };
 
+/// An array both the space's stages and host code read: on the host, one array.
+template <class T>
+class host_mirror {
+ public:
+  host_mirror() = default;
+  explicit host_mirror(index_t n) : buf_(n) {}
+  T* device() const { return buf_.data(); }  // what the space's stages read and write
+  T* host() const { return buf_.data(); }    // what host code reads and writes
+  index_t size() const { return buf_.size(); }
+
+ private:
+  host_buffer<T> buf_;
+};
+
 /// Host execution: memory is ordinary heap memory, loops run on the calling thread (one
 /// rank = one thread), GEMMs go to BLAS when found (EPMOE_HAS_CBLAS), else a portable loop.
-struct host {
+/// GEMMs of few rows stream their weights on this space's own helper threads: copies of one
+/// space share them; two spaces (two layers built apart) each have their own.
+class host : public allocates<host> {
+ public:
+  using value_type = float;
   template <class T>
   using buffer = host_buffer<T>;
-
   template <class T>
-  buffer<T> allocate(index_t n) const {
-    return buffer<T>(n);
-  }
+  using mirror = host_mirror<T>;
 
-  /// f(i) for i in [0, n): the per-row / per-token EPMOE_HD functors of the layer.
+  host() : helpers_(std::make_shared<detail::stream_helpers>()) {}
+
+  /// Elements [first, first + n) of a mirror to the host, or to the space's memory: on the
+  /// host one memory, nothing to copy.
+  template <class T>
+  void to_host(const mirror<T>&, index_t, index_t) const {}
+  template <class T>
+  void to_device(const mirror<T>&, index_t, index_t) const {}
+
+  /// f(i) for i in [0, n): the per-element EPMOE_HD functors of the layer.
   template <class F>
   void for_each(index_t n, F&& f) const {
     for (index_t i = 0; i < n; ++i) f(i);
   }
+  /// f(i, 0, width) for each row i in [0, n): row functors see whole rows here (the inner
+  /// loop vectorises); a device space hands out pieces of rows to its threads.
+  template <class F>
+  void for_each_row(index_t n, index_t width, F&& f) const {
+    for (index_t i = 0; i < n; ++i) f(i, index_t{0}, width);
+  }
+
+  /// The same for the first *n rows, n read from the space's memory (a count a stage before
+  /// wrote there, which the host has not seen yet on a device); at most max_n.
+  template <class F>
+  void for_each_row_n(const index_t* n, index_t max_n, index_t width, F&& f) const {
+    for_each_row(std::min(*n, max_n), width, f);
+  }
+
+  template <class T>
+  void fill(T* p, index_t n, T value) const {
+    std::fill_n(p, n, value);
+  }
 
   /// c[M,N] = a[M,K] * b[N,K]^T (row-major; b is a PyTorch-style [out, in] weight).
   void gemm_nt(matrix_view<const float> a, matrix_view<const float> b, matrix_view<float> c) const {
-    host_gemm_nt(a, b, c);
+    host_gemm_nt(a, b, c, helpers_.get());
+  }
+  /// Per group g: c's rows of g = a's rows of g x b[g]^T (the local experts' GEMMs).
+  void grouped_gemm_nt(grouped_rows<const float> a, stacked_view<const float> b,
+                       grouped_rows<float> c) const {
+    for (int g = 0; g < a.groups; ++g)
+      if (a.offsets[g + 1] > a.offsets[g]) gemm_nt(a.group(g), b[g], c.group(g));
   }
 
   /// Copies `count[i]` rows from src row `src_offset[i]` to dst row `dst_offset[i]`, for
@@ -100,6 +152,43 @@ struct host {
                     static_cast<std::size_t>(src.cols) * sizeof(float));
   }
 
+  // --- the plan's primitives: a histogram, a scan and a stable sort of small keys ---------
+
+  /// Bytes of scratch sort_by_key needs for n keys in [0, bins].
+  static index_t sort_scratch_bytes(index_t, index_t bins) {
+    return static_cast<index_t>(sizeof(index_t)) * (bins + 2);
+  }
+  /// out[b] = number of keys equal to b, for b in [0, bins); other keys are not counted.
+  void count(const std::int32_t* keys, index_t n, index_t bins, index_t* out) const {
+    std::fill_n(out, bins, index_t{0});
+    for (index_t i = 0; i < n; ++i)
+      if (keys[i] >= 0 && keys[i] < bins) ++out[keys[i]];
+  }
+  /// out[i] = in[0] + ... + in[i-1] for i in [0, n]: out has n + 1 entries, out[n] the total.
+  void exclusive_scan(const index_t* in, index_t* out, index_t n) const {
+    index_t sum = 0;
+    for (index_t i = 0; i < n; ++i) {
+      const index_t v = in[i];
+      out[i] = sum;
+      sum += v;
+    }
+    out[n] = sum;
+  }
+  /// Stable sort of positions [0, n) by keys in [0, bins]: sorted_keys[p] and order[p] (the
+  /// position that went to p). A counting sort here (CUB's radix sort on a device).
+  void sort_by_key(const std::int32_t* keys, index_t n, index_t bins, std::int32_t* sorted_keys,
+                   std::int32_t* order, void* scratch) const {
+    index_t* next = static_cast<index_t*>(scratch);  // [bins + 2]
+    std::fill_n(next, bins + 2, index_t{0});
+    for (index_t i = 0; i < n; ++i) ++next[keys[i] + 1];
+    for (index_t b = 0; b <= bins; ++b) next[b + 1] += next[b];
+    for (index_t i = 0; i < n; ++i) {
+      const index_t p = next[keys[i]]++;
+      sorted_keys[p] = keys[i];
+      order[p] = static_cast<std::int32_t>(i);
+    }
+  }
+
   /// a[i] = silu(a[i]) * b[i] for i in [0, n): SwiGLU's gate, vectorised (a fast exp within
   /// ~2 ulp of expf) where the CPU has AVX2, else the same formula as expert::silu_mul.
   void silu_mul(float* a, const float* b, index_t n) const {
@@ -109,7 +198,36 @@ struct host {
     for (index_t i = 0; i < n; ++i) a[i] = a[i] / (1.f + std::exp(-a[i])) * b[i];
   }
 
+  /// The stage clock: marks are seconds since the pass began, known at once.
+  class clock {
+   public:
+    using mark = double;
+    void begin_pass() { start_ = std::chrono::steady_clock::now(); }
+    mark now() const {
+      return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    }
+    /// Seconds since the pass began at `m` (after synchronize() on a device space).
+    double seconds(mark m) const { return m; }
+
+   private:
+    std::chrono::steady_clock::time_point start_{};
+  };
+  /// A clock (any number of marks).
+  clock make_clock(index_t = 0) const { return {}; }
+  /// What a layer needs beyond buffers (a device's GEMM and scan storage): nothing here.
+  void reserve(int, int, index_t) const {}
+
+  /// Orders the layer's pass after the caller's work and the caller's after the pass: on
+  /// the host both run on the calling thread already.
+  void enter() const {}
+  void leave() const {}
   void synchronize() const {}
+
+  /// The helper threads of this space (shared by its copies).
+  detail::stream_helpers* helpers() const { return helpers_.get(); }
+
+ private:
+  std::shared_ptr<detail::stream_helpers> helpers_;
 };
 
 }  // namespace epmoe::space

@@ -280,10 +280,9 @@ inline void gemm_nt_columns(matrix_view<const float> a, matrix_view<const float>
 /// the helpers busy runs its job alone.
 class stream_helpers {
  public:
-  static stream_helpers& get() {
-    static stream_helpers h;
-    return h;
-  }
+  stream_helpers() = default;
+  stream_helpers(const stream_helpers&) = delete;
+  stream_helpers& operator=(const stream_helpers&) = delete;
 
   /// Runs job(c) for every chunk c in [0, chunks), on the caller and up to threads - 1
   /// helpers. False (and nothing run) when the helpers are busy.
@@ -408,25 +407,26 @@ class stream_helpers {
 };
 
 /// c = a b^T by streaming b: its rows cut into chunks of >= 64 (a multiple of 4) that
-/// `threads` threads take in turn.
+/// `threads` threads take in turn (the caller and `helpers`; none: the caller alone).
 inline void gemm_nt_stream(matrix_view<const float> a, matrix_view<const float> b,
-                           matrix_view<float> c, int threads) {
+                           matrix_view<float> c, int threads, stream_helpers* helpers) {
   const index_t N = c.cols;
   const int chunks = static_cast<int>(std::clamp<index_t>(N / 64, 1, 4 * threads));
   const auto chunk = [&](int q) {
     const auto edge = [&](int e) { return e == chunks ? N : (N * e / chunks) & ~index_t{3}; };
     gemm_nt_columns(a, b, c, edge(q), edge(q + 1));
   };
-  if (threads <= 1 || chunks == 1 || !stream_helpers::get().run(threads, chunks, chunk))
+  if (threads <= 1 || chunks == 1 || !helpers || !helpers->run(threads, chunks, chunk))
     gemm_nt_columns(a, b, c, 0, N);
 }
 
 }  // namespace detail
 
 /// c[M,N] = a[M,K] * b[N,K]^T, row-major with strides. Few rows (M <= 32): a streaming kernel
-/// that reads b once; more: BLAS sgemm when the build found one, else the portable loop.
+/// that reads b once (on the caller and `helpers`' threads); more: BLAS sgemm when the build
+/// found one, else the portable loop.
 inline void host_gemm_nt(matrix_view<const float> a, matrix_view<const float> b,
-                         matrix_view<float> c) {
+                         matrix_view<float> c, detail::stream_helpers* helpers = nullptr) {
   const index_t M = c.rows, N = c.cols, K = a.cols;
   if (M == 0 || N == 0) return;
 #if defined(EPMOE_HAS_CBLAS)
@@ -437,7 +437,7 @@ inline void host_gemm_nt(matrix_view<const float> a, matrix_view<const float> b,
     return;
   }
 #endif
-  detail::gemm_nt_stream(a, b, c, detail::stream_threads(M, N, K));
+  detail::gemm_nt_stream(a, b, c, detail::stream_threads(M, N, K), helpers);
 }
 
 }  // namespace epmoe::space

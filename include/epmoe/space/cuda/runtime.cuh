@@ -3,7 +3,7 @@
 #pragma once
 
 // The CUDA runtime pieces every CUDA header uses: error checks that throw, the element types
-// (fp32, bf16, fp16) and an owning device buffer. Included only by CUDA builds (nvcc).
+// (fp32, bf16, fp16), owning device and pinned buffers. Included only by CUDA builds (nvcc).
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "epmoe/core/macros.hpp"
+#include "epmoe/core/numeric.hpp"
 #include "epmoe/core/view.hpp"
 
 namespace epmoe {
@@ -63,19 +64,17 @@ struct dtype<__half> {
   static constexpr const char* name = "fp16";
 };
 
-EPMOE_HD float to_float(float v) { return v; }
-EPMOE_HD float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-EPMOE_HD float to_float(__half v) { return __half2float(v); }
-
-template <class T>
-EPMOE_HD T from_float(float v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>)
-    return __float2bfloat16(v);  // round to nearest even
-  else if constexpr (std::is_same_v<T, __half>)
-    return __float2half(v);
-  else
-    return v;
-}
+/// The 16-bit element types convert through float (core/numeric.hpp's to_float/from_float).
+template <>
+struct scalar<__nv_bfloat16> {
+  EPMOE_HD static float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  EPMOE_HD static __nv_bfloat16 from_float(float v) { return __float2bfloat16(v); }  // nearest
+};
+template <>
+struct scalar<__half> {
+  EPMOE_HD static float to_float(__half v) { return __half2float(v); }
+  EPMOE_HD static __half from_float(float v) { return __float2half(v); }
+};
 
 /// Owning device array (cudaMalloc, never managed memory), sized once, move-only.
 template <class T>

@@ -1,0 +1,8 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+// Must not compile: the space has no for_each_row; the layer's check names that member
+// (core/checks.hpp).
+#define EPMOE_STAND_IN_WITHOUT_FOR_EACH_ROW
+#include "../policies/stand_ins.hpp"
+
+int main() { return sizeof(epmoe::moe_layer<stand_in::policies>) > 0 ? 0 : 1; }
