@@ -1,6 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
@@ -11,6 +12,7 @@
 #include <epmoe/core/concepts.hpp>
 #include <epmoe/core/error.hpp>
 #include <epmoe/core/plan.hpp>
+#include <epmoe/core/rows.hpp>
 #include <epmoe/core/routing.hpp>
 #include <epmoe/placement/block.hpp>
 
@@ -121,6 +123,37 @@ TEMPLATE_LIST_TEST_CASE("capacity: factor limit is ceil(cf * T * K / E)", "[capa
   for (const row& r : table) {
     CAPTURE(r.cf, r.tokens, r.top_k, r.experts);
     CHECK(TestType{}.limit(cfg_of(r.cf, r.top_k, r.experts), r.tokens) == r.want);
+  }
+}
+
+TEST_CASE("plan: chunk c holds tokens [floor(c*T/C), floor((c+1)*T/C))", "[capacity][plan]") {
+  int checked = 0;
+  for (index_t T : {index_t{1}, index_t{2}, index_t{7}, index_t{10}, index_t{33}, index_t{100}}) {
+    for (int C : {1, 2, 3, 4, 7, 8, 40}) {
+      for (int c = 0; c < C; ++c) {
+        for (index_t t = c * T / C; t < (c + 1) * T / C; ++t) {
+          CAPTURE(T, C, c, t);
+          CHECK(epmoe::chunk_of_token(t, C, T) == c);
+          ++checked;
+        }
+      }
+    }
+  }
+  CHECK(checked == 7 * (1 + 2 + 7 + 10 + 33 + 100));  // every token of every (T, C) once
+}
+
+TEST_CASE("plan: a padding row is sent as zeros, a token row as the token", "[capacity][plan]") {
+  constexpr index_t H = 5;
+  const std::vector<float> x = {1, 2, 3, 4, 5, -1, -2, -3, -4, -5};  // two tokens
+  const std::vector<std::int32_t> row_token = {1, -1, 0, -1};         // rows 1 and 3 pad
+  std::vector<float> out(4 * H, NAN);
+  const epmoe::rows::gather<float> g{{x.data(), 2, H, H}, row_token.data(), {out.data(), 4, H, H}};
+  for (index_t i = 0; i < 4; ++i) g(i, 0, H);
+  for (index_t h = 0; h < H; ++h) {
+    CHECK(out[0 * H + h] == x[1 * H + h]);
+    CHECK(out[1 * H + h] == 0.f);
+    CHECK(out[2 * H + h] == x[0 * H + h]);
+    CHECK(out[3 * H + h] == 0.f);
   }
 }
 

@@ -45,6 +45,8 @@ void pipelined_equals_sequential() {
       CHECK(pipe.stats[r][0].chunks == C);
       CHECK(pipe.stats[r][0].dropped == seq.stats[r][0].dropped);
       CHECK(pipe.stats[r][0].rows_per_local_expert == seq.stats[r][0].rows_per_local_expert);
+      // Every chunk's expert FLOPs are counted, not the last chunk's only.
+      CHECK(pipe.stats[r][0].expert_flops == Approx(seq.stats[r][0].expert_flops));
     }
   }
 }
