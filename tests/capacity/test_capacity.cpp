@@ -12,8 +12,8 @@
 #include <epmoe/core/concepts.hpp>
 #include <epmoe/core/error.hpp>
 #include <epmoe/core/plan.hpp>
-#include <epmoe/core/rows.hpp>
 #include <epmoe/core/routing.hpp>
+#include <epmoe/core/rows.hpp>
 #include <epmoe/placement/block.hpp>
 
 using epmoe::index_t;
@@ -126,7 +126,8 @@ TEMPLATE_LIST_TEST_CASE("capacity: factor limit is ceil(cf * T * K / E)", "[capa
   }
 }
 
-TEST_CASE("plan: chunk c holds tokens [floor(c*T/C), floor((c+1)*T/C))", "[capacity][plan]") {
+TEST_CASE("plan: chunk c holds the tokens from floor(c*T/C) up to floor((c+1)*T/C)",
+          "[capacity][plan]") {
   int checked = 0;
   for (index_t T : {index_t{1}, index_t{2}, index_t{7}, index_t{10}, index_t{33}, index_t{100}}) {
     for (int C : {1, 2, 3, 4, 7, 8, 40}) {
@@ -145,7 +146,7 @@ TEST_CASE("plan: chunk c holds tokens [floor(c*T/C), floor((c+1)*T/C))", "[capac
 TEST_CASE("plan: a padding row is sent as zeros, a token row as the token", "[capacity][plan]") {
   constexpr index_t H = 5;
   const std::vector<float> x = {1, 2, 3, 4, 5, -1, -2, -3, -4, -5};  // two tokens
-  const std::vector<std::int32_t> row_token = {1, -1, 0, -1};         // rows 1 and 3 pad
+  const std::vector<std::int32_t> row_token = {1, -1, 0, -1};        // rows 1 and 3 pad
   std::vector<float> out(4 * H, NAN);
   const epmoe::rows::gather<float> g{{x.data(), 2, H, H}, row_token.data(), {out.data(), 4, H, H}};
   for (index_t i = 0; i < 4; ++i) g(i, 0, H);
