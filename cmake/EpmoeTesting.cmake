@@ -128,3 +128,22 @@ function(epmoe_add_mpi_test name exe ranks)
             ${MPIEXEC_POSTFLAGS})
   set_tests_properties(${name} PROPERTIES LABELS mpi TIMEOUT 60 PROCESSORS ${ranks})
 endfunction()
+
+# epmoe_add_cli_tests(<label> <programs...>)
+# help.<program> and badflag.<program> for each program that is a target: --help prints the
+# usage on stdout and exits 0; an unknown flag prints it on stderr and exits 2, the program not
+# started (examples/args.hpp; the rule in check_cli.cmake).
+function(epmoe_add_cli_tests label)
+  foreach(program IN LISTS ARGN)
+    if(NOT TARGET ${program})
+      continue()
+    endif()
+    foreach(mode IN ITEMS help badflag)
+      add_test(NAME ${mode}.${program}
+               COMMAND "${CMAKE_COMMAND}" "-DPROGRAM=$<TARGET_FILE:${program}>"
+                       "-DNAME=${program}" "-DMODE=${mode}"
+                       -P "${_epmoe_testing_dir}/check_cli.cmake")
+      set_tests_properties(${mode}.${program} PROPERTIES LABELS "${label};cli" TIMEOUT 30)
+    endforeach()
+  endforeach()
+endfunction()

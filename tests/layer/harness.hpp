@@ -91,6 +91,26 @@ struct threads_policies : default_policies {
   using comm = epmoe::comm::threads;
 };
 
+/// A router's bundle on in-process ranks (the router and pass tests swap only the router).
+template <class Space, class Router, class Capacity = capacity::dropless>
+struct router_policies : default_policies {
+  using space = Space;
+  using router = Router;
+  using capacity = Capacity;
+  using comm = epmoe::comm::threads;
+};
+
+/// The small layer of the router and pass tests (capacity factor 1: drops happen).
+inline layer_config small_layer(int ranks, int top_k, int experts = 8) {
+  return {.hidden = 13,
+          .ffn = 11,
+          .experts = experts,
+          .top_k = top_k,
+          .ranks = ranks,
+          .max_tokens = 40,
+          .capacity_factor = 1.0};
+}
+
 /// Every rank's tokens, rank after rank, with the counts per rank.
 struct global_tokens {
   std::vector<index_t> per_rank;

@@ -19,22 +19,8 @@ namespace {
 constexpr int passes = 3;
 
 template <class Space, class Router, class Capacity = capacity::dropless>
-struct policies : default_policies {
-  using space = Space;
-  using router = Router;
-  using capacity = Capacity;
-  using comm = epmoe::comm::threads;
-};
-
-layer_config small(int ranks, int top_k, int experts = 8) {
-  return {.hidden = 13,
-          .ffn = 11,
-          .experts = experts,
-          .top_k = top_k,
-          .ranks = ranks,
-          .max_tokens = 40,
-          .capacity_factor = 1.0};
-}
+using policies = test::router_policies<Space, Router, Capacity>;
+using test::small_layer;
 
 // Uneven ranks, one idle: 40 | 40, 23 | 40, 0, 17, 33 tokens.
 test::global_tokens tokens(const layer_config& cfg, std::uint64_t seed) {
@@ -70,7 +56,7 @@ TEMPLATE_LIST_TEST_CASE("passes: shared experts are recomputed, not accumulated,
   int checked = 0;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
-    layer_config cfg = small(R, 2);
+    layer_config cfg = small_layer(R, 2);
     cfg.shared_experts = 2;
     cfg.shared_ffn = 7;
     using P = policies<Space, router::mixtral<2>>;
@@ -92,7 +78,7 @@ TEMPLATE_LIST_TEST_CASE("passes: noisy top-k draws new noise every pass", "[laye
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
     check_training_noise<policies<Space, router::noisy_topk<2>, capacity::factor<>>>(
-        small(R, 2), {.router = {.training = true, .seed = 9}});
+        small_layer(R, 2), {.router = {.training = true, .seed = 9}});
   }
 }
 
@@ -106,7 +92,7 @@ TEMPLATE_LIST_TEST_CASE("passes: Switch jitter draws new factors every pass",
   j.seed = 4;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
-    check_training_noise<policies<Space, J>>(small(R, 1), {.router = j});
+    check_training_noise<policies<Space, J>>(small_layer(R, 1), {.router = j});
   }
 }
 
@@ -118,7 +104,7 @@ TEMPLATE_LIST_TEST_CASE("passes: the DeepSeek bias after update_router matches i
   const Router router{.groups = 4, .top_groups = 2, .scaling = 2.5f, .gamma = 0.05f};
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
-    const layer_config cfg = small(R, 4, 16);
+    const layer_config cfg = small_layer(R, 4, 16);
     const auto w = reference::full_weights::random(cfg, 31);
     const auto g = tokens(cfg, 32);
     test::run_options<P> opt{.router = router};

@@ -19,22 +19,8 @@ using namespace epmoe;
 namespace {
 
 template <class Space, class Router, class Capacity = capacity::dropless>
-struct policies : default_policies {
-  using space = Space;
-  using router = Router;
-  using capacity = Capacity;
-  using comm = epmoe::comm::threads;
-};
-
-layer_config small(int ranks, int top_k, int experts = 8) {
-  return {.hidden = 13,
-          .ffn = 11,
-          .experts = experts,
-          .top_k = top_k,
-          .ranks = ranks,
-          .max_tokens = 40,
-          .capacity_factor = 1.0};
-}
+using policies = test::router_policies<Space, Router, Capacity>;
+using test::small_layer;
 
 /// Layer on `ranks` threads vs reference on the same tokens, one pass.
 template <class P>
@@ -62,17 +48,17 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: softmax family", "[layer][ro
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(small(R, 2)) <=
+    CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(small_layer(R, 2)) <=
           test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::qwen<4, false>>>(small(R, 4)) <=
+    CHECK(layer_vs_reference<policies<Space, router::qwen<4, false>>>(small_layer(R, 4)) <=
           test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::switch_top1>>(small(R, 1)) <=
+    CHECK(layer_vs_reference<policies<Space, router::switch_top1>>(small_layer(R, 1)) <=
           test::tolerance<Space>(1e-4));
     CHECK(layer_vs_reference<policies<Space, router::gshard_top2, capacity::factor<>>>(
-              small(R, 2)) <= 1e-4);
+              small_layer(R, 2)) <= 1e-4);
     // Group-limited softmax: 4 groups of 4, best 2 groups.
     test::run_options<policies<Space, router::topk_softmax<2>>> grouped{.router = {4, 2}};
-    CHECK(layer_vs_reference(small(R, 2, 16), grouped) <= test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference(small_layer(R, 2, 16), grouped) <= test::tolerance<Space>(1e-4));
   }
 }
 
@@ -85,7 +71,7 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: DeepSeek-V3 sigmoid with bia
     test::run_options<P> opt{.router = {.groups = 4, .top_groups = 2, .scaling = 2.5f}};
     opt.bias.resize(16);
     for (int e = 0; e < 16; ++e) opt.bias[e] = 0.05f * static_cast<float>(e % 5) - 0.1f;
-    CHECK(layer_vs_reference(small(R, 4, 16), opt) <= test::tolerance<Space>(1e-4));
+    CHECK(layer_vs_reference(small_layer(R, 4, 16), opt) <= test::tolerance<Space>(1e-4));
   }
 }
 
@@ -94,13 +80,13 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: expert choice, hash, Sinkhor
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    CHECK(layer_vs_reference<policies<Space, router::expert_choice>>(small(R, 2)) <=
+    CHECK(layer_vs_reference<policies<Space, router::expert_choice>>(small_layer(R, 2)) <=
           test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::hash<2>>>(small(R, 2)) <=
+    CHECK(layer_vs_reference<policies<Space, router::hash<2>>>(small_layer(R, 2)) <=
           test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<2>>>(small(R, 2)) <=
+    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<2>>>(small_layer(R, 2)) <=
           test::tolerance<Space>(1e-4));
-    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<1>>>(small(R, 1)) <=
+    CHECK(layer_vs_reference<policies<Space, router::sinkhorn<1>>>(small_layer(R, 1)) <=
           test::tolerance<Space>(1e-4));
   }
 }
@@ -113,13 +99,13 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: training noise, seeded", "[l
     for (bool training : {false, true}) {
       CAPTURE(training);
       CHECK(layer_vs_reference<policies<Space, router::noisy_topk<2>>>(
-                small(R, 2), {.router = {.training = training, .seed = 9}}) <=
+                small_layer(R, 2), {.router = {.training = training, .seed = 9}}) <=
             test::tolerance<Space>(1e-4));
       using J = router::jitter<router::switch_top1>;
       J j{};
       j.training = training;
       j.eps = 0.1f;
-      CHECK(layer_vs_reference<policies<Space, J>>(small(R, 1), {.router = j}) <=
+      CHECK(layer_vs_reference<policies<Space, J>>(small_layer(R, 1), {.router = j}) <=
             test::tolerance<Space>(1e-4));
     }
   }
@@ -129,7 +115,7 @@ TEMPLATE_LIST_TEST_CASE(
     "routers through the layer: expert choice gives every expert C tokens per rank",
     "[layer][routers]", test::spaces) {
   using Space = TestType;
-  const layer_config cfg = small(4, 2);
+  const layer_config cfg = small_layer(4, 2);
   const auto w = reference::full_weights::random(cfg, 3);
   const auto g = test::make_tokens({40, 40, 40, 40}, cfg.hidden, 4);
   const auto run = test::run_layer<policies<Space, router::expert_choice>>(cfg, w, g);
@@ -150,7 +136,7 @@ TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on e
   using Space = TestType;
   for (int R : {1, 4}) {
     CAPTURE(R);
-    layer_config cfg = small(R, 2);
+    layer_config cfg = small_layer(R, 2);
     cfg.shared_experts = 2;
     cfg.shared_ffn = 7;
     CHECK(layer_vs_reference<policies<Space, router::mixtral<2>>>(cfg) <=
@@ -161,7 +147,7 @@ TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on e
   }
   // Stats count their FLOPs; without them the output differs.
   using M = policies<Space, router::mixtral<2>>;
-  layer_config cfg = small(1, 2);
+  layer_config cfg = small_layer(1, 2);
   cfg.shared_experts = 1;
   const auto w = reference::full_weights::random(cfg, 5);
   const auto g = test::make_tokens({40}, cfg.hidden, 6);
@@ -180,7 +166,7 @@ TEMPLATE_LIST_TEST_CASE("shared experts: every token's output adds N always-on e
 
 TEMPLATE_LIST_TEST_CASE("router losses are reported per pass", "[layer][losses]", test::spaces) {
   using Space = TestType;
-  layer_config cfg = small(2, 2);
+  layer_config cfg = small_layer(2, 2);
   cfg.seq_len = 10;
   const auto w = reference::full_weights::random(cfg, 7);
   const auto g = test::make_tokens({40, 40}, cfg.hidden, 8);

@@ -2,7 +2,7 @@
 #   MODE=help:    PROGRAM --help exits 0, its usage ("usage: ... NAME") on stdout, nothing on stderr
 #   MODE=badflag: PROGRAM --no-such-flag exits 2, the flag and the usage on stderr, nothing on
 #                 stdout (the program did not start)
-#   cmake -DPROGRAM=path -DNAME=epmoe_demo -DMODE=help|badflag -P check_cli.cmake
+#   cmake -DPROGRAM=path -DNAME=epmoe_demo -DMODE=help|badflag -P cmake/check_cli.cmake
 if(MODE STREQUAL "help")
   set(arg --help)
   set(want_rc 0)
