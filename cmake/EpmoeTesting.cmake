@@ -142,7 +142,7 @@ function(epmoe_add_cli_tests label)
       add_test(NAME ${mode}.${program}
                COMMAND "${CMAKE_COMMAND}" "-DPROGRAM=$<TARGET_FILE:${program}>"
                        "-DNAME=${program}" "-DMODE=${mode}"
-                       -P "${_epmoe_testing_dir}/check_cli.cmake")
+                       -P "${CMAKE_CURRENT_FUNCTION_LIST_DIR}/check_cli.cmake")
       set_tests_properties(${mode}.${program} PROPERTIES LABELS "${label};cli" TIMEOUT 30)
     endforeach()
   endforeach()
