@@ -1,6 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
+#include <algorithm>
 #include <limits>
 #include <mutex>
 
@@ -186,6 +187,42 @@ TEST_CASE("layer: stats count bytes and FLOPs of the pass", "[layer][stats]") {
     CHECK(t.route + t.plan + t.permute + t.dispatch + t.experts + t.combine + t.shared + t.reduce <=
           t.total);
   }
+}
+
+TEST_CASE("layer: every buffer row starts 16-byte aligned whatever H (16-bit GEMMs, vector loads)",
+          "[layer][workspace]") {
+  int checked = 0;
+  for (const index_t elem : {index_t{2}, index_t{4}, index_t{8}}) {
+    for (int H = 1; H <= 40; ++H) {
+      const layer_config cfg{
+          .hidden = H, .ffn = 7, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 8};
+      const auto w = workspace_layout::of(
+          cfg, 2, 2, 1, 1, false, [](index_t T) { return T; }, 0, elem);
+      CAPTURE(elem, H);
+      CHECK(w.align * elem == std::max<index_t>(16, elem));
+      CHECK(w.row_stride % w.align == 0);
+      CHECK(w.row_stride >= H);
+      CHECK(w.row_stride < H + w.align);
+      ++checked;
+    }
+  }
+  CHECK(checked == 3 * 40);
+  // The layer's own layout, odd H: rows of 13 floats are laid out 16 apart.
+  const layer_config cfg{
+      .hidden = 13, .ffn = 7, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 12};
+  std::vector<index_t> strides(2, -1);
+  std::mutex m;
+  test::run_options<test::threads_policies<2>> opt;
+  opt.between = [&](moe_layer<test::threads_policies<2>>& l) {
+    std::lock_guard lock(m);
+    strides[static_cast<std::size_t>(l.comm().rank())] = l.layout().row_stride;
+  };
+  const auto wts = reference::full_weights::random(cfg, 81);
+  const auto g = test::make_tokens({12, 5}, cfg.hidden, 82);
+  const auto got = test::run_layer<test::threads_policies<2>>(cfg, wts, g, opt);
+  CHECK(test::relative_error(got.y, test::run_reference<test::threads_policies<2>>(cfg, wts, g)) <=
+        1e-4);
+  CHECK(strides == std::vector<index_t>{16, 16});
 }
 
 TEST_CASE("layer: repeated passes with changing T reuse the workspace", "[layer]") {
