@@ -13,6 +13,7 @@
 
 #include <epmoe/comm/threads.hpp>
 #include <epmoe/core/view.hpp>
+#include <epmoe/experiment.hpp>
 
 #ifdef EPMOE_HAS_MPI
 #include <epmoe/comm/mpi.hpp>
@@ -45,64 +46,29 @@ struct reader {
   }
 };
 
-/// R ranks as threads of this process.
-struct thread_ranks {
-  using comm_type = comm::threads;
-  int ranks = 4;
-
-  int size() const { return ranks; }
-  bool prints() const { return true; }
-
+/// The experiment's ranks (epmoe/experiment.hpp), with a body that returns `numbers`.
+template <class Ranks>
+struct ranks_of : Ranks {
   /// fn(comm_type) -> numbers on every rank; returns them all, [rank].
   template <class Fn>
   std::vector<std::vector<double>> run(Fn&& fn) const {
-    std::vector<std::vector<double>> out(static_cast<std::size_t>(ranks));
-    comm::threads_world world(ranks);
-    world.run([&](comm::threads c) {
-      const int r = c.rank();
-      out[r] = fn(std::move(c)).v;
-    });
-    return out;
+    return Ranks::run([&](typename Ranks::comm_type c) { return fn(std::move(c)).v; });
   }
+};
+
+/// R ranks as threads of this process.
+struct thread_ranks : ranks_of<experiment::thread_ranks> {
+  explicit thread_ranks(int r) { ranks = r; }
+  bool prints() const { return true; }
 };
 
 #ifdef EPMOE_HAS_MPI
 /// The processes of MPI_COMM_WORLD (the program holds an mpi_session).
-struct mpi_ranks {
-  using comm_type = comm::mpi;
-
-  int size() const {
-    int n = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &n);
-    return n;
-  }
+struct mpi_ranks : ranks_of<experiment::mpi_ranks> {
   bool prints() const {  // rank 0 speaks for all
     int r = 0;
     MPI_Comm_rank(MPI_COMM_WORLD, &r);
     return r == 0;
-  }
-
-  template <class Fn>
-  std::vector<std::vector<double>> run(Fn&& fn) const {
-    const std::vector<double> mine = fn(comm::mpi(MPI_COMM_WORLD)).v;
-    const int R = size();
-    int n = static_cast<int>(mine.size());
-    std::vector<int> counts(static_cast<std::size_t>(R)), displs(counts.size());
-    comm::detail::mpi_check(
-        MPI_Allgather(&n, 1, MPI_INT, counts.data(), 1, MPI_INT, MPI_COMM_WORLD), "MPI_Allgather");
-    int total = 0;
-    for (int r = 0; r < R; ++r) {
-      displs[r] = total;
-      total += counts[r];
-    }
-    std::vector<double> all(static_cast<std::size_t>(total));
-    comm::detail::mpi_check(MPI_Allgatherv(mine.data(), n, MPI_DOUBLE, all.data(), counts.data(),
-                                           displs.data(), MPI_DOUBLE, MPI_COMM_WORLD),
-                            "MPI_Allgatherv");
-    std::vector<std::vector<double>> out(static_cast<std::size_t>(R));
-    for (int r = 0; r < R; ++r)
-      out[r].assign(all.begin() + displs[r], all.begin() + displs[r] + counts[r]);
-    return out;
   }
 };
 #endif
