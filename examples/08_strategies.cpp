@@ -1,11 +1,13 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 //
-// Strategies side by side: ten policy bundles, each one compile-time type, run by
+// Strategies side by side: thirteen policy bundles (three of them user policies from
+// examples/policies/), each one compile-time type, run by
 // epmoe::experiment on the same tokens, weights and in-process ranks, uniform tokens and
 // then tokens skewed toward one expert. One table per input, then a verdict per question,
 // each sentence chosen from the measured numbers.
-// Usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N] [--json FILE] [--csv FILE]
+// Usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N] [--topology NAME] [--nodes N]
+//                         [--json FILE] [--csv FILE]
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -14,6 +16,10 @@
 #include <vector>
 
 #include "args.hpp"
+#include "policies/gelu_mlp.hpp"
+#include "policies/gelu_mlp_reference.hpp"
+#include "policies/least_loaded.hpp"
+#include "policies/top_p.hpp"
 #include <epmoe/epmoe.hpp>
 #include <epmoe/experiment.hpp>
 
@@ -49,17 +55,26 @@ using padded = bundle<router::mixtral<2>, capacity::factor<true>>;
 using pipelined =
     bundle<router::mixtral<2>, capacity::dropless, placement::block, false, schedule::pipelined<4>>;
 
+// Policies written as a user would, one header each (examples/policies/, docs/policies.md).
+using top_p = bundle<::policies::top_p<2>>;
+struct gelu : mixtral {
+  using expert = ::policies::gelu_mlp;
+};
+using least_loaded = bundle<router::mixtral<2>, capacity::dropless, ::policies::least_loaded>;
+
 namespace ex = epmoe::experiment;
 constexpr ex::treatment over_link{.throttled = true};
 
-using strategies =
-    ex::list<ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
-             ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
-             ex::bundle<"block (table)", replicated>,
-             ex::bundle<"balanced +R", replicated, ex::treatment{.extra_slots = 4}>,
-             ex::bundle<"dedup", dedup>, ex::bundle<"padded cf 1.25", padded>,
-             ex::bundle<"sequential, link", mixtral, over_link>,
-             ex::bundle<"pipelined 4, link", pipelined, over_link>>;
+using strategies = ex::list<
+    ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
+    ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
+    ex::bundle<"block (table)", replicated>,
+    ex::bundle<"balanced +R", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
+    ex::bundle<"dedup", dedup>, ex::bundle<"padded cf 1.25", padded>,
+    ex::bundle<"sequential, link", mixtral, over_link>,
+    ex::bundle<"pipelined 4, link", pipelined, over_link>, ex::bundle<"top-p 0.5 (user)", top_p>,
+    ex::bundle<"GELU MLP (user)", gelu>,
+    ex::bundle<"least-loaded (user)", least_loaded, ex::treatment{.from_load = true}>>;
 
 const ex::row& find(const std::vector<ex::row>& t, const char* name) {
   for (const ex::row& r : t)
@@ -79,6 +94,7 @@ void verdicts(const std::vector<ex::row>& t) {
   const ex::row &top2 = find(t, "mixtral top-2"), &ec = find(t, "expert choice");
   const ex::row &block = find(t, "block (table)"), &bal = find(t, "balanced +R");
   const ex::row &dd = find(t, "dedup"), &pad = find(t, "padded cf 1.25");
+  const ex::row& least = find(t, "least-loaded (user)");
   const ex::row &seq = find(t, "sequential, link"), &pipe = find(t, "pipelined 4, link");
   std::printf("  - expert max/mean under expert choice %s %.2f -> %.2f (top-2 -> expert choice)\n",
               moved(top2.expert_imbalance, ec.expert_imbalance, 0.01).c_str(),
@@ -89,6 +105,11 @@ void verdicts(const std::vector<ex::row>& t) {
       moved(block.straggler_excess, bal.straggler_excess, 0.01).c_str(),
       100 * block.straggler_excess, 100 * bal.straggler_excess, block.topology.c_str(),
       100 * block.predicted_excess, 100 * bal.predicted_excess);
+  std::printf(
+      "  - a user's least-loaded placement (no replicas): the straggler's excess %s "
+      "%.0f%% -> %.0f%% (block -> least-loaded)\n",
+      moved(block.straggler_excess, least.straggler_excess, 0.01).c_str(),
+      100 * block.straggler_excess, 100 * least.straggler_excess);
   std::printf("  - dedup: rows dispatched to other ranks %s %lld -> %lld\n",
               moved(double(top2.dispatch_rows), double(dd.dispatch_rows), 0).c_str(),
               static_cast<long long>(top2.dispatch_rows), static_cast<long long>(dd.dispatch_rows));
@@ -107,15 +128,19 @@ void verdicts(const std::vector<ex::row>& t) {
 
 int main(int argc, char** argv) {
   cli::command_line cl(argc, argv,
-                       "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N] [--json FILE]"
+                       "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
+                       "                        [--topology NAME] [--nodes N] [--json FILE]"
                        " [--csv FILE]\n"
-                       "  Ten policy bundles (routers, placement, dedup, capacity, schedule) on\n"
-                       "  the same tokens and R in-process ranks (default 4, T = 256 tokens per\n"
-                       "  rank, 16 experts, top-2); tables for uniform and skewed tokens, then\n"
-                       "  one verdict per question. JSON/CSV: both tables, one row per bundle.\n");
+                       "  Thirteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
+                       "  three user policies) on the same tokens and R in-process ranks\n"
+                       "  (default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
+                       "  uniform and one for skewed tokens, then one verdict per question.\n"
+                       "  --topology: the simulator's cluster (h200, h100_nvlink_ib, cpu_cluster;\n"
+                       "  default h200) over --nodes nodes. JSON/CSV: both tables.\n");
   index_t T = 256;
   int R = 4, passes = 5;
-  std::string json, csv;
+  std::string json, csv, topology = "h200";
+  int nodes = 1;
   while (cl.next()) {
     if (cl.is("--tokens"))
       T = cl.integer();
@@ -123,6 +148,10 @@ int main(int argc, char** argv) {
       R = static_cast<int>(cl.integer());
     else if (cl.is("--passes"))
       passes = static_cast<int>(cl.integer());
+    else if (cl.is("--topology"))
+      topology = cl.value();
+    else if (cl.is("--nodes"))
+      nodes = static_cast<int>(cl.integer());
     else if (cl.is("--json"))
       json = cl.value();
     else if (cl.is("--csv"))
@@ -130,8 +159,8 @@ int main(int argc, char** argv) {
     else
       cl.unknown();
   }
-  if (T < 1 || R < 1 || E % R != 0 || passes < 1)
-    cl.fail("need --tokens >= 1, --passes >= 1, and --ranks dividing 16");
+  if (T < 1 || R < 1 || E % R != 0 || passes < 1 || nodes < 1 || R % nodes != 0)
+    cl.fail("need --tokens >= 1, --passes >= 1, --ranks dividing 16, --nodes dividing --ranks");
   const layer_config cfg{.hidden = 64,
                          .ffn = 128,
                          .experts = E,
@@ -139,7 +168,10 @@ int main(int argc, char** argv) {
                          .ranks = R,
                          .max_tokens = static_cast<int>(T),
                          .capacity_factor = 1.25};
-  const ex::options opt{.passes = passes, .link = {.bandwidth = 2e9, .latency = 20e-6}};
+  const ex::options opt{.passes = passes,
+                        .link = {.bandwidth = 2e9, .latency = 20e-6},
+                        .topology = topology,
+                        .nodes = nodes};
   std::vector<ex::row> all;
   int failed = 0;
   for (const bool skew : {false, true}) {

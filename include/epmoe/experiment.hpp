@@ -9,7 +9,7 @@
 //
 //   using strategies = experiment::list<
 //       experiment::bundle<"mixtral top-2", mixtral>,
-//       experiment::bundle<"balanced +4", replicated, {.extra_slots = 4}>>;
+//       experiment::bundle<"balanced +4", replicated, {.from_load = true, .extra_slots = 4}>>;
 //   const auto in = experiment::inputs::skewed(cfg, /*seed*/ 1, /*hot expert*/ 0, 2.0);
 //   const auto table = experiment::run(strategies{}, experiment::thread_ranks{4}, in, {});
 //   experiment::print(std::cout, table);
@@ -19,6 +19,7 @@
 #include <iomanip>
 #include <limits>
 #include <ostream>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -57,8 +58,9 @@ struct name_string {
 struct treatment {
   bool throttled = false;  // exchanges take as long as options.link says (comm::throttled):
                            //   a cluster's all-to-all cost on one machine
-  int extra_slots = -1;    // >= 0, placement::table: the table placement::balance makes from
-                           //   the load of the bundle's own first pass, this many replicas
+  bool from_load = false;  // the placement is made from the load of a first pass of the
+                           //   bundle (detail::placement_for)
+  int extra_slots = 0;     // with from_load and placement::table: replicas the balancer adds
 };
 
 /// One entry of the experiment: a name, a policy bundle (its comm is replaced by the ranks'
@@ -222,29 +224,9 @@ inline stage_times times_at(const double* v) {
   return {v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8]};
 }
 
-/// What one rank sends back after its passes: the placement's slot map (a table's; empty for
-/// another placement, which every rank builds from the config), per timed pass the stage
-/// times, then the last pass's `count_fields` counts, assignments per expert, output rows.
+/// What one rank sends back after its passes: per timed pass the stage times, then the last
+/// pass's `count_fields` counts, assignments per expert, output rows.
 inline constexpr int count_fields = 9;
-
-template <class Placement>
-std::vector<double> map_of(const Placement& where) {
-  std::vector<double> out{0};
-  if constexpr (std::same_as<Placement, placement::table>) {
-    out[0] = where.slots();
-    out.insert(out.end(), where.phy_to_log().begin(), where.phy_to_log().end());
-  }
-  return out;
-}
-template <class Placement>
-Placement placement_of(const layer_config& cfg, const std::vector<double>& numbers) {
-  if constexpr (std::same_as<Placement, placement::table>) {
-    const auto n = static_cast<std::ptrdiff_t>(numbers.at(0));
-    return {cfg.experts, cfg.ranks, std::vector<int>(numbers.begin() + 1, numbers.begin() + 1 + n)};
-  } else {
-    return Placement(cfg);
-  }
-}
 
 /// Token t of rank r's id: unique over ranks, the same in every pass.
 inline std::int64_t token_id(const layer_config& cfg, int r, index_t t) {
@@ -261,46 +243,69 @@ typename P::router router_of(const layer_config& cfg) {
     return {};
 }
 
-/// The placement a bundle runs with: the policy's default, or (treatment extra_slots) the
-/// balancer's table from the load of one pass of the same bundle with one copy per expert.
-template <class P>
-typename P::placement placement_for(const layer_config& cfg, typename P::comm comm,
-                                    const reference::full_weights& w, const std::vector<float>& x,
-                                    int extra_slots) {
+/// The placement made from one pass's load (see placement_for).
+template <class P, treatment How, class Ranks>
+typename P::placement from_load(const Ranks& ranks, const inputs& in) {
   using placement_type = typename P::placement;
-  if (extra_slots < 0) return placement_type(cfg);
-  if constexpr (std::same_as<placement_type, placement::table>) {
-    const placement::table start(cfg);
-    const auto mine = reference::slice(w, start, comm.rank());
-    moe_layer<P> probe(cfg, std::move(comm), {w.gate_view(), mine.experts()}, router_of<P>(cfg), {},
-                       start);
-    const index_t H = cfg.hidden, T = static_cast<index_t>(x.size()) / H;
+  using Q = on_comm<P, typename Ranks::comm_type>;
+  const layer_config& cfg = in.cfg;
+  const placement_type start(cfg);  // placement::table(cfg): one copy per expert, as block
+  const auto loads = ranks.run([&](typename Ranks::comm_type c) {
+    const int r = c.rank();
+    const auto mine = reference::slice(in.weights, start, r);
+    moe_layer<Q> probe(cfg, std::move(c),
+                       {in.weights.gate_view(), reference::views_of<typename P::expert>::of(mine)},
+                       router_of<P>(cfg), {}, start);
+    const std::vector<float>& x = in.tokens[static_cast<std::size_t>(r)];
+    const index_t H = cfg.hidden, T = in.tokens_of(r);
+    std::vector<std::int64_t> ids(static_cast<std::size_t>(T));
+    for (index_t t = 0; t < T; ++t) ids[t] = token_id(cfg, r, t);
     std::vector<float> y(x.size());
-    probe.forward({x.data(), T, H}, {y.data(), T, H});
+    probe.forward({x.data(), T, H}, {y.data(), T, H}, ids);
     const auto load = probe.gather_load();
-    const std::vector<double> l(load.per_expert.begin(), load.per_expert.end());
-    return placement::balance(l, {.ranks = cfg.ranks, .extra_slots = extra_slots}).refined;
+    return std::vector<double>(load.per_expert.begin(), load.per_expert.end());
+  });
+  const std::vector<double>& load = loads[0];  // every rank gathered the same
+  if constexpr (std::same_as<placement_type, placement::table>) {
+    return placement::balance(load, {.ranks = cfg.ranks, .extra_slots = How.extra_slots}).refined;
   } else {
-    throw config_error("experiment.treatment.extra_slots", std::to_string(extra_slots),
-                       "replicas need placement::table in the bundle");
+    static_assert(
+        std::constructible_from<placement_type, const layer_config&, std::span<const double>>,
+        "epmoe::experiment: treatment from_load needs placement::table or a placement "
+        "constructible from (const layer_config&, std::span<const double> load)");
+    return placement_type(cfg, std::span<const double>(load));
   }
 }
 
-/// One rank's passes of bundle P: the numbers map_of and count_fields describe.
+/// The placement a bundle runs with: the policy's default, or (treatment from_load) one made
+/// from the load of a pass of the same bundle under its default placement: for
+/// placement::table the balancer's table with `extra_slots` replicas, for any other
+/// placement its constructor from (config, load per expert).
+template <class P, treatment How, class Ranks>
+typename P::placement placement_for(const Ranks& ranks, const inputs& in) {
+  if constexpr (!How.from_load) {
+    return typename P::placement(in.cfg);
+  } else {
+    return from_load<P, How>(ranks, in);
+  }
+}
+
+/// One rank's passes of bundle P under `where`: the numbers count_fields describes.
 template <class P, class Comm>
-std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt, int extra_slots) {
+std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
+                                const typename P::placement& where) {
   const layer_config& cfg = in.cfg;
   const int r = comm.rank();
   const std::vector<float>& x = in.tokens[static_cast<std::size_t>(r)];
   const index_t H = cfg.hidden, T = in.tokens_of(r);
-  const auto where = placement_for<P>(cfg, comm, in.weights, x, extra_slots);
   const auto mine = reference::slice(in.weights, where, r);
-  moe_layer<P> layer(cfg, std::move(comm), {in.weights.gate_view(), mine.experts()},
+  moe_layer<P> layer(cfg, std::move(comm),
+                     {in.weights.gate_view(), reference::views_of<typename P::expert>::of(mine)},
                      router_of<P>(cfg), {}, where);
   std::vector<float> y(x.size());
   std::vector<std::int64_t> ids(static_cast<std::size_t>(T));  // for routers that hash them
   for (index_t t = 0; t < T; ++t) ids[t] = token_id(cfg, r, t);
-  std::vector<double> out = map_of(where);
+  std::vector<double> out;
   for (int p = 0; p <= opt.passes; ++p) {  // pass 0 warms up: not timed
     std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());
     layer.forward({x.data(), T, H}, {y.data(), T, H}, ids);
@@ -358,24 +363,23 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
   epmoe::detail::require(static_cast<int>(in.tokens.size()) == cfg.ranks,
                          "experiment.inputs.tokens", static_cast<index_t>(in.tokens.size()),
                          "needs one batch per rank");
+  const auto where = detail::placement_for<typename B::policies, B::how>(ranks, in);
   const auto all = ranks.run([&](rank_comm c) {
     if constexpr (B::how.throttled)
-      return detail::rank_passes<P>(comm_type(std::move(c), opt.link), in, opt, B::how.extra_slots);
+      return detail::rank_passes<P>(comm_type(std::move(c), opt.link), in, opt, where);
     else
-      return detail::rank_passes<P>(std::move(c), in, opt, B::how.extra_slots);
+      return detail::rank_passes<P>(std::move(c), in, opt, where);
   });
 
   row out;
   out.name = std::string(B::name);
   const int R = cfg.ranks, E = cfg.experts, F = detail::stage_fields, N = opt.passes;
-  const auto where = detail::placement_of<typename P::placement>(cfg, all[0]);
-  const std::size_t head = static_cast<std::size_t>(all[0][0]) + 1;  // the map's numbers
   // Times: per pass the slowest rank's, per stage; then the median over passes.
   std::vector<std::vector<double>> per_field(F);
   for (int p = 0; p < N; ++p)
     for (int f = 0; f < F; ++f) {
       double slowest = 0;
-      for (int r = 0; r < R; ++r) slowest = std::max(slowest, all[r][head + p * F + f]);
+      for (int r = 0; r < R; ++r) slowest = std::max(slowest, all[r][p * F + f]);
       per_field[f].push_back(slowest);
     }
   std::vector<double> med(F);
@@ -390,7 +394,7 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
   int chunks = 1;
   const int width = router::routing_width<typename P::router>(cfg);  // E for expert choice
   for (int r = 0; r < R; ++r) {
-    const double* c = all[r].data() + head + N * F;
+    const double* c = all[r].data() + N * F;
     out.dispatch_rows += static_cast<index_t>(c[0]);
     out.combine_rows += static_cast<index_t>(c[1]);
     out.dispatch_bytes += static_cast<index_t>(c[2]);

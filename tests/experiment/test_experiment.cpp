@@ -109,7 +109,7 @@ TEST_CASE("experiment: balanced replicas run on the balancer's table and match t
   using bundles = experiment::list<
       experiment::bundle<"block", mixtral<capacity::dropless, false, placement::table>>,
       experiment::bundle<"balanced +4", mixtral<capacity::dropless, false, placement::table>,
-                         experiment::treatment{.extra_slots = 4}>>;
+                         experiment::treatment{.from_load = true, .extra_slots = 4}>>;
   const auto in = experiment::inputs::skewed(tiny(), 4, 1, 3.0);
   const auto table =
       experiment::run(bundles{}, experiment::thread_ranks{4}, in, {.passes = 1, .topology = ""});

@@ -1,17 +1,20 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
-// Policies written as a user would, one header each (tests/policies/top_p.hpp, gelu_mlp.hpp),
-// run through the layer on 1, 2 and 4 ranks against the float64 reference, which gets their
-// definitions here, written apart from their code.
+// Policies written as a user would, one header each (examples/policies/: top_p.hpp,
+// gelu_mlp.hpp, least_loaded.hpp), run through the layer on 1, 2 and 4 ranks against the
+// float64 reference, which gets their definitions here and in gelu_mlp_reference.hpp, written
+// apart from their code.
 #include <algorithm>
 #include <catch2/catch.hpp>
 #include <cmath>
 #include <numeric>
 #include <vector>
 
+#include "../../examples/policies/gelu_mlp.hpp"
+#include "../../examples/policies/gelu_mlp_reference.hpp"
+#include "../../examples/policies/least_loaded.hpp"
+#include "../../examples/policies/top_p.hpp"
 #include "../layer/harness.hpp"
-#include "gelu_mlp.hpp"
-#include "top_p.hpp"
 
 using namespace epmoe;
 
@@ -47,31 +50,6 @@ reference::rank_routing routing_of(const top_p<K>& r, const reference::rank_batc
   return out;
 }
 }  // namespace policies
-
-namespace epmoe::reference {
-/// gelu_mlp in float64: W2 gelu(W1 x), gelu(a) = a Φ(a) = a (1 + erf(a / sqrt 2)) / 2, over
-/// full_weights' w1 and w2.
-template <>
-struct expert_math<::policies::gelu_mlp> {
-  static void add(const full_weights& w, expert_ref which, const float* x, double scale,
-                  std::span<double> out) {
-    const index_t H = w.cfg.hidden, F = which.shared ? w.cfg.shared_width() : w.cfg.ffn;
-    const float* w1 = (which.shared ? w.shared_w1 : w.w1).data() + which.index * F * H;
-    const float* w2 = (which.shared ? w.shared_w2 : w.w2).data() + which.index * H * F;
-    std::vector<double> h(static_cast<std::size_t>(F));
-    for (index_t f = 0; f < F; ++f) {
-      double a = 0;
-      for (index_t i = 0; i < H; ++i) a += double{w1[f * H + i]} * x[i];
-      h[f] = a * 0.5 * (1.0 + std::erf(a / std::sqrt(2.0)));
-    }
-    for (index_t o = 0; o < H; ++o) {
-      double s = 0;
-      for (index_t f = 0; f < F; ++f) s += double{w2[o * F + f]} * h[f];
-      out[o] += scale * s;
-    }
-  }
-};
-}  // namespace epmoe::reference
 
 template <>
 struct epmoe::test::expert_weights<policies::gelu_mlp> {
@@ -156,4 +134,54 @@ TEMPLATE_LIST_TEST_CASE("user policies: a GELU MLP expert (with shared experts) 
     ++cases;
   }
   CHECK(cases == 3);
+}
+
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
+TEST_CASE("user policies: least_loaded places the heaviest expert first on the lightest rank",
+          "[policies][placement]") {
+  layer_config cfg{.hidden = 4, .ffn = 4, .experts = 4, .top_k = 1, .ranks = 2, .max_tokens = 4};
+  // Loads 1, 5, 3, 2: expert 1 -> rank 0, 2 -> rank 1, 3 -> rank 1 (3 < 5), 0 -> rank 0 (the
+  // only free slot). Rank loads 6 and 5.
+  const std::vector<double> load = {1, 5, 3, 2};
+  const policies::least_loaded p(cfg, load);
+  CHECK(p.slots_per_rank() == 2);
+  CHECK(p.expert_at(0, 0) == 1);
+  CHECK(p.expert_at(0, 1) == 0);
+  CHECK(p.expert_at(1, 0) == 2);
+  CHECK(p.expert_at(1, 1) == 3);
+  for (int e = 0; e < 4; ++e)
+    CHECK(p.expert_at(p.slot_for(e, 0, 0) / 2, p.slot_for(e, 0, 0) % 2) == e);
+  // Without a load every expert weighs the same: round-robin.
+  cfg.experts = 12, cfg.ranks = 3;
+  const policies::least_loaded even(cfg);
+  const placement::round_robin rr(cfg);
+  int checked = 0;
+  for (int e = 0; e < 12; ++e, ++checked) CHECK(even.slot_for(e, 0, 0) == rr.slot_for(e, 0, 0));
+  CHECK(checked == 12);
+  CHECK_THROWS_WITH(policies::least_loaded(cfg, std::vector<double>(5, 1.0)),
+                    Catch::Contains("placement.load"));
+}
+#endif
+
+namespace {
+template <class Space>
+struct least_loaded_policies
+    : user_policies<router::topk_softmax<2>, expert::swiglu, capacity::factor<>, Space> {
+  using placement = policies::least_loaded;
+};
+}  // namespace
+
+TEMPLATE_LIST_TEST_CASE("user policies: a least_loaded placement runs the layer as the reference",
+                        "[policies][placement]", test::spaces) {
+  using Space = TestType;
+  const layer_config cfg{
+      .hidden = 12, .ffn = 10, .experts = 8, .top_k = 2, .ranks = 4, .max_tokens = 16};
+  const auto w = reference::full_weights::random(cfg, 31);
+  const auto g = test::make_tokens(std::vector<index_t>(4, 16), cfg.hidden, 32);
+  using P = least_loaded_policies<Space>;
+  const std::vector<double> load = {9, 1, 1, 7, 2, 8, 1, 3};
+  const test::run_options<P> opt{.placement = policies::least_loaded(cfg, load)};
+  CHECK(test::relative_error(test::run_layer<P>(cfg, w, g, opt).y,
+                             test::run_reference<P>(cfg, w, g, opt)) <=
+        test::tolerance<Space>(1e-5));
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <type_traits>
 #include <vector>
 
 #include "epmoe/core/config.hpp"
@@ -107,6 +108,20 @@ struct rank_weights {
             {w3.data(), local, ffn, hidden},
             {w2.data(), local, hidden, ffn}};
   }
+};
+
+/// An expert type's weights over a rank_weights slice (its w1, w3, w2 as floats): SwiGLU
+/// reads all three; another expert type specialises this with a static of(const
+/// rank_weights&) returning its weights_of<float> (examples/policies/gelu_mlp_reference.hpp).
+template <class Expert>
+struct views_of {
+  static_assert(!std::is_same_v<Expert, Expert>,
+                "reference::views_of has no view of rank_weights for this expert type: "
+                "specialise reference::views_of<Expert> with a static of(const rank_weights&)");
+};
+template <>
+struct views_of<expert::swiglu> {
+  static expert::swiglu::weights of(const rank_weights& r) { return r.experts(); }
 };
 
 template <class Placement>
