@@ -7,7 +7,7 @@
 // then tokens skewed toward one expert. One table per input, then a verdict per question,
 // each sentence chosen from the measured numbers.
 // Usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N] [--topology NAME] [--nodes N]
-//                         [--json FILE] [--csv FILE]
+//                         [--no-turns] [--json FILE] [--csv FILE]
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -129,18 +129,21 @@ void verdicts(const std::vector<ex::row>& t) {
 int main(int argc, char** argv) {
   cli::command_line cl(argc, argv,
                        "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
-                       "                        [--topology NAME] [--nodes N] [--json FILE]"
-                       " [--csv FILE]\n"
+                       "                        [--topology NAME] [--nodes N] [--no-turns]\n"
+                       "                        [--json FILE] [--csv FILE]\n"
                        "  Thirteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
                        "  three user policies) on the same tokens and R in-process ranks\n"
                        "  (default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
                        "  uniform and one for skewed tokens, then one verdict per question.\n"
                        "  --topology: the simulator's cluster (h200, h100_nvlink_ib, cpu_cluster;\n"
-                       "  default h200) over --nodes nodes. JSON/CSV: both tables.\n");
+                       "  default h200) over --nodes nodes. --no-turns: the ranks' expert stages\n"
+                       "  run at once (default: in turns, each rank's time its own work).\n"
+                       "  JSON/CSV: both tables.\n");
   index_t T = 256;
   int R = 4, passes = 5;
   std::string json, csv, topology = "h200";
   int nodes = 1;
+  bool turns = true;
   while (cl.next()) {
     if (cl.is("--tokens"))
       T = cl.integer();
@@ -150,6 +153,8 @@ int main(int argc, char** argv) {
       passes = static_cast<int>(cl.integer());
     else if (cl.is("--topology"))
       topology = cl.value();
+    else if (cl.is("--no-turns"))
+      turns = false;
     else if (cl.is("--nodes"))
       nodes = static_cast<int>(cl.integer());
     else if (cl.is("--json"))
@@ -170,6 +175,7 @@ int main(int argc, char** argv) {
                          .capacity_factor = 1.25};
   const ex::options opt{.passes = passes,
                         .link = {.bandwidth = 2e9, .latency = 20e-6},
+                        .turns = turns,
                         .topology = topology,
                         .nodes = nodes};
   std::vector<ex::row> all;

@@ -18,10 +18,13 @@
 #include <cstdint>
 #include <iomanip>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <ostream>
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -82,11 +85,82 @@ struct on_comm : P {
   using comm = Comm;
 };
 
+// --- ranks that share one machine take turns ---------------------------------------------------
+
+/// The host space, with a lock its copies share: the experts stage of a rank that runs under
+/// in_turns<> waits for it. Thread ranks share this machine's cores, so concurrent expert
+/// GEMMs slow each other down and a rank's expert time would measure the contention; taking
+/// turns makes it the rank's own work, as on a cluster where each rank has its own device.
+class turn_space : public space::host {
+ public:
+  turn_space() = default;
+  /// Each rank its own space (its own GEMM helper threads), the lock shared; a null lock:
+  /// turn() does not lock (ranks run their experts together).
+  explicit turn_space(std::shared_ptr<std::mutex> lock) : turn_(std::move(lock)) {}
+  std::unique_lock<std::mutex> turn() const {
+    return turn_ ? std::unique_lock<std::mutex>(*turn_) : std::unique_lock<std::mutex>();
+  }
+
+ private:
+  std::shared_ptr<std::mutex> turn_;
+};
+
+/// Schedule S with each experts stage taken in turn (the wait is outside its timer).
+template <class S>
+struct in_turns {
+  static constexpr int default_chunks = S::default_chunks;
+  static constexpr int units_in_flight = [] {
+    if constexpr (requires { S::units_in_flight; })
+      return static_cast<int>(S::units_in_flight);
+    else
+      return std::is_same_v<S, schedule::sequential> ? 1 : 3;
+  }();
+
+  template <class Stages>
+  struct taking_turns {
+    Stages& s;
+    int chunks() const { return s.chunks(); }
+    void route() { s.route(); }
+    void plan() { s.plan(); }
+    void permute() { s.permute(); }
+    void shared() { s.shared(); }
+    void counts() { s.counts(); }
+    void dispatch_start(int u) { s.dispatch_start(u); }
+    void dispatch_wait(int u) { s.dispatch_wait(u); }
+    void experts(int u) {
+      const auto lock = s.space().turn();
+      s.experts(u);
+    }
+    void combine_start(int u) { s.combine_start(u); }
+    void combine_wait(int u) { s.combine_wait(u); }
+    void reduce() { s.reduce(); }
+  };
+
+  template <class Stages>
+  static void run(Stages& s) {
+    if constexpr (requires { s.space().turn(); }) {
+      taking_turns<Stages> t{s};
+      S::run(t);
+    } else {
+      S::run(s);  // a space without turns (its own device per rank)
+    }
+  }
+};
+
+/// Bundle P on communicator Comm, its experts in turns on turn_space (thread ranks).
+template <class P, class Comm>
+struct in_turns_on : P {
+  using comm = Comm;
+  using space = turn_space;
+  using schedule = in_turns<typename P::schedule>;
+};
+
 // --- where the ranks run ----------------------------------------------------------------------
 
 /// R ranks as threads of this process.
 struct thread_ranks {
   using comm_type = comm::threads;
+  static constexpr bool share_cores = true;  // their expert stages take turns (in_turns)
   int ranks = 4;
 
   int size() const { return ranks; }
@@ -108,6 +182,7 @@ struct thread_ranks {
 /// every rank's numbers, so every process builds the same table.
 struct mpi_ranks {
   using comm_type = comm::mpi;
+  static constexpr bool share_cores = false;  // a process per rank, a lock per process
 
   int size() const {
     int n = 1;
@@ -176,6 +251,7 @@ struct inputs {
 struct options {
   int passes = 5;                 // timed passes after one warm-up: times are their medians
   comm::link link{};              // of the bundles treated `throttled`
+  bool turns = true;              // thread ranks take turns for their expert stages
   std::string topology = "h200";  // the simulator's cluster (sim::preset), "" for none
   int nodes = 1;                  //   over this many nodes (ranks split evenly)
 };
@@ -290,10 +366,20 @@ typename P::placement placement_for(const Ranks& ranks, const inputs& in) {
   }
 }
 
+/// A rank's space: its own, sharing `turn` where the bundle takes turns.
+template <class P>
+typename P::space space_for(const std::shared_ptr<std::mutex>& turn) {
+  if constexpr (std::same_as<typename P::space, turn_space>)
+    return turn_space(turn);
+  else
+    return {};
+}
+
 /// One rank's passes of bundle P under `where`: the numbers count_fields describes.
 template <class P, class Comm>
 std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
-                                const typename P::placement& where) {
+                                const typename P::placement& where,
+                                const std::shared_ptr<std::mutex>& turn) {
   const layer_config& cfg = in.cfg;
   const int r = comm.rank();
   const std::vector<float>& x = in.tokens[static_cast<std::size_t>(r)];
@@ -301,7 +387,7 @@ std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
   const auto mine = reference::slice(in.weights, where, r);
   moe_layer<P> layer(cfg, std::move(comm),
                      {in.weights.gate_view(), reference::views_of<typename P::expert>::of(mine)},
-                     router_of<P>(cfg), {}, where);
+                     router_of<P>(cfg), {}, where, space_for<P>(turn));
   std::vector<float> y(x.size());
   std::vector<std::int64_t> ids(static_cast<std::size_t>(T));  // for routers that hash them
   for (index_t t = 0; t < T; ++t) ids[t] = token_id(cfg, r, t);
@@ -356,19 +442,22 @@ template <class B, class Ranks>
 row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
   using rank_comm = typename Ranks::comm_type;
   using comm_type = std::conditional_t<B::how.throttled, comm::throttled<rank_comm>, rank_comm>;
-  using P = on_comm<typename B::policies, comm_type>;
+  using base = typename B::policies;
+  constexpr bool turns = Ranks::share_cores && std::same_as<typename base::space, space::host>;
+  using P = std::conditional_t<turns, in_turns_on<base, comm_type>, on_comm<base, comm_type>>;
   const layer_config& cfg = in.cfg;
   epmoe::detail::require(ranks.size() == cfg.ranks, "experiment.ranks", ranks.size(),
                          "must equal config ranks");
   epmoe::detail::require(static_cast<int>(in.tokens.size()) == cfg.ranks,
                          "experiment.inputs.tokens", static_cast<index_t>(in.tokens.size()),
                          "needs one batch per rank");
-  const auto where = detail::placement_for<typename B::policies, B::how>(ranks, in);
+  const auto where = detail::placement_for<base, B::how>(ranks, in);
+  const auto turn = opt.turns ? std::make_shared<std::mutex>() : nullptr;
   const auto all = ranks.run([&](rank_comm c) {
     if constexpr (B::how.throttled)
-      return detail::rank_passes<P>(comm_type(std::move(c), opt.link), in, opt, where);
+      return detail::rank_passes<P>(comm_type(std::move(c), opt.link), in, opt, where, turn);
     else
-      return detail::rank_passes<P>(std::move(c), in, opt, where);
+      return detail::rank_passes<P>(std::move(c), in, opt, where, turn);
   });
 
   row out;

@@ -610,10 +610,11 @@ class moe_layer {
   // unit u (a chunk, or with max_recv_rows one round of a chunk): dispatch_start(u),
   // dispatch_wait(u), experts(u), combine_start(u), combine_wait(u); then reduce. A schedule
   // may interleave units and run shared while a dispatch is in flight. Each stage adds its
-  // time into stats().time.
+  // time into stats().time. space() is the layer's space (a schedule may ask it for more).
   struct stage_runner {
     moe_layer& l;
     int chunks() const { return l.ex_.units(l.plan_.host()); }
+    const space_type& space() const { return l.space_; }
     void route() {
       l.timed(&stage_times::route, [&] { l.do_route(); });
     }
