@@ -109,12 +109,7 @@ class turn_space : public space::host {
 template <class S>
 struct in_turns {
   static constexpr int default_chunks = S::default_chunks;
-  static constexpr int units_in_flight = [] {
-    if constexpr (requires { S::units_in_flight; })
-      return static_cast<int>(S::units_in_flight);
-    else
-      return std::is_same_v<S, schedule::sequential> ? 1 : 3;
-  }();
+  static constexpr int units_in_flight = units_in_flight_of<S>();
 
   template <class Stages>
   struct taking_turns {

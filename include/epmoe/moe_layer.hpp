@@ -109,12 +109,7 @@ class moe_layer {
   /// Exchange units a schedule keeps in flight: with config max_recv_rows the receive buffer
   /// holds this many rounds at once (sequential: one; pipelined: dispatch of i+1, experts of
   /// i, combine of i-1). A schedule may declare `static constexpr int units_in_flight`.
-  static constexpr int units_in_flight = [] {
-    if constexpr (requires { schedule_type::units_in_flight; })
-      return static_cast<int>(schedule_type::units_in_flight);
-    else
-      return std::is_same_v<schedule_type, schedule::sequential> ? 1 : 3;
-  }();
+  static constexpr int units_in_flight = units_in_flight_of<schedule_type>();
 
   using expert_weights = typename expert_type::template weights_of<value_type>;
 

@@ -200,6 +200,17 @@ struct stages_archetype {
 };
 }  // namespace detail
 
+/// Exchange units a schedule keeps in flight (the receive buffer holds this many rounds under
+/// config max_recv_rows): its `static constexpr int units_in_flight`, else 3 (dispatch of
+/// i+1, experts of i, combine of i-1).
+template <class S>
+constexpr int units_in_flight_of() {
+  if constexpr (requires { S::units_in_flight; })
+    return static_cast<int>(S::units_in_flight);
+  else
+    return 3;
+}
+
 /// Orders (and may overlap) the stages of one pass.
 template <class S>
 concept schedule_policy = requires(detail::stages_archetype& st) {

@@ -8,6 +8,7 @@ namespace epmoe::schedule {
 /// With config chunks > 1 the chunks run one after another, each exchange waited at once.
 struct sequential {
   static constexpr int default_chunks = 1;
+  static constexpr int units_in_flight = 1;  // each exchange waited before the next starts
 
   template <class Stages>
   static void run(Stages& s) {
