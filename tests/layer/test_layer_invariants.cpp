@@ -1,7 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
-#include <catch2/catch.hpp>
 #include <algorithm>
+#include <catch2/catch.hpp>
 #include <limits>
 #include <mutex>
 
