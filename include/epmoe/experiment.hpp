@@ -446,6 +446,10 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
   epmoe::detail::require(static_cast<int>(in.tokens.size()) == cfg.ranks,
                          "experiment.inputs.tokens", static_cast<index_t>(in.tokens.size()),
                          "needs one batch per rank");
+  epmoe::detail::require(opt.passes >= 1, "experiment.options.passes", opt.passes,
+                         "must be >= 1 (timed passes after the warm-up)");
+  epmoe::detail::require(opt.nodes >= 1 && cfg.ranks % opt.nodes == 0, "experiment.options.nodes",
+                         opt.nodes, "must divide config ranks");
   const auto where = detail::placement_for<base, B::how>(ranks, in);
   const auto turn = opt.turns ? std::make_shared<std::mutex>() : nullptr;
   const auto all = ranks.run([&](rank_comm c) {

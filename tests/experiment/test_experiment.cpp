@@ -121,7 +121,7 @@ TEST_CASE("experiment: balanced replicas run on the balancer's table and match t
   CHECK(table[0].predicted_seconds == 0);
 }
 
-TEST_CASE("experiment: a wrong rank count or batch count is named", "[experiment]") {
+TEST_CASE("experiment: a wrong rank count, batch count, passes or nodes is named", "[experiment]") {
   const auto in = experiment::inputs::uniform(tiny(), 5);
   using one = experiment::list<experiment::bundle<"dropless", mixtral<>>>;
   CHECK_THROWS_WITH(experiment::run(one{}, experiment::thread_ranks{2}, in),
@@ -130,6 +130,10 @@ TEST_CASE("experiment: a wrong rank count or batch count is named", "[experiment
   fewer.tokens.pop_back();
   CHECK_THROWS_WITH(experiment::run(one{}, experiment::thread_ranks{4}, fewer),
                     Catch::Contains("experiment.inputs.tokens"));
+  CHECK_THROWS_WITH(experiment::run(one{}, experiment::thread_ranks{4}, in, {.passes = 0}),
+                    Catch::Contains("experiment.options.passes"));
+  CHECK_THROWS_WITH(experiment::run(one{}, experiment::thread_ranks{4}, in, {.nodes = 3}),
+                    Catch::Contains("experiment.options.nodes"));
 }
 
 TEST_CASE("experiment: JSON, CSV and text carry every row", "[experiment]") {
