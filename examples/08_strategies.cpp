@@ -69,7 +69,7 @@ using strategies = ex::list<
     ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
     ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
     ex::bundle<"block (table)", replicated>,
-    ex::bundle<"balanced +R", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
+    ex::bundle<"balanced +4", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
     ex::bundle<"dedup", dedup>, ex::bundle<"padded cf 1.25", padded>,
     ex::bundle<"sequential, link", mixtral, over_link>,
     ex::bundle<"pipelined 4, link", pipelined, over_link>, ex::bundle<"top-p 0.5 (user)", top_p>,
@@ -92,7 +92,7 @@ std::string moved(double before, double after, double flat = 0.05) {
 
 void verdicts(const std::vector<ex::row>& t) {
   const ex::row &top2 = find(t, "mixtral top-2"), &ec = find(t, "expert choice");
-  const ex::row &block = find(t, "block (table)"), &bal = find(t, "balanced +R");
+  const ex::row &block = find(t, "block (table)"), &bal = find(t, "balanced +4");
   const ex::row &dd = find(t, "dedup"), &pad = find(t, "padded cf 1.25");
   const ex::row& least = find(t, "least-loaded (user)");
   const ex::row &seq = find(t, "sequential, link"), &pipe = find(t, "pipelined 4, link");
@@ -127,18 +127,19 @@ void verdicts(const std::vector<ex::row>& t) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  cli::command_line cl(argc, argv,
-                       "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
-                       "                        [--topology NAME] [--nodes N] [--no-turns]\n"
-                       "                        [--json FILE] [--csv FILE]\n"
-                       "  Thirteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
-                       "  three user policies) on the same tokens and R in-process ranks\n"
-                       "  (default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
-                       "  uniform and one for skewed tokens, then one verdict per question.\n"
-                       "  --topology: the simulator's cluster (h200, h100_nvlink_ib, cpu_cluster;\n"
-                       "  default h200) over --nodes nodes. --no-turns: the ranks' expert stages\n"
-                       "  run at once (default: in turns, each rank's time its own work).\n"
-                       "  JSON/CSV: both tables.\n");
+  cli::command_line cl(
+      argc, argv,
+      "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
+      "                        [--topology NAME] [--nodes N] [--no-turns]\n"
+      "                        [--json FILE] [--csv FILE]\n"
+      "  Thirteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
+      "  three user policies) on the same tokens and R in-process ranks\n"
+      "  (1, 2 or 4; default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
+      "  uniform and one for skewed tokens, then one verdict per question.\n"
+      "  --topology: the simulator's cluster (h200, h100_nvlink_ib, cpu_cluster;\n"
+      "  default h200) over --nodes nodes. --no-turns: the ranks' expert stages\n"
+      "  run at once (default: in turns, each rank's time its own work).\n"
+      "  JSON/CSV: both tables.\n");
   index_t T = 256;
   int R = 4, passes = 5;
   std::string json, csv, topology = "h200";
@@ -164,8 +165,9 @@ int main(int argc, char** argv) {
     else
       cl.unknown();
   }
-  if (T < 1 || R < 1 || E % R != 0 || passes < 1 || nodes < 1 || R % nodes != 0)
-    cl.fail("need --tokens >= 1, --passes >= 1, --ranks dividing 16, --nodes dividing --ranks");
+  // 16 experts + 4 replicas ("balanced +4") fill the same slots on every rank: R in {1, 2, 4}.
+  if (T < 1 || (R != 1 && R != 2 && R != 4) || passes < 1 || nodes < 1 || R % nodes != 0)
+    cl.fail("need --tokens >= 1, --passes >= 1, --ranks 1, 2 or 4, --nodes dividing --ranks");
   const layer_config cfg{.hidden = 64,
                          .ffn = 128,
                          .experts = E,
