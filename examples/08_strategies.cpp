@@ -1,7 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 //
-// Strategies side by side: thirteen policy bundles (three of them user policies from
+// Strategies side by side: fourteen policy bundles (three of them user policies from
 // examples/policies/), each one compile-time type, run by
 // epmoe::experiment on the same tokens, weights and in-process ranks, uniform tokens and
 // then tokens skewed toward one expert. One table per input, then a verdict per question,
@@ -44,7 +44,7 @@ using mixtral = bundle<router::mixtral<2>>;
 /// DeepSeek-V3's router: sigmoid scores, 4 groups of 4 experts, the best 2 groups per token.
 struct deepseek : bundle<router::sigmoid_bias<2>> {
   static epmoe::router::sigmoid_bias<2> make_router(const layer_config&) {
-    return {.groups = 4, .top_groups = 2, .scaling = 1.f};
+    return {.groups = 4, .top_groups = 2, .scaling = 1.f, .gamma = 0.01f};
   }
 };
 using expert_choice = bundle<router::expert_choice>;
@@ -67,6 +67,7 @@ constexpr ex::treatment over_link{.throttled = true};
 
 using strategies = ex::list<
     ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
+    ex::bundle<"deepseek +bias", deepseek, ex::treatment{.bias_steps = 50}>,
     ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
     ex::bundle<"block (table)", replicated>,
     ex::bundle<"balanced +4", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
@@ -92,6 +93,7 @@ std::string moved(double before, double after, double flat = 0.05) {
 
 void verdicts(const std::vector<ex::row>& t) {
   const ex::row &top2 = find(t, "mixtral top-2"), &ec = find(t, "expert choice");
+  const ex::row &ds = find(t, "deepseek groups"), &learnt = find(t, "deepseek +bias");
   const ex::row &block = find(t, "block (table)"), &bal = find(t, "balanced +4");
   const ex::row &dd = find(t, "dedup"), &pad = find(t, "padded cf 1.25");
   const ex::row& least = find(t, "least-loaded (user)");
@@ -99,6 +101,9 @@ void verdicts(const std::vector<ex::row>& t) {
   std::printf("  - expert max/mean under expert choice %s %.2f -> %.2f (top-2 -> expert choice)\n",
               moved(top2.expert_imbalance, ec.expert_imbalance, 0.01).c_str(),
               top2.expert_imbalance, ec.expert_imbalance);
+  std::printf("  - DeepSeek's aux-loss-free bias, 50 updates: expert max/mean %s %.2f -> %.2f\n",
+              moved(ds.expert_imbalance, learnt.expert_imbalance, 0.01).c_str(),
+              ds.expert_imbalance, learnt.expert_imbalance);
   std::printf(
       "  - replicas: the straggler's excess %s %.0f%% -> %.0f%% (sim on %s: %.0f%% -> "
       "%.0f%%)\n",
@@ -132,7 +137,7 @@ int main(int argc, char** argv) {
       "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
       "                        [--topology NAME] [--nodes N] [--no-turns]\n"
       "                        [--json FILE] [--csv FILE]\n"
-      "  Thirteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
+      "  Fourteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
       "  three user policies) on the same tokens and R in-process ranks\n"
       "  (1, 2 or 4; default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
       "  uniform and one for skewed tokens, then one verdict per question.\n"

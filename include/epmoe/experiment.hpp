@@ -64,6 +64,9 @@ struct treatment {
   bool from_load = false;  // the placement is made from the load of a first pass of the
                            //   bundle (detail::placement_for)
   int extra_slots = 0;     // with from_load and placement::table: replicas the balancer adds
+  int bias_steps = 0;      // with a router that has a bias (DeepSeek-V3's aux-loss-free
+                           //   balancing): untimed passes, each followed by update_router,
+                           //   before the timed ones; the timed passes use the learnt bias
 };
 
 /// One entry of the experiment: a name, a policy bundle (its comm is replaced by the ranks'
@@ -296,7 +299,8 @@ inline stage_times times_at(const double* v) {
 }
 
 /// What one rank sends back after its passes: per timed pass the stage times, then the last
-/// pass's `count_fields` counts, assignments per expert, output rows.
+/// pass's `count_fields` counts, assignments per expert, the router's bias (a router with
+/// one), output rows.
 inline constexpr int count_fields = 9;
 
 /// Token t of rank r's id: unique over ranks, the same in every pass.
@@ -374,7 +378,7 @@ typename P::space space_for(const std::shared_ptr<std::mutex>& turn) {
 template <class P, class Comm>
 std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
                                 const typename P::placement& where,
-                                const std::shared_ptr<std::mutex>& turn) {
+                                const std::shared_ptr<std::mutex>& turn, int bias_steps) {
   const layer_config& cfg = in.cfg;
   const int r = comm.rank();
   const std::vector<float>& x = in.tokens[static_cast<std::size_t>(r)];
@@ -386,6 +390,11 @@ std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
   std::vector<float> y(x.size());
   std::vector<std::int64_t> ids(static_cast<std::size_t>(T));  // for routers that hash them
   for (index_t t = 0; t < T; ++t) ids[t] = token_id(cfg, r, t);
+  if constexpr (router_with_bias<typename P::router>)
+    for (int p = 0; p < bias_steps; ++p) {  // the bias learns the load: not timed
+      layer.forward({x.data(), T, H}, {y.data(), T, H}, ids);
+      layer.update_router();
+    }
   std::vector<double> out;
   for (int p = 0; p <= opt.passes; ++p) {  // pass 0 warms up: not timed
     std::fill(y.begin(), y.end(), std::numeric_limits<float>::quiet_NaN());
@@ -402,6 +411,8 @@ std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
                    double(s.peak_recv_rows), double(computed), double(s.chunks)})
     out.push_back(v);
   for (index_t n : s.routed_per_expert) out.push_back(static_cast<double>(n));
+  if constexpr (router_with_bias<typename P::router>)
+    for (float b : layer.router_bias()) out.push_back(b);
   out.insert(out.end(), y.begin(), y.end());
   return out;
 }
@@ -450,13 +461,19 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
                          "must be >= 1 (timed passes after the warm-up)");
   epmoe::detail::require(opt.nodes >= 1 && cfg.ranks % opt.nodes == 0, "experiment.options.nodes",
                          opt.nodes, "must divide config ranks");
+  constexpr bool biased = router_with_bias<typename base::router>;
+  static_assert(biased || B::how.bias_steps == 0,
+                "epmoe::experiment: treatment bias_steps needs a router with a bias "
+                "(router::sigmoid_bias)");
+  static_assert(B::how.bias_steps >= 0, "epmoe::experiment: treatment bias_steps must be >= 0");
   const auto where = detail::placement_for<base, B::how>(ranks, in);
   const auto turn = opt.turns ? std::make_shared<std::mutex>() : nullptr;
+  const int steps = B::how.bias_steps;
   const auto all = ranks.run([&](rank_comm c) {
     if constexpr (B::how.throttled)
-      return detail::rank_passes<P>(comm_type(std::move(c), opt.link), in, opt, where, turn);
+      return detail::rank_passes<P>(comm_type(std::move(c), opt.link), in, opt, where, turn, steps);
     else
-      return detail::rank_passes<P>(std::move(c), in, opt, where, turn);
+      return detail::rank_passes<P>(std::move(c), in, opt, where, turn, steps);
   });
 
   row out;
@@ -481,6 +498,10 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
   std::vector<std::int64_t> ids;
   int chunks = 1;
   const int width = router::routing_width<typename P::router>(cfg);  // E for expert choice
+  const int bias_fields = biased ? E : 0;
+  // The bias the timed passes ran with: every rank holds the same (update_router is global).
+  std::vector<float> bias(all[0].data() + N * F + detail::count_fields + E,
+                          all[0].data() + N * F + detail::count_fields + E + bias_fields);
   for (int r = 0; r < R; ++r) {
     const double* c = all[r].data() + N * F;
     out.dispatch_rows += static_cast<index_t>(c[0]);
@@ -499,7 +520,7 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
       rec.routed_per_expert.push_back(n);
     }
     records.push_back(std::move(rec));
-    const double* yr = c + detail::count_fields + E;
+    const double* yr = c + detail::count_fields + E + bias_fields;
     y.insert(y.end(), yr, all[r].data() + all[r].size());
     x.insert(x.end(), in.tokens[r].begin(), in.tokens[r].end());
     per_rank.push_back(in.tokens_of(r));
@@ -515,9 +536,12 @@ row run_bundle(const Ranks& ranks, const inputs& in, const options& opt) {
   // Error against the float64 reference of the last pass (pass counter N: warm-up was 0).
   const index_t H = cfg.hidden, total = static_cast<index_t>(x.size()) / H;
   std::vector<float> want(x.size(), std::numeric_limits<float>::quiet_NaN());
-  reference::forward<typename P::expert>(
-      in.weights, detail::router_of<P>(cfg), typename P::capacity{}, where, {x.data(), total, H},
-      per_rank, {want.data(), total, H}, {ids, static_cast<std::uint64_t>(N)});
+  auto routing = detail::router_of<P>(cfg);
+  if constexpr (biased)
+    if (!bias.empty()) routing.bias = bias.data();
+  reference::forward<typename P::expert>(in.weights, routing, typename P::capacity{}, where,
+                                         {x.data(), total, H}, per_rank, {want.data(), total, H},
+                                         {ids, static_cast<std::uint64_t>(N)});
   out.error = reference::max_relative_error(y, want);
   detail::predict<P>(out, in, opt, records, where, chunks);
   return out;

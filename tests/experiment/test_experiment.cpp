@@ -121,6 +121,28 @@ TEST_CASE("experiment: balanced replicas run on the balancer's table and match t
   CHECK(table[0].predicted_seconds == 0);
 }
 
+namespace {
+struct deepseek : mixtral<> {
+  using router = epmoe::router::sigmoid_bias<2>;
+  static router make_router(const layer_config&) { return {.groups = 2, .gamma = 0.05f}; }
+};
+}  // namespace
+
+TEST_CASE("experiment: bias_steps learn the DeepSeek bias, the reference routes with it",
+          "[experiment]") {
+  using bundles = experiment::list<
+      experiment::bundle<"no steps", deepseek>,
+      experiment::bundle<"20 steps", deepseek, experiment::treatment{.bias_steps = 20}>>;
+  const auto in = experiment::inputs::skewed(tiny(), 5, 2, 3.0);
+  const auto table =
+      experiment::run(bundles{}, experiment::thread_ranks{4}, in, {.passes = 2, .topology = ""});
+  REQUIRE(table.size() == 2);
+  // The reference with the bias the layer learnt: one without it routes differently and fails.
+  CHECK(table[0].error <= 1e-4);
+  CHECK(table[1].error <= 1e-4);
+  CHECK(table[1].expert_imbalance < table[0].expert_imbalance);
+}
+
 TEST_CASE("experiment: a wrong rank count, batch count, passes or nodes is named", "[experiment]") {
   const auto in = experiment::inputs::uniform(tiny(), 5);
   using one = experiment::list<experiment::bundle<"dropless", mixtral<>>>;
