@@ -27,6 +27,8 @@
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/topk.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/activation.hpp"
+#include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/moe_layer.hpp"
 #include "epmoe/placement/balancer.hpp"

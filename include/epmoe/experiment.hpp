@@ -318,6 +318,22 @@ typename P::router router_of(const layer_config& cfg) {
     return {};
 }
 
+/// Everything a rank's layer takes from the inputs: its slots, the shared experts (an expert
+/// type whose views_of has shared()), the noise gate, the shared gate and the output bias.
+template <class P>
+typename moe_layer<P>::weights layer_weights(const inputs& in,
+                                             const reference::rank_weights& mine) {
+  using views = reference::views_of<typename P::expert>;
+  const reference::full_weights& w = in.weights;
+  const index_t N = w.cfg.shared_experts, H = w.cfg.hidden;
+  typename moe_layer<P>::weights out{w.gate_view(), views::of(mine)};
+  if constexpr (requires { views::shared(w); }) out.shared = views::shared(w);
+  out.noise_gate = w.noise_gate_view();
+  out.shared_gate = {w.shared_gate.data(), N, H};
+  out.output_bias = {w.output_bias.data(), w.output_bias.empty() ? 0 : 1, H};
+  return out;
+}
+
 /// The placement made from one pass's load (see placement_for).
 template <class P, treatment How, class Ranks>
 typename P::placement from_load(const Ranks& ranks, const inputs& in) {
@@ -328,9 +344,7 @@ typename P::placement from_load(const Ranks& ranks, const inputs& in) {
   const auto loads = ranks.run([&](typename Ranks::comm_type c) {
     const int r = c.rank();
     const auto mine = reference::slice(in.weights, start, r);
-    moe_layer<Q> probe(cfg, std::move(c),
-                       {in.weights.gate_view(), reference::views_of<typename P::expert>::of(mine)},
-                       router_of<P>(cfg), {}, start);
+    moe_layer<Q> probe(cfg, std::move(c), layer_weights<Q>(in, mine), router_of<P>(cfg), {}, start);
     const std::vector<float>& x = in.tokens[static_cast<std::size_t>(r)];
     const index_t H = cfg.hidden, T = in.tokens_of(r);
     std::vector<std::int64_t> ids(static_cast<std::size_t>(T));
@@ -384,9 +398,8 @@ std::vector<double> rank_passes(Comm comm, const inputs& in, const options& opt,
   const std::vector<float>& x = in.tokens[static_cast<std::size_t>(r)];
   const index_t H = cfg.hidden, T = in.tokens_of(r);
   const auto mine = reference::slice(in.weights, where, r);
-  moe_layer<P> layer(cfg, std::move(comm),
-                     {in.weights.gate_view(), reference::views_of<typename P::expert>::of(mine)},
-                     router_of<P>(cfg), {}, where, space_for<P>(turn));
+  moe_layer<P> layer(cfg, std::move(comm), layer_weights<P>(in, mine), router_of<P>(cfg), {}, where,
+                     space_for<P>(turn));
   std::vector<float> y(x.size());
   std::vector<std::int64_t> ids(static_cast<std::size_t>(T));  // for routers that hash them
   for (index_t t = 0; t < T; ++t) ids[t] = token_id(cfg, r, t);

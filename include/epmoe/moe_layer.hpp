@@ -116,10 +116,12 @@ class moe_layer {
   /// The weights one rank holds (non-owning views in the space's memory; they must outlive
   /// the layer).
   struct weights {
-    matrix_view<const value_type> gate;          // [E, H] router gate, the same on every rank
-    expert_weights experts;                      // this rank's slots, local-slot order
-    expert_weights shared{};                     // [N] shared experts (config shared_experts)
-    matrix_view<const value_type> noise_gate{};  // [E, H] noisy top-k's noise projection
+    matrix_view<const value_type> gate;           // [E, H] router gate, the same on every rank
+    expert_weights experts;                       // this rank's slots, local-slot order
+    expert_weights shared{};                      // [N] shared experts (config shared_experts)
+    matrix_view<const value_type> noise_gate{};   // [E, H] noisy top-k's noise projection
+    matrix_view<const value_type> shared_gate{};  // [N, H] (config shared_gate)
+    matrix_view<const value_type> output_bias{};  // [1, H] (config output_bias)
   };
 
   /// Validates everything (throws config_error naming the field), agrees with the other
@@ -464,6 +466,9 @@ class moe_layer {
     if (cfg.shared_experts > 0)
       expert_type::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(),
                             "weights.shared");
+    if (cfg.shared_gate)
+      detail::require_shape(w.shared_gate, cfg.shared_experts, cfg.hidden, "weights.shared_gate");
+    if (cfg.output_bias) detail::require_shape(w.output_bias, 1, cfg.hidden, "weights.output_bias");
     if (cfg.max_recv_rows > 0) {
       detail::require(!capacity_type::pads, "max_recv_rows", cfg.max_recv_rows,
                       "must be 0 with padded capacity (its blocks are fixed): use "
@@ -586,10 +591,9 @@ class moe_layer {
     scratch_ = space_.template allocate<value_type>(
         std::max(layout_.expert_rows * expert_type::scratch_per_row(layout_.padded(cfg_.ffn)),
                  shared_scratch));
-    if (N > 0) {
-      shared_in_ = space_.template allocate<value_type>(T * layout_.row_stride);
-      shared_out_ = space_.template allocate<float>(T * H);
-    }
+    if (N > 0) shared_in_ = space_.template allocate<value_type>(T * layout_.row_stride);
+    if (home_terms()) shared_out_ = space_.template allocate<float>(T * H);
+    if (cfg_.shared_gate) shared_scale_ = space_.template allocate<float>(T);
     stats_.timeline.reserve(static_cast<std::size_t>(3 * units_max()));
     stats_.recv_buffer_rows = ex_.receive_buffer_rows();
   }
@@ -734,22 +738,36 @@ class moe_layer {
                             rows::gather<value_type>{x_, p.row_token, send_view()});
   }
 
-  // Shared experts: every token, on its home rank; their sum waits in shared_out for reduce.
+  // The home rank's terms: shared experts on every token (each scaled per token by its
+  // gate, config shared_gate) and the output bias; their sum waits in shared_out for reduce.
+  bool home_terms() const { return cfg_.shared_experts > 0 || cfg_.output_bias; }
   void do_shared() {
     const index_t N = cfg_.shared_experts, T = tokens_, H = cfg_.hidden;
     stats_.shared_flops = 0;
-    if (N == 0 || T == 0) return;
+    if (!home_terms() || T == 0) return;
+    const value_type* bias = cfg_.output_bias ? w_.output_bias.data : nullptr;
+    if (N == 0) {
+      space_.for_each_row(
+          T, H,
+          rows::accumulate<value_type>{{nullptr, T, H}, shared_out_.data(), true, nullptr, bias});
+      return;
+    }
     const matrix_view<value_type> in(shared_in_.data(), T, H, layout_.row_stride);
     shared_offsets_.host()[1] = T;
     space_.to_device(shared_offsets_, 0, 2);
     for (index_t n = 0; n < N; ++n) {
+      float* scale = cfg_.shared_gate ? shared_scale_.data() : nullptr;
+      if (scale)
+        space_.for_each(T, rows::sigmoid_dot<value_type>{x_, w_.shared_gate.row(n), scale});
       space_.for_each_row(T, H, rows::copy<value_type>{x_, in});
       expert_type::forward(
           space_, expert_type::slice(w_.shared, n, 1),
           grouped_rows<value_type>{in.data, H, in.stride, 1, shared_offsets_.host(),
                                    shared_offsets_.device(), layout_.align},
           scratch_.data());
-      space_.for_each_row(T, H, rows::accumulate<value_type>{in, shared_out_.data(), n == 0});
+      space_.for_each_row(T, H,
+                          rows::accumulate<value_type>{in, shared_out_.data(), n == 0, scale,
+                                                       n == 0 ? bias : nullptr});
     }
     stats_.shared_flops = double(N * T) * expert_type::flops_per_row(H, cfg_.shared_width());
   }
@@ -798,7 +816,7 @@ class moe_layer {
 
   void do_reduce() {
     const dispatch_plan& p = plan_.host();
-    const float* shared = cfg_.shared_experts > 0 && tokens_ > 0 ? shared_out_.data() : nullptr;
+    const float* shared = home_terms() && tokens_ > 0 ? shared_out_.data() : nullptr;
     if constexpr (dedup)
       space_.for_each_row(
           tokens_, cfg_.hidden,
@@ -867,7 +885,7 @@ class moe_layer {
   // The pass counter where the routers' noise reads it: a pass captured in a CUDA graph
   // advances it each time it is replayed.
   mirror<std::uint64_t> pass_counter_;
-  buffer<float> noise_logits_, shared_out_;
+  buffer<float> noise_logits_, shared_out_, shared_scale_;
   buffer<value_type> gate_scratch_, scratch_, shared_in_;
   std::vector<float> batch_floats_;  // batch routers decide on the host
   std::vector<std::int32_t> batch_ints_;

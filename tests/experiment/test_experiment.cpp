@@ -122,6 +122,9 @@ TEST_CASE("experiment: balanced replicas run on the balancer's table and match t
 }
 
 namespace {
+struct relu_mlp : mixtral<> {
+  using expert = epmoe::expert::mlp<act::relu, true>;
+};
 struct deepseek : mixtral<> {
   using router = epmoe::router::sigmoid_bias<2>;
   static router make_router(const layer_config&) { return {.groups = 2, .gamma = 0.05f}; }
@@ -141,6 +144,23 @@ TEST_CASE("experiment: bias_steps learn the DeepSeek bias, the reference routes 
   CHECK(table[0].error <= 1e-4);
   CHECK(table[1].error <= 1e-4);
   CHECK(table[1].expert_imbalance < table[0].expert_imbalance);
+}
+
+TEST_CASE("experiment: shared experts, their gate and an output bias reach layer and reference",
+          "[experiment]") {
+  using bundles = experiment::list<experiment::bundle<"swiglu", mixtral<>>,
+                                   experiment::bundle<"relu mlp + biases", relu_mlp>>;
+  layer_config cfg = tiny();
+  cfg.shared_experts = 1;
+  cfg.shared_ffn = 6;
+  cfg.shared_gate = true;
+  cfg.output_bias = true;
+  const auto in = experiment::inputs::uniform(cfg, 8);
+  const auto table =
+      experiment::run(bundles{}, experiment::thread_ranks{4}, in, {.passes = 1, .topology = ""});
+  REQUIRE(table.size() == 2);
+  CHECK(table[0].error <= 1e-4);
+  CHECK(table[1].error <= 1e-4);
 }
 
 TEST_CASE("experiment: a wrong rank count, batch count, passes or nodes is named", "[experiment]") {

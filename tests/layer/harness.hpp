@@ -150,14 +150,33 @@ struct run_options {
   std::function<void(moe_layer<P>&)> between{};
 };
 
+/// One expert bundle's stacked arrays (each may be unused by an expert type).
+template <class T>
+struct expert_arrays {
+  const T *w1, *w3, *w2, *b1, *b2;
+};
+template <class T>
+expert_arrays<T> arrays_of(T* w1, T* w3, T* w2, T* b1, T* b2) {
+  return {w1, w3, w2, b1, b2};
+}
+
 /// The weights a layer with expert type X takes, over stacked arrays of element type T:
 /// SwiGLU's w1, w3, w2; another expert specialises this (tests/policies/test_user_policies).
 template <class X>
 struct expert_weights {
   template <class T>
-  static expert::swiglu::weights_of<T> of(const T* w1, const T* w3, const T* w2, index_t n,
-                                          index_t ffn, index_t hidden) {
-    return {{w1, n, ffn, hidden}, {w3, n, ffn, hidden}, {w2, n, hidden, ffn}};
+  static typename X::template weights_of<T> of(expert_arrays<T> a, index_t n, index_t ffn,
+                                               index_t hidden) {
+    return {{a.w1, n, ffn, hidden}, {a.w3, n, ffn, hidden}, {a.w2, n, hidden, ffn}};
+  }
+};
+template <class Act, bool Biases>
+struct expert_weights<expert::mlp<Act, Biases>> {
+  template <class T>
+  static typename expert::mlp<Act, Biases>::template weights_of<T> of(expert_arrays<T> a, index_t n,
+                                                                      index_t ffn, index_t hidden) {
+    return {
+        {a.w1, n, ffn, hidden}, {a.w2, n, hidden, ffn}, {a.b1, n, 1, ffn}, {a.b2, n, 1, hidden}};
   }
 };
 
@@ -165,23 +184,33 @@ struct expert_weights {
 template <class P>
 struct rank_arrays {
   using io = space_io<typename P::space>;
-  typename io::array gate, w1, w3, w2, s1, s3, s2, noise;
+  typename io::array gate, w1, w3, w2, b1, b2, s1, s3, s2, sb1, sb2, noise, sgate, obias;
   rank_arrays(const reference::full_weights& w, const reference::rank_weights& mine)
       : gate(io::upload(w.gate)),
         w1(io::upload(mine.w1)),
         w3(io::upload(mine.w3)),
         w2(io::upload(mine.w2)),
+        b1(io::upload(mine.b1)),
+        b2(io::upload(mine.b2)),
         s1(io::upload(w.shared_w1)),
         s3(io::upload(w.shared_w3)),
         s2(io::upload(w.shared_w2)),
-        noise(io::upload(w.noise_gate)) {}
+        sb1(io::upload(w.shared_b1)),
+        sb2(io::upload(w.shared_b2)),
+        noise(io::upload(w.noise_gate)),
+        sgate(io::upload(w.shared_gate)),
+        obias(io::upload(w.output_bias)) {}
   typename moe_layer<P>::weights views(const layer_config& cfg, index_t L) {
     using X = expert_weights<typename P::expert>;
     const index_t H = cfg.hidden, F = cfg.ffn, N = cfg.shared_experts, Fs = cfg.shared_width();
     return {{io::data(gate), cfg.experts, H},
-            X::of(io::data(w1), io::data(w3), io::data(w2), L, F, H),
-            X::of(io::data(s1), io::data(s3), io::data(s2), N, Fs, H),
-            {io::data(noise), cfg.experts, H}};
+            X::of(arrays_of(io::data(w1), io::data(w3), io::data(w2), io::data(b1), io::data(b2)),
+                  L, F, H),
+            X::of(arrays_of(io::data(s1), io::data(s3), io::data(s2), io::data(sb1), io::data(sb2)),
+                  N, Fs, H),
+            {io::data(noise), cfg.experts, H},
+            {io::data(sgate), N, H},
+            {io::data(obias), 1, H}};
   }
 };
 
@@ -238,7 +267,8 @@ run_result run_layer(const layer_config& cfg, const reference::full_weights& w,
 template <class Space>
 reference::full_weights rounded(reference::full_weights w) {
   for (auto* v :
-       {&w.gate, &w.w1, &w.w3, &w.w2, &w.shared_w1, &w.shared_w3, &w.shared_w2, &w.noise_gate})
+       {&w.gate, &w.w1, &w.w3, &w.w2, &w.shared_w1, &w.shared_w3, &w.shared_w2, &w.noise_gate,
+        &w.b1, &w.b2, &w.shared_b1, &w.shared_b2, &w.shared_gate, &w.output_bias})
     for (float& x : *v) x = space_io<Space>::round(x);
   return w;
 }

@@ -54,9 +54,9 @@ reference::rank_routing routing_of(const top_p<K>& r, const reference::rank_batc
 template <>
 struct epmoe::test::expert_weights<policies::gelu_mlp> {
   template <class T>
-  static policies::gelu_mlp::weights_of<T> of(const T* w1, const T*, const T* w2, index_t n,
-                                              index_t ffn, index_t hidden) {
-    return {{w1, n, ffn, hidden}, {w2, n, hidden, ffn}};
+  static policies::gelu_mlp::weights_of<T> of(test::expert_arrays<T> a, index_t n, index_t ffn,
+                                              index_t hidden) {
+    return {{a.w1, n, ffn, hidden}, {a.w2, n, hidden, ffn}};
   }
 };
 

@@ -112,6 +112,8 @@ void agree_on_layer(const layer_config& cfg, Comm& comm, const Placement& placem
       {"max_tokens", cfg.max_tokens},
       {"shared_experts", cfg.shared_experts},
       {"shared_ffn", cfg.shared_ffn},
+      {"shared_gate", cfg.shared_gate},
+      {"output_bias", cfg.output_bias},
       {"seq_len", cfg.seq_len},
       {"chunks", cfg.chunks},
       {"max_recv_rows", cfg.max_recv_rows},

@@ -21,6 +21,9 @@ struct layer_config {
   double capacity_factor = 1.0;  // capacity::factor: rows per expert = ceil(cf * T * K / E)
   int shared_experts = 0;        // N always-on experts every token runs on its home rank
   int shared_ffn = 0;            // inner width of each shared expert (0: same as ffn)
+  bool shared_gate = false;      // Qwen2-MoE: shared expert n's output times
+                                 // sigmoid(x · weights.shared_gate[n]), per token
+  bool output_bias = false;      // JetMoE: weights.output_bias [H] added to every output row
   double aux_loss_coef = 0.01;   // alpha of the load-balancing loss reported in stats
   int seq_len = 0;               // tokens per sequence for the sequence-level loss (0: whole pass)
   int chunks = 0;                // pass split into chunks of tokens (0: the schedule's default)
@@ -45,6 +48,8 @@ struct layer_config {
             capacity_factor, "must be finite and > 0");
     require(shared_experts >= 0, "shared_experts", shared_experts, "must be >= 0");
     require(shared_ffn >= 0, "shared_ffn", shared_ffn, "must be >= 0 (0: same as ffn)");
+    require(!shared_gate || shared_experts > 0, "shared_gate", shared_gate,
+            "needs shared_experts > 0 (it scales the shared experts' output)");
     require(std::isfinite(aux_loss_coef) && aux_loss_coef >= 0, "aux_loss_coef", aux_loss_coef,
             "must be finite and >= 0");
     require(seq_len >= 0, "seq_len", seq_len, "must be >= 0 (0: the whole pass)");

@@ -72,16 +72,36 @@ struct copy {
   }
 };
 
-/// into [rows, H] (float) = x (first) or += x: shared experts summed in float.
+/// into [rows, H] (float) = base + s_i x (first) or += s_i x: the home rank's terms (shared
+/// experts, each scaled by s_i when `scale` is given; an output bias `base` [H]) in float.
 template <class T>
 struct accumulate {
-  matrix_view<const T> x;
+  matrix_view<const T> x;  // null data: nothing to add (base alone)
   float* into;
   bool first;
+  const float* scale = nullptr;  // [rows] or null (1)
+  const T* base = nullptr;       // [H] or null (0), with first
   EPMOE_HD void operator()(index_t i, index_t h0, index_t h1) const {
-    const T* src = x.row(i);
     float* o = into + i * x.cols;
-    for (index_t h = h0; h < h1; ++h) o[h] = first ? to_float(src[h]) : o[h] + to_float(src[h]);
+    const float s = scale ? scale[i] : 1.f;
+    for (index_t h = h0; h < h1; ++h) {
+      const float add = x.data ? s * to_float(x.row(i)[h]) : 0.f;
+      o[h] = (first ? (base ? to_float(base[h]) : 0.f) : o[h]) + add;
+    }
+  }
+};
+
+/// scale[t] = sigmoid(x[t] · g): Qwen2-MoE's per-token gate of a shared expert.
+template <class T>
+struct sigmoid_dot {
+  matrix_view<const T> x;
+  const T* g;  // [H]
+  float* scale;
+  EPMOE_HD void operator()(index_t t) const {
+    const T* row = x.row(t);
+    float d = 0.f;
+    for (index_t h = 0; h < x.cols; ++h) d += to_float(row[h]) * to_float(g[h]);
+    scale[t] = 1.f / (1.f + expf(-d));
   }
 };
 

@@ -4,21 +4,25 @@
 
 #include <array>
 #include <cmath>
+#include <concepts>
 #include <string>
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/macros.hpp"
 #include "epmoe/core/numeric.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/activation.hpp"
 
 namespace epmoe::expert {
 
 /// silu(a) * b, one element: the gated activation between the SwiGLU GEMMs.
 EPMOE_HD float silu_mul(float a, float b) { return a / (1.f + expf(-a)) * b; }
 
-/// SwiGLU expert FFN (Mixtral, DeepSeek, Qwen): y = W2 (silu(W1 x) * W3 x).
+/// Gated expert FFN: y = W2 (act(W1 x) * W3 x). SwiGLU with act::silu (Mixtral, DeepSeek,
+/// Qwen, OLMoE, DBRX, Jamba, Granite, PhiMoE), GeGLU with act::gelu or act::gelu_tanh.
 /// Each local expert's rows run as one GEMM block per projection.
-struct swiglu {
+template <class Act>
+struct glu {
   /// This rank's L local experts, stacked; PyTorch [out, in] layout, element type T (fp32
   /// on the host; fp32, bf16 or fp16 in device memory on space::cuda<T>).
   template <class T>
@@ -68,11 +72,11 @@ struct swiglu {
   }
 
   template <class T>
-  struct silu_mul_rows {
+  struct act_mul_rows {
     T* h1;
     const T* h3;
     EPMOE_HD void operator()(index_t i) const {
-      h1[i] = from_float<T>(silu_mul(to_float(h1[i]), to_float(h3[i])));
+      h1[i] = from_float<T>(Act::apply(to_float(h1[i])) * to_float(h3[i]));
     }
   };
 
@@ -87,10 +91,10 @@ struct swiglu {
     space.grouped_gemm_nt(x, w.w1, h1);
     space.grouped_gemm_nt(x, w.w3, h3);
     // The gate over whole padded rows (padding elements are never read).
-    if constexpr (requires { space.silu_mul(h1.data, h3.data, n); })
+    if constexpr (std::same_as<Act, act::silu> && requires { space.silu_mul(h1.data, h3.data, n); })
       space.silu_mul(h1.data, h3.data, n);  // the space's vectorised loop (space::host)
     else
-      space.for_each(n, silu_mul_rows<T>{h1.data, h3.data});
+      space.for_each(n, act_mul_rows<T>{h1.data, h3.data});
     space.grouped_gemm_nt(h1, w.w2, x);
   }
 
@@ -104,5 +108,10 @@ struct swiglu {
             scratch);
   }
 };
+
+/// SwiGLU (Shazeer 2020), the default expert.
+using swiglu = glu<act::silu>;
+/// GeGLU with exact GELU (Shazeer 2020); glu<act::gelu_tanh> for the tanh form.
+using geglu = glu<act::gelu>;
 
 }  // namespace epmoe::expert

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/reference/weights.hpp"
 
@@ -33,29 +34,97 @@ struct expert_math {
                 "specialise reference::expert_math<Expert> with a static add()");
 };
 
-/// SwiGLU (Shazeer 2020): W2 (silu(W1 x) ⊙ W3 x), silu(a) = a / (1 + e^-a).
+/// Each activation from its definition, in double.
+template <class Act>
+struct activation {
+  static_assert(!std::is_same_v<Act, Act>,
+                "reference::activation has no float64 formula for this activation: "
+                "specialise reference::activation<Act> with a static of(double)");
+};
 template <>
-struct expert_math<expert::swiglu> {
+struct activation<act::silu> {  // a σ(a)
+  static double of(double a) { return a / (1.0 + std::exp(-a)); }
+};
+template <>
+struct activation<act::gelu> {  // a Φ(a)
+  static double of(double a) { return 0.5 * a * (1.0 + std::erf(a / std::sqrt(2.0))); }
+};
+template <>
+struct activation<act::gelu_tanh> {  // Hendrycks & Gimpel's tanh approximation
+  static double of(double a) {
+    const double pi = 3.14159265358979323846;
+    return 0.5 * a * (1.0 + std::tanh(std::sqrt(2.0 / pi) * (a + 0.044715 * a * a * a)));
+  }
+};
+template <>
+struct activation<act::relu> {
+  static double of(double a) { return a > 0 ? a : 0.0; }
+};
+
+namespace detail {
+/// The rows of one expert of full_weights (routed or shared): W1, W3, W2 and the biases.
+struct expert_rows {
+  const float *w1, *w3, *w2, *b1, *b2;
+  index_t F;
+};
+inline expert_rows rows_of(const full_weights& w, expert_ref which) {
+  const index_t H = w.cfg.hidden, F = which.shared ? w.cfg.shared_width() : w.cfg.ffn;
+  const index_t i = which.index;
+  const auto at = [](const std::vector<float>& v, index_t offset) {
+    return v.empty() ? nullptr : v.data() + offset;
+  };
+  return which.shared ? expert_rows{at(w.shared_w1, i * F * H), at(w.shared_w3, i * F * H),
+                                    at(w.shared_w2, i * H * F), at(w.shared_b1, i * F),
+                                    at(w.shared_b2, i * H),     F}
+                      : expert_rows{at(w.w1, i * F * H), at(w.w3, i * F * H), at(w.w2, i * H * F),
+                                    at(w.b1, i * F),     at(w.b2, i * H),     F};
+}
+/// out[o] += scale Σ_f W2[o, f] h[f] (+ b2[o]).
+inline void down(const expert_rows& e, const std::vector<double>& h, const float* b2, double scale,
+                 std::span<double> out) {
+  for (std::size_t o = 0; o < out.size(); ++o) {
+    double s = b2 ? double{b2[o]} : 0.0;
+    for (index_t f = 0; f < e.F; ++f) s += double{e.w2[o * e.F + f]} * h[f];
+    out[o] += scale * s;
+  }
+}
+}  // namespace detail
+
+/// Gated (Shazeer 2020): W2 (act(W1 x) ⊙ W3 x); SwiGLU with silu, GeGLU with GELU.
+template <class Act>
+struct expert_math<expert::glu<Act>> {
   static void add(const full_weights& w, expert_ref which, const float* x, double scale,
                   std::span<double> out) {
-    const index_t H = w.cfg.hidden, F = which.shared ? w.cfg.shared_width() : w.cfg.ffn;
-    const float* w1 = (which.shared ? w.shared_w1 : w.w1).data() + which.index * F * H;
-    const float* w3 = (which.shared ? w.shared_w3 : w.w3).data() + which.index * F * H;
-    const float* w2 = (which.shared ? w.shared_w2 : w.w2).data() + which.index * H * F;
-    std::vector<double> h(static_cast<std::size_t>(F));
-    for (index_t f = 0; f < F; ++f) {
+    const index_t H = w.cfg.hidden;
+    const detail::expert_rows e = detail::rows_of(w, which);
+    std::vector<double> h(static_cast<std::size_t>(e.F));
+    for (index_t f = 0; f < e.F; ++f) {
       double a = 0, b = 0;
       for (index_t i = 0; i < H; ++i) {
-        a += double{w1[f * H + i]} * x[i];
-        b += double{w3[f * H + i]} * x[i];
+        a += double{e.w1[f * H + i]} * x[i];
+        b += double{e.w3[f * H + i]} * x[i];
       }
-      h[f] = a / (1.0 + std::exp(-a)) * b;
+      h[f] = activation<Act>::of(a) * b;
     }
-    for (index_t o = 0; o < H; ++o) {
-      double s = 0;
-      for (index_t f = 0; f < F; ++f) s += double{w2[o * F + f]} * h[f];
-      out[o] += scale * s;
+    detail::down(e, h, nullptr, scale, out);
+  }
+};
+
+/// Non-gated (Vaswani et al. 2017; Switch, NLLB-MoE): W2 act(W1 x + b1) + b2, the biases
+/// when Biases.
+template <class Act, bool Biases>
+struct expert_math<expert::mlp<Act, Biases>> {
+  static void add(const full_weights& w, expert_ref which, const float* x, double scale,
+                  std::span<double> out) {
+    const index_t H = w.cfg.hidden;
+    const detail::expert_rows e = detail::rows_of(w, which);
+    std::vector<double> h(static_cast<std::size_t>(e.F));
+    for (index_t f = 0; f < e.F; ++f) {
+      double a = Biases ? double{e.b1[f]} : 0.0;
+      for (index_t i = 0; i < H; ++i) a += double{e.w1[f * H + i]} * x[i];
+      h[f] = activation<Act>::of(a);
     }
+    detail::down(e, h, Biases ? e.b2 : nullptr, scale, out);
   }
 };
 

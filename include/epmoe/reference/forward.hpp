@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -54,8 +55,17 @@ void forward(const full_weights& w, const Router& router, const Capacity& capaci
         if (used[slot]++ >= limit) continue;  // past capacity: dropped
         expert_math<Expert>::add(w, {false, e}, xt, route.weights[t * route.width + k], out);
       }
-      for (index_t s = 0; s < cfg.shared_experts; ++s)
-        expert_math<Expert>::add(w, {true, s}, xt, 1.0, out);
+      for (index_t s = 0; s < cfg.shared_experts; ++s) {
+        double scale = 1.0;  // Qwen2-MoE's shared-expert gate: sigmoid(x · g_s)
+        if (cfg.shared_gate) {
+          double d = 0;
+          for (index_t i = 0; i < H; ++i) d += double{w.shared_gate[s * H + i]} * xt[i];
+          scale = 1.0 / (1.0 + std::exp(-d));
+        }
+        expert_math<Expert>::add(w, {true, s}, xt, scale, out);
+      }
+      if (cfg.output_bias)  // JetMoE
+        for (index_t o = 0; o < H; ++o) out[o] += w.output_bias[o];
       for (index_t o = 0; o < H; ++o) y(t0 + t, o) = static_cast<float>(out[o]);
     }
     t0 += route.tokens;

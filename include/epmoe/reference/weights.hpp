@@ -11,6 +11,7 @@
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 
 // Owned weights and inputs for tests, examples and benchmarks.
@@ -42,6 +43,11 @@ struct full_weights {
   std::vector<float> shared_w3;   // [N, Fs, H]
   std::vector<float> shared_w2;   // [N, H, Fs]
   std::vector<float> noise_gate;  // [E, H] (noisy top-k)
+  // Drawn after the above (their values do not depend on these):
+  std::vector<float> b1, b2;                // [E, F], [E, H]: biased experts (expert::mlp)
+  std::vector<float> shared_b1, shared_b2;  // [N, Fs], [N, H]
+  std::vector<float> shared_gate;           // [N, H] (config shared_gate: Qwen2-MoE)
+  std::vector<float> output_bias;           // [H] (config output_bias: JetMoE)
 
   /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in); the gate
   /// dyadic times a power of two (see above).
@@ -56,7 +62,13 @@ struct full_weights {
                    std::vector<float>(N * Fs * H),
                    std::vector<float>(N * Fs * H),
                    std::vector<float>(N * H * Fs),
-                   std::vector<float>(E * H)};
+                   std::vector<float>(E * H),
+                   {},
+                   {},
+                   {},
+                   {},
+                   {},
+                   {}};  // the biases and gates: drawn below
     std::mt19937_64 rng(seed);
     // Gate logits of std ~2 (typical of trained routers), by a power-of-two scale that keeps
     // them exact.
@@ -73,6 +85,17 @@ struct full_weights {
     for (float& v : w.shared_w3) v = in(rng)*sh;
     for (float& v : w.shared_w2) v = in(rng)*ss;
     for (float& v : w.noise_gate) v = in(rng)*sh;
+    const auto draw = [&](std::size_t n, float scale) {
+      std::vector<float> v(n);
+      for (float& x : v) x = in(rng)*scale;
+      return v;
+    };
+    w.b1 = draw(E * F, sh);
+    w.b2 = draw(E * H, sf);
+    w.shared_b1 = draw(N * Fs, sh);
+    w.shared_b2 = draw(N * H, ss);
+    w.shared_gate = draw(N * H, 4 * sh);  // sigmoid scales spread over (0, 1)
+    w.output_bias = draw(H, sf);
     return w;
   }
 
@@ -102,6 +125,7 @@ struct full_weights {
 struct rank_weights {
   std::vector<float> w1, w3, w2;
   index_t local = 0, hidden = 0, ffn = 0;
+  std::vector<float> b1, b2;  // [L, F], [L, H]
 
   expert::swiglu::weights experts() const {
     return {{w1.data(), local, ffn, hidden},
@@ -112,16 +136,35 @@ struct rank_weights {
 
 /// An expert type's weights over a rank_weights slice (its w1, w3, w2 as floats): SwiGLU
 /// reads all three; another expert type specialises this with a static of(const
-/// rank_weights&) returning its weights_of<float> (examples/policies/gelu_mlp_reference.hpp).
+/// rank_weights&) returning its weights_of<float> (examples/policies/gelu_mlp_reference.hpp),
+/// and, for shared experts, a static shared(const full_weights&).
 template <class Expert>
 struct views_of {
   static_assert(!std::is_same_v<Expert, Expert>,
                 "reference::views_of has no view of rank_weights for this expert type: "
                 "specialise reference::views_of<Expert> with a static of(const rank_weights&)");
 };
-template <>
-struct views_of<expert::swiglu> {
-  static expert::swiglu::weights of(const rank_weights& r) { return r.experts(); }
+template <class Act>
+struct views_of<expert::glu<Act>> {
+  static typename expert::glu<Act>::weights of(const rank_weights& r) { return r.experts(); }
+  static typename expert::glu<Act>::weights shared(const full_weights& w) { return w.shared(); }
+};
+template <class Act, bool Biases>
+struct views_of<expert::mlp<Act, Biases>> {
+  static typename expert::mlp<Act, Biases>::weights of(const rank_weights& r) {
+    const index_t L = r.local, H = r.hidden, F = r.ffn;
+    return {{r.w1.data(), L, F, H},
+            {r.w2.data(), L, H, F},
+            {r.b1.data(), L, 1, F},
+            {r.b2.data(), L, 1, H}};
+  }
+  static typename expert::mlp<Act, Biases>::weights shared(const full_weights& w) {
+    const index_t N = w.cfg.shared_experts, H = w.cfg.hidden, F = w.cfg.shared_width();
+    return {{w.shared_w1.data(), N, F, H},
+            {w.shared_w2.data(), N, H, F},
+            {w.shared_b1.data(), N, 1, F},
+            {w.shared_b2.data(), N, 1, H}};
+  }
 };
 
 template <class Placement>
@@ -132,9 +175,15 @@ rank_weights slice(const full_weights& w, const Placement& placement, int rank) 
                  std::vector<float>(L * H * F),
                  L,
                  H,
-                 F};
+                 F,
+                 std::vector<float>(L * F),
+                 std::vector<float>(L * H)};
   for (index_t j = 0; j < L; ++j) {
     const index_t e = placement.expert_at(rank, static_cast<int>(j));
+    if (!w.b1.empty()) {
+      std::copy_n(w.b1.begin() + e * F, F, r.b1.begin() + j * F);
+      std::copy_n(w.b2.begin() + e * H, H, r.b2.begin() + j * H);
+    }
     std::copy_n(w.w1.begin() + e * F * H, F * H, r.w1.begin() + j * F * H);
     std::copy_n(w.w3.begin() + e * F * H, F * H, r.w3.begin() + j * F * H);
     std::copy_n(w.w2.begin() + e * H * F, H * F, r.w2.begin() + j * H * F);
