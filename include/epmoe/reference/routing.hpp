@@ -129,9 +129,12 @@ inline std::vector<int> best(std::span<const double> key, int k, const std::vect
 // experts form `groups` equal contiguous groups; a group scores pair(a, b) of its two best
 // keys a >= b (a alone when it holds one expert); the top_groups best groups are kept and the
 // k best experts inside them chosen. groups = 1 (or top_groups = groups) is plain top-k.
+// mask zero (Hugging Face's masked_fill(~mask, 0.0)): the k best of every expert, those of
+// dropped groups keyed 0.0.
 template <class Pair>
-std::vector<int> group_limited_best(std::span<const double> key, int k, int groups, int top_groups,
-                                    Pair pair) {
+std::vector<int> group_limited_best(
+    std::span<const double> key, int k, int groups, int top_groups, Pair pair,
+    router::group_mask_mode mask = router::group_mask_mode::minus_inf) {
   const int E = static_cast<int>(key.size()), size = E / groups;
   std::vector<double> score(static_cast<std::size_t>(groups));
   for (int g = 0; g < groups; ++g) {
@@ -142,6 +145,12 @@ std::vector<int> group_limited_best(std::span<const double> key, int k, int grou
   std::vector<char> allowed(static_cast<std::size_t>(E), 0);
   for (int g : best(score, top_groups, {}))
     for (int e = g * size; e < (g + 1) * size; ++e) allowed[e] = 1;
+  if (mask == router::group_mask_mode::zero) {
+    std::vector<double> filled(key.begin(), key.end());
+    for (int e = 0; e < E; ++e)
+      if (!allowed[e]) filled[e] = 0.0;
+    return best(filled, k, {});
+  }
   return best(key, k, allowed);
 }
 
@@ -163,9 +172,11 @@ inline double softplus(double x) {
 
 }  // namespace detail
 
-/// Softmax top-K (Switch, GShard, Mixtral, Qwen; DeepSeek group limits): p = softmax(l);
-/// the K best p inside the kept groups, group score p_a + p_b of its two best; weights p_k,
-/// divided by their sum when Renormalize (Mixtral, GShard, Qwen norm_topk_prob).
+/// Softmax top-K (Switch, GShard, Mixtral, Qwen, DBRX; DeepSeek group limits):
+/// p = softmax(l); the K best p inside the kept groups, group score p_a + p_b of its two best;
+/// weights p_k, divided by their norm_p-norm (Σ_j |p_j|^norm_p)^(1/norm_p) over the K chosen
+/// when Renormalize (norm_p = 1, their sum: Mixtral, GShard, Qwen norm_topk_prob; DBRX's
+/// moe_normalize_expert_weights).
 template <int K, bool Renormalize>
 rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const rank_batch& b) {
   const index_t T = b.tokens, E = b.cfg->experts;
@@ -178,8 +189,10 @@ rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const ran
     // is NaN (a +inf logit).
     const auto ids =
         detail::group_limited_best(row, K, r.groups, r.top_groups, detail::log_sum_exp);
+    const double norm_p = r.norm_p;
     double chosen = 0;
-    for (int e : ids) chosen += p[e];
+    for (int e : ids) chosen += std::pow(std::abs(p[e]), norm_p);
+    chosen = std::pow(chosen, 1.0 / norm_p);
     for (int k = 0; k < K; ++k) {
       out.id(t, k) = ids[k];
       out.weight(t, k) = Renormalize ? p[ids[k]] / chosen : p[ids[k]];
@@ -189,8 +202,9 @@ rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const ran
 }
 
 /// DeepSeek-V3: s = sigmoid(l); the K best s + b (b the bias, zero when unset) inside the
-/// kept groups, group score the sum of its two best s + b; weights scaling · s_k, divided by
-/// the chosen s's sum when normalize. The bias moves selection only.
+/// kept groups, group score the sum of its two best s + b (group_mask zero: the K best of all,
+/// dropped groups' s + b taken as 0.0); weights scaling · s_k, divided by the chosen s's sum
+/// when normalize. The bias moves selection only.
 template <int K>
 rank_routing routing_of(const router::sigmoid_bias<K>& r, const rank_batch& b) {
   const index_t T = b.tokens, E = b.cfg->experts;
@@ -202,7 +216,8 @@ rank_routing routing_of(const router::sigmoid_bias<K>& r, const rank_batch& b) {
       s[e] = detail::sigmoid(l[t * E + e]);
       key[e] = s[e] + (r.bias ? double{r.bias[e]} : 0.0);
     }
-    const auto ids = detail::group_limited_best(key, K, r.groups, r.top_groups, detail::sum_of);
+    const auto ids =
+        detail::group_limited_best(key, K, r.groups, r.top_groups, detail::sum_of, r.group_mask);
     double chosen = 0;
     for (int e : ids) chosen += s[e];
     const double f = r.normalize ? double{r.scaling} / chosen : double{r.scaling};
