@@ -22,6 +22,7 @@
 #include "epmoe/router/noisy_topk.hpp"
 #include "epmoe/router/sigmoid_bias.hpp"
 #include "epmoe/router/sinkhorn.hpp"
+#include "epmoe/router/sparsemixer.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 
 namespace epmoe::router {
@@ -224,6 +225,48 @@ rank_routing routing_of(const router::sigmoid_bias<K>& r, const rank_batch& b) {
     for (int k = 0; k < K; ++k) {
       out.id(t, k) = ids[k];
       out.weight(t, k) = s[ids[k]] * f;
+    }
+  }
+  return out;
+}
+
+/// SparseMixer top-2 (PhiMoE; Hugging Face `sparsemixer`). Round 1 on the logits l, round 2
+/// on l with round 1's expert at -inf: t = max of the round's logits; gate_e = -inf where
+/// (t - l_e) / max(|l_e|, t) > 2 jitter_eps (l_e unmasked), else the round's l_e; the expert is
+/// argmax gate (inference) or argmax (gate_e - log G_e), G_e = -log uniform(bits(seed, pass,
+/// token, round · E + e)) an Exp(1) draw (training); its weight softmax(gate) there, times
+/// 0.3333 while training when it is not the argmax and uniform(bits(seed, pass, token,
+/// 2E + round)) <= 0.75 (round 0 or 1).
+inline rank_routing routing_of(const router::sparsemixer& r, const rank_batch& b) {
+  const index_t T = b.tokens, E = b.cfg->experts;
+  const auto l = detail::project(b, b.w->gate);
+  const double eps = r.jitter_eps;
+  rank_routing out(T, 2);
+  for (index_t t = 0; t < T; ++t) {
+    const auto row = std::span<const double>(l).subspan(static_cast<std::size_t>(t * E), E);
+    std::vector<char> open(static_cast<std::size_t>(E), 1);  // round 2: not round 1's expert
+    for (int round = 0; round < 2; ++round) {
+      const int argmax = detail::best(row, 1, open)[0];
+      const double threshold = detail::ranked(row[argmax]);
+      std::vector<double> gate(row.begin(), row.end());
+      for (index_t e = 0; e < E; ++e)
+        if (!open[e] || (threshold - row[e]) / std::max(std::abs(row[e]), threshold) > 2.0 * eps)
+          gate[e] = detail::minus_inf;
+      int chosen = argmax;
+      double heun = 1.0;
+      if (r.training) {
+        const auto u = [&](index_t c) {
+          return draws::uniform(draws::bits(r.seed, b.pass, static_cast<std::uint64_t>(b.token[t]),
+                                            static_cast<std::uint64_t>(c)));
+        };
+        std::vector<double> gumbel(gate.size());
+        for (index_t e = 0; e < E; ++e) gumbel[e] = gate[e] - std::log(-std::log(u(round * E + e)));
+        chosen = detail::best(gumbel, 1, {})[0];
+        if (chosen != argmax && !(u(2 * E + round) > 0.75)) heun = 0.3333;
+      }
+      out.id(t, round) = chosen;
+      out.weight(t, round) = detail::softmax(gate)[chosen] * heun;
+      open[chosen] = 0;
     }
   }
   return out;
