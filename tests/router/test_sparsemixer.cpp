@@ -232,7 +232,7 @@ TEST_CASE("sparsemixer: the training sample's law is softmax over the unmasked e
   CHECK(full / double(off) == Approx(0.25).margin(0.015));
 }
 
-TEST_CASE("sparsemixer: the seed, pass and token change the sample; inference ignores them",
+TEST_CASE("sparsemixer: the seed, pass and token change the sample, not inference",
           "[router][sparsemixer][training]") {
   std::vector<float> l(12);
   for (int e = 0; e < 12; ++e) l[e] = 0.1f * static_cast<float>(e % 5);
