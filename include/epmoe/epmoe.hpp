@@ -43,6 +43,7 @@
 #include "epmoe/router/route.hpp"
 #include "epmoe/router/sigmoid_bias.hpp"
 #include "epmoe/router/sinkhorn.hpp"
+#include "epmoe/router/sparsemixer.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 #include "epmoe/schedule/pipelined.hpp"
 #include "epmoe/schedule/sequential.hpp"

@@ -132,6 +132,8 @@ TEST_CASE("umbrella: every router runs a layer", "[umbrella]") {
   one_rank<router::noisy_topk<2>>(2);
   one_rank<router::jitter<router::switch_top1>>(1);
   one_rank<router::sinkhorn<2>>(2);
+  one_rank<router::sparsemixer>(2, {.jitter_eps = 0.3f});
+  one_rank<router::dbrx<2>>(2, {.norm_p = 2.f});
 }
 
 TEST_CASE("umbrella: placements, capacities, comms, schedules and reports", "[umbrella]") {

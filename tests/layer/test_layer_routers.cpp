@@ -12,6 +12,8 @@
 #include <epmoe/router/noisy_topk.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
 #include <epmoe/router/sinkhorn.hpp>
+#include <epmoe/router/sparsemixer.hpp>
+#include <epmoe/router/topk_softmax.hpp>
 
 // Every router through the full layer, on 1 and 4 ranks, equals the reference.
 using namespace epmoe;
@@ -39,6 +41,31 @@ double layer_vs_reference(const layer_config& cfg, const test::run_options<P>& o
   }
   const auto got = test::run_layer<P>(cfg, w, g, o);
   return test::relative_error(got.y, test::run_reference<P>(cfg, w, g, o));
+}
+
+// One pass's layer output (every pass: ys) and the reference of each pass, on the tokens of
+// layer_vs_reference.
+template <class P>
+struct both_sides {
+  std::vector<std::vector<float>> layer, reference;
+  std::vector<reference::rank_routing> routing;  // the reference's routing of pass 0
+};
+template <class P>
+both_sides<P> run_both(const layer_config& cfg, const test::run_options<P>& opt,
+                       std::uint64_t seed = 1) {
+  const auto w = reference::full_weights::random(cfg, seed);
+  std::vector<index_t> per_rank(cfg.ranks, 40);
+  if (cfg.ranks > 1) per_rank[1] = 0;
+  if (cfg.ranks > 2) per_rank[2] = 17;
+  const auto g = test::make_tokens(per_rank, cfg.hidden, seed + 1);
+  both_sides<P> out{test::run_layer<P>(cfg, w, g, opt).ys, {}, {}};
+  for (int p = 0; p < opt.passes; ++p)
+    out.reference.push_back(test::run_reference<P>(cfg, w, g, opt, static_cast<std::uint64_t>(p)));
+  typename P::router router = opt.router;
+  if constexpr (router_with_bias<typename P::router>)
+    router.bias = opt.bias.empty() ? nullptr : opt.bias.data();
+  out.routing = reference::route_ranks(w, router, {g.x.data(), g.total(), cfg.hidden}, g.per_rank);
+  return out;
 }
 
 }  // namespace
@@ -109,6 +136,112 @@ TEMPLATE_LIST_TEST_CASE("routers through the layer: training noise, seeded", "[l
             test::tolerance<Space>(1e-4));
     }
   }
+}
+
+TEMPLATE_LIST_TEST_CASE("routers through the layer: DBRX p-norm renormalisation",
+                        "[layer][routers][pnorm]", test::spaces) {
+  using Space = TestType;
+  using P = policies<Space, router::dbrx<4>>;
+  int checked = 0;
+  for (int R : {1, 2, 4}) {
+    CAPTURE(R);
+    const layer_config cfg = small_layer(R, 4, 16);
+    const auto one = run_both<P>(cfg, {.router = {.norm_p = 1.f}});
+    for (float p : {0.5f, 2.f, 3.f}) {
+      CAPTURE(p);
+      const auto got = run_both<P>(cfg, {.router = {.norm_p = p}});
+      CHECK(test::relative_error(got.layer[0], got.reference[0]) <= test::tolerance<Space>(1e-4));
+      // p moves every weight: p = 1's output is not p's (a p ignored fails here).
+      CHECK(test::relative_error(got.layer[0], one.layer[0]) > 1e-3);
+      ++checked;
+    }
+    CHECK(test::relative_error(one.layer[0], one.reference[0]) <= test::tolerance<Space>(1e-4));
+  }
+  CHECK(checked == 9);
+}
+
+TEMPLATE_LIST_TEST_CASE("routers through the layer: group masks, DeepSeek's -inf and HF's 0.0",
+                        "[layer][routers][group_mask]", test::spaces) {
+  using Space = TestType;
+  using P = policies<Space, router::sigmoid_bias<4>>;
+  int checked = 0;
+  for (int R : {1, 2, 4}) {
+    CAPTURE(R);
+    const layer_config cfg = small_layer(R, 4, 16);
+    for (bool negative : {true, false}) {
+      CAPTURE(negative);
+      // Negative biases make s + b < 0 in kept groups, where a dropped expert's 0.0 wins.
+      std::vector<float> bias(16);
+      for (int e = 0; e < 16; ++e)
+        bias[e] = negative ? (e % 2 ? -0.9f : -0.05f * static_cast<float>(e % 5)) : 0.f;
+      test::run_options<P> o{.router = {.groups = 4, .top_groups = 2, .scaling = 2.5f}};
+      o.bias = bias;
+      const auto minus_inf = run_both<P>(cfg, o);
+      o.router.group_mask = router::group_mask_mode::zero;
+      const auto zero = run_both<P>(cfg, o);
+      CHECK(test::relative_error(minus_inf.layer[0], minus_inf.reference[0]) <=
+            test::tolerance<Space>(1e-4));
+      CHECK(test::relative_error(zero.layer[0], zero.reference[0]) <= test::tolerance<Space>(1e-4));
+      // The routings differ exactly when some key is negative (sigmoid > 0 otherwise).
+      int differ = 0;
+      for (std::size_t r = 0; r < zero.routing.size(); ++r)
+        differ += zero.routing[r].ids != minus_inf.routing[r].ids;
+      if (negative) {
+        CHECK(differ > 0);
+        CHECK(test::relative_error(zero.layer[0], minus_inf.layer[0]) > 1e-3);
+      } else {
+        CHECK(differ == 0);
+        CHECK(test::relative_error(zero.layer[0], minus_inf.layer[0]) <=
+              test::tolerance<Space>(1e-5));
+      }
+      ++checked;
+    }
+  }
+  CHECK(checked == 6);
+}
+
+TEMPLATE_LIST_TEST_CASE("routers through the layer: PhiMoE sparsemixer, inference",
+                        "[layer][routers][sparsemixer]", test::spaces) {
+  using Space = TestType;
+  using P = policies<Space, router::sparsemixer>;
+  int checked = 0;
+  for (int R : {1, 2, 4}) {
+    CAPTURE(R);
+    for (float eps : {0.01f, 0.3f}) {
+      CAPTURE(eps);
+      const auto got = run_both<P>(small_layer(R, 2), {.router = {.jitter_eps = eps}});
+      CHECK(test::relative_error(got.layer[0], got.reference[0]) <= test::tolerance<Space>(1e-4));
+      // eps 0.3 keeps more than the top expert in many rounds (weights below 1).
+      int partial = 0;
+      for (const auto& r : got.routing)
+        for (double w : r.weights) partial += w < 1.0;
+      if (eps > 0.1f) CHECK(partial > 20);
+      ++checked;
+    }
+  }
+  CHECK(checked == 6);
+}
+
+TEMPLATE_LIST_TEST_CASE("routers through the layer: PhiMoE sparsemixer, training samples per pass",
+                        "[layer][routers][sparsemixer]", test::spaces) {
+  using Space = TestType;
+  using P = policies<Space, router::sparsemixer>;
+  int checked = 0;
+  for (int R : {1, 2, 4}) {
+    CAPTURE(R);
+    const auto got =
+        run_both<P>(small_layer(R, 2),
+                    {.router = {.jitter_eps = 0.3f, .training = true, .seed = 11}, .passes = 2});
+    REQUIRE(got.layer.size() == 2);
+    REQUIRE(got.reference.size() == 2);
+    for (int p = 0; p < 2; ++p, ++checked) {
+      CAPTURE(p);
+      CHECK(test::relative_error(got.layer[p], got.reference[p]) <= test::tolerance<Space>(1e-4));
+    }
+    // A new sample every pass (a pass counter stuck at 0 fails above).
+    CHECK(test::relative_error(got.reference[1], got.reference[0]) > 1e-3);
+  }
+  CHECK(checked == 6);
 }
 
 TEMPLATE_LIST_TEST_CASE(

@@ -45,9 +45,11 @@ inline constexpr int max_groups = 64;
 /// contiguous expert groups (DeepSeek-V3 node-limited routing). A group scores
 /// pair(a, b) of its two best keys a >= b (a alone if it has one expert); ties go to the lower
 /// group. groups == 1 is plain top-K. Requires n % groups == 0, K <= top_groups * n / groups.
+/// An expert of a dropped group takes no part when `dropped` is -inf (DeepSeek's masking), else
+/// competes with the key `dropped` (Hugging Face's masked_fill(~mask, 0.0): dropped = 0).
 template <int K, class KeyFn, class PairFn>
 EPMOE_HD void group_top_k(KeyFn key, PairFn pair, int n, int groups, int top_groups, int* ids,
-                          float* keys) {
+                          float* keys, float dropped = -INFINITY) {
   std::uint64_t kept = ~std::uint64_t{0};
   if (groups > 1 && top_groups < groups) {
     const int size = n / groups;
@@ -80,7 +82,10 @@ EPMOE_HD void group_top_k(KeyFn key, PairFn pair, int n, int groups, int top_gro
   const int size = n / (groups > 0 ? groups : 1);
   int count = 0;
   for (int e = 0; e < n; ++e)
-    if (kept >> (e / size) & 1) insert_top<K>(selection_key(key(e)), e, count, ids, keys);
+    if (kept >> (e / size) & 1)
+      insert_top<K>(selection_key(key(e)), e, count, ids, keys);
+    else if (dropped != -INFINITY)
+      insert_top<K>(dropped, e, count, ids, keys);
 }
 
 /// Group score for additive scores (sigmoid): a + b.

@@ -22,6 +22,7 @@
 #include "epmoe/router/noisy_topk.hpp"
 #include "epmoe/router/sigmoid_bias.hpp"
 #include "epmoe/router/sinkhorn.hpp"
+#include "epmoe/router/sparsemixer.hpp"
 #include "epmoe/router/topk_softmax.hpp"
 
 namespace epmoe::router {
@@ -129,9 +130,12 @@ inline std::vector<int> best(std::span<const double> key, int k, const std::vect
 // experts form `groups` equal contiguous groups; a group scores pair(a, b) of its two best
 // keys a >= b (a alone when it holds one expert); the top_groups best groups are kept and the
 // k best experts inside them chosen. groups = 1 (or top_groups = groups) is plain top-k.
+// mask zero (Hugging Face's masked_fill(~mask, 0.0)): the k best of every expert, those of
+// dropped groups keyed 0.0.
 template <class Pair>
-std::vector<int> group_limited_best(std::span<const double> key, int k, int groups, int top_groups,
-                                    Pair pair) {
+std::vector<int> group_limited_best(
+    std::span<const double> key, int k, int groups, int top_groups, Pair pair,
+    router::group_mask_mode mask = router::group_mask_mode::minus_inf) {
   const int E = static_cast<int>(key.size()), size = E / groups;
   std::vector<double> score(static_cast<std::size_t>(groups));
   for (int g = 0; g < groups; ++g) {
@@ -142,6 +146,12 @@ std::vector<int> group_limited_best(std::span<const double> key, int k, int grou
   std::vector<char> allowed(static_cast<std::size_t>(E), 0);
   for (int g : best(score, top_groups, {}))
     for (int e = g * size; e < (g + 1) * size; ++e) allowed[e] = 1;
+  if (mask == router::group_mask_mode::zero) {
+    std::vector<double> filled(key.begin(), key.end());
+    for (int e = 0; e < E; ++e)
+      if (!allowed[e]) filled[e] = 0.0;
+    return best(filled, k, {});
+  }
   return best(key, k, allowed);
 }
 
@@ -163,9 +173,11 @@ inline double softplus(double x) {
 
 }  // namespace detail
 
-/// Softmax top-K (Switch, GShard, Mixtral, Qwen; DeepSeek group limits): p = softmax(l);
-/// the K best p inside the kept groups, group score p_a + p_b of its two best; weights p_k,
-/// divided by their sum when Renormalize (Mixtral, GShard, Qwen norm_topk_prob).
+/// Softmax top-K (Switch, GShard, Mixtral, Qwen, DBRX; DeepSeek group limits):
+/// p = softmax(l); the K best p inside the kept groups, group score p_a + p_b of its two best;
+/// weights p_k, divided by their norm_p-norm (Σ_j |p_j|^norm_p)^(1/norm_p) over the K chosen
+/// when Renormalize (norm_p = 1, their sum: Mixtral, GShard, Qwen norm_topk_prob; DBRX's
+/// moe_normalize_expert_weights).
 template <int K, bool Renormalize>
 rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const rank_batch& b) {
   const index_t T = b.tokens, E = b.cfg->experts;
@@ -178,8 +190,10 @@ rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const ran
     // is NaN (a +inf logit).
     const auto ids =
         detail::group_limited_best(row, K, r.groups, r.top_groups, detail::log_sum_exp);
+    const double norm_p = r.norm_p;
     double chosen = 0;
-    for (int e : ids) chosen += p[e];
+    for (int e : ids) chosen += std::pow(std::abs(p[e]), norm_p);
+    chosen = std::pow(chosen, 1.0 / norm_p);
     for (int k = 0; k < K; ++k) {
       out.id(t, k) = ids[k];
       out.weight(t, k) = Renormalize ? p[ids[k]] / chosen : p[ids[k]];
@@ -189,8 +203,9 @@ rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const ran
 }
 
 /// DeepSeek-V3: s = sigmoid(l); the K best s + b (b the bias, zero when unset) inside the
-/// kept groups, group score the sum of its two best s + b; weights scaling · s_k, divided by
-/// the chosen s's sum when normalize. The bias moves selection only.
+/// kept groups, group score the sum of its two best s + b (group_mask zero: the K best of all,
+/// dropped groups' s + b taken as 0.0); weights scaling · s_k, divided by the chosen s's sum
+/// when normalize. The bias moves selection only.
 template <int K>
 rank_routing routing_of(const router::sigmoid_bias<K>& r, const rank_batch& b) {
   const index_t T = b.tokens, E = b.cfg->experts;
@@ -202,13 +217,56 @@ rank_routing routing_of(const router::sigmoid_bias<K>& r, const rank_batch& b) {
       s[e] = detail::sigmoid(l[t * E + e]);
       key[e] = s[e] + (r.bias ? double{r.bias[e]} : 0.0);
     }
-    const auto ids = detail::group_limited_best(key, K, r.groups, r.top_groups, detail::sum_of);
+    const auto ids =
+        detail::group_limited_best(key, K, r.groups, r.top_groups, detail::sum_of, r.group_mask);
     double chosen = 0;
     for (int e : ids) chosen += s[e];
     const double f = r.normalize ? double{r.scaling} / chosen : double{r.scaling};
     for (int k = 0; k < K; ++k) {
       out.id(t, k) = ids[k];
       out.weight(t, k) = s[ids[k]] * f;
+    }
+  }
+  return out;
+}
+
+/// SparseMixer top-2 (PhiMoE; Hugging Face `sparsemixer`). Round 1 on the logits l, round 2
+/// on l with round 1's expert at -inf: t = max of the round's logits; gate_e = -inf where
+/// (t - l_e) / max(|l_e|, t) > 2 jitter_eps (l_e unmasked), else the round's l_e; the expert is
+/// argmax gate (inference) or argmax (gate_e - log G_e), G_e = -log uniform(bits(seed, pass,
+/// token, round · E + e)) an Exp(1) draw (training); its weight softmax(gate) there, times
+/// 0.3333 while training when it is not the argmax and uniform(bits(seed, pass, token,
+/// 2E + round)) <= 0.75 (round 0 or 1).
+inline rank_routing routing_of(const router::sparsemixer& r, const rank_batch& b) {
+  const index_t T = b.tokens, E = b.cfg->experts;
+  const auto l = detail::project(b, b.w->gate);
+  const double eps = r.jitter_eps;
+  rank_routing out(T, 2);
+  for (index_t t = 0; t < T; ++t) {
+    const auto row = std::span<const double>(l).subspan(static_cast<std::size_t>(t * E), E);
+    std::vector<char> open(static_cast<std::size_t>(E), 1);  // round 2: not round 1's expert
+    for (int round = 0; round < 2; ++round) {
+      const int argmax = detail::best(row, 1, open)[0];
+      const double threshold = detail::ranked(row[argmax]);
+      std::vector<double> gate(row.begin(), row.end());
+      for (index_t e = 0; e < E; ++e)
+        if (!open[e] || (threshold - row[e]) / std::max(std::abs(row[e]), threshold) > 2.0 * eps)
+          gate[e] = detail::minus_inf;
+      int chosen = argmax;
+      double heun = 1.0;
+      if (r.training) {
+        const auto u = [&](index_t c) {
+          return draws::uniform(draws::bits(r.seed, b.pass, static_cast<std::uint64_t>(b.token[t]),
+                                            static_cast<std::uint64_t>(c)));
+        };
+        std::vector<double> gumbel(gate.size());
+        for (index_t e = 0; e < E; ++e) gumbel[e] = gate[e] - std::log(-std::log(u(round * E + e)));
+        chosen = detail::best(gumbel, 1, {})[0];
+        if (chosen != argmax && !(u(2 * E + round) > 0.75)) heun = 0.3333;
+      }
+      out.id(t, round) = chosen;
+      out.weight(t, round) = detail::softmax(gate)[chosen] * heun;
+      open[chosen] = 0;
     }
   }
   return out;

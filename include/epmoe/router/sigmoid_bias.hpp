@@ -21,7 +21,9 @@ namespace epmoe::router {
 ///   weights = s at the chosen experts, divided by their sum (normalize), times `scaling`.
 /// With groups > 1 the choice is limited to the best `top_groups` groups, a group scored by
 /// the sum of its two best s + b (DeepSeek-V3: 256 experts, 8 groups, top-4 groups, top-8,
-/// scaling 2.5).
+/// scaling 2.5). `group_mask` says what an expert of a dropped group scores: nothing
+/// (minus_inf, DeepSeek's code) or 0.0 (zero, Hugging Face's; it then beats a kept expert whose
+/// s + b is negative).
 /// The bias b [E] is read through `bias` (nullptr: all zero). A layer keeps its own copy,
 /// the same on every rank (`moe_layer::router_bias()`: read or write it in place); a `bias`
 /// given with the router to the layer's constructor, or set later through
@@ -41,6 +43,7 @@ struct sigmoid_bias {
   bool normalize = true;        // weights divided by their sum before scaling
   float gamma = 1e-3f;          // bias update speed
   const float* bias = nullptr;  // [E] host values, or nullptr (all zero); see above
+  group_mask_mode group_mask = group_mask_mode::minus_inf;  // dropped groups' experts score
 
   void validate(const layer_config& cfg) const {
     validate_groups(cfg, K, groups, top_groups);
@@ -48,6 +51,8 @@ struct sigmoid_bias {
                     "must be finite and > 0");
     detail::require(std::isfinite(gamma) && gamma >= 0.f, "router.gamma", gamma,
                     "must be finite and >= 0");
+    detail::require(group_mask == group_mask_mode::minus_inf || group_mask == group_mask_mode::zero,
+                    "router.group_mask", static_cast<int>(group_mask), "must be minus_inf or zero");
     if (bias)
       for (int e = 0; e < cfg.experts; ++e)
         if (!std::isfinite(bias[e]))
@@ -63,7 +68,8 @@ struct sigmoid_bias {
     const float* l = in.logits;
     float keys[K] = {};
     math::group_top_k<K>([&](int e) { return selection(l, e); }, math::pair_sum{}, in.experts,
-                         groups, top_groups, ids, keys);
+                         groups, top_groups, ids, keys,
+                         group_mask == group_mask_mode::zero ? 0.f : -INFINITY);
     float sum = 0.f;
     for (int k = 0; k < K; ++k) sum += (weights[k] = math::sigmoid(l[ids[k]]));
     const float f = normalize ? scaling / sum : scaling;
