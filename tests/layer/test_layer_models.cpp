@@ -24,14 +24,20 @@ struct model_policies : test::router_policies<Space, Router> {
   using expert = Expert;
 };
 
-/// Softmax top-K of one token's logits in float64: ids (best first) and weights (divided by
-/// their sum when `renormalize`).
+/// Softmax routing as the models' code writes it: p = softmax(l); with groups, DeepSeek-V2's
+/// group_limited_greedy (a group's score its max p, the best top_groups kept, the others' p
+/// filled with 0.0); the top-K p, divided by their sum when `renormalize`, times `scaling`.
+struct softmax_routing {
+  bool renormalize = true;
+  int groups = 1, top_groups = 1;
+  double scaling = 1;
+};
 struct top_k_choice {
   std::vector<int> ids;
   std::vector<double> weights;
 };
 top_k_choice softmax_top_k(const reference::full_weights& w, const float* x, int k,
-                           bool renormalize) {
+                           softmax_routing r) {
   const index_t E = w.cfg.experts, H = w.cfg.hidden;
   std::vector<double> p(static_cast<std::size_t>(E));
   double max = -std::numeric_limits<double>::infinity(), sum = 0;
@@ -42,6 +48,19 @@ top_k_choice softmax_top_k(const reference::full_weights& w, const float* x, int
     max = std::max(max, l);
   }
   for (double& v : p) sum += (v = std::exp(v - max));
+  for (double& v : p) v /= sum;
+  if (r.groups > 1) {
+    const index_t size = E / r.groups;
+    std::vector<std::pair<double, int>> score;  // (-max p, group): sorted best first
+    for (int g = 0; g < r.groups; ++g)
+      score.push_back({-*std::max_element(p.begin() + g * size, p.begin() + (g + 1) * size), g});
+    std::sort(score.begin(), score.end());
+    std::vector<double> masked(p.size(), 0.0);
+    for (int j = 0; j < r.top_groups; ++j)
+      for (index_t e = score[j].second * size; e < (score[j].second + 1) * size; ++e)
+        masked[e] = p[e];
+    p = masked;
+  }
   top_k_choice c;
   std::vector<char> taken(static_cast<std::size_t>(E), 0);
   double chosen = 0;
@@ -51,11 +70,10 @@ top_k_choice softmax_top_k(const reference::full_weights& w, const float* x, int
       if (!taken[e] && (best < 0 || p[e] > p[best])) best = static_cast<int>(e);
     taken[best] = 1;
     c.ids.push_back(best);
-    c.weights.push_back(p[best] / sum);
-    chosen += p[best] / sum;
+    c.weights.push_back(p[best]);
+    chosen += p[best];
   }
-  if (renormalize)
-    for (double& v : c.weights) v /= chosen;
+  for (double& v : c.weights) v *= (r.renormalize ? 1 / chosen : 1.0) * r.scaling;
   return c;
 }
 
@@ -86,7 +104,7 @@ std::vector<double> ffn(const float* w1, const float* w3, const float* w2, const
 /// and the output bias, as the model's code composes them.
 template <class Act>
 std::vector<float> block(const reference::full_weights& w, const std::vector<float>& x, bool gated,
-                         bool biases, bool renormalize, Act act) {
+                         bool biases, softmax_routing routing, Act act) {
   const layer_config& c = w.cfg;
   const index_t H = c.hidden, F = c.ffn, Fs = c.shared_width(),
                 T = static_cast<index_t>(x.size()) / H;
@@ -94,7 +112,7 @@ std::vector<float> block(const reference::full_weights& w, const std::vector<flo
   for (index_t t = 0; t < T; ++t) {
     const float* xt = x.data() + t * H;
     std::vector<double> out(static_cast<std::size_t>(H), 0.0);
-    const top_k_choice route = softmax_top_k(w, xt, c.top_k, renormalize);
+    const top_k_choice route = softmax_top_k(w, xt, c.top_k, routing);
     for (int k = 0; k < c.top_k; ++k) {
       const index_t e = route.ids[k];
       const auto v = ffn(w.w1.data() + e * F * H, gated ? w.w3.data() + e * F * H : nullptr,
@@ -124,9 +142,10 @@ const auto gelu_tanh = [](double a) {
 
 /// The family's block from its formula vs the reference vs the layer on 1, 2 and 4 ranks.
 template <class Space, class Router, class Expert, class Act>
-void check_family(layer_config cfg, bool gated, bool biases, bool renormalize, Act act,
-                  std::uint64_t seed) {
+void check_family(layer_config cfg, bool gated, bool biases, softmax_routing routing, Act act,
+                  std::uint64_t seed, Router router = {}) {
   using P = model_policies<Space, Router, Expert>;
+  const test::run_options<P> opt{.router = router};
   int ran = 0;
   for (int R : {1, 2, 4}) {
     CAPTURE(R);
@@ -135,9 +154,9 @@ void check_family(layer_config cfg, bool gated, bool biases, bool renormalize, A
     std::vector<index_t> per_rank(R, 24);
     if (R > 2) per_rank[2] = 0;  // an idle rank
     const auto g = test::make_tokens(per_rank, cfg.hidden, seed + 1);
-    const auto want = test::run_reference<P>(cfg, w, g);
-    CHECK(test::relative_error(want, block(w, g.x, gated, biases, renormalize, act)) <= 1e-12);
-    const auto got = test::run_layer<P>(cfg, w, g);
+    const auto want = test::run_reference<P>(cfg, w, g, opt);
+    CHECK(test::relative_error(want, block(w, g.x, gated, biases, routing, act)) <= 1e-12);
+    const auto got = test::run_layer<P>(cfg, w, g, opt);
     CHECK(test::relative_error(got.y, want) <= test::tolerance<Space>(1e-4));
     ++ran;
   }
@@ -158,28 +177,28 @@ layer_config family(int top_k, int experts = 8) {
 
 TEMPLATE_LIST_TEST_CASE("models: Switch Transformer, ReLU MLP experts without biases",
                         "[layer][models]", test::spaces) {
-  check_family<TestType, router::switch_top1, expert::mlp<act::relu>>(family(1), false, false,
-                                                                      false, relu, 41);
+  check_family<TestType, router::switch_top1, expert::mlp<act::relu>>(
+      family(1), false, false, {.renormalize = false}, relu, 41);
 }
 
 TEMPLATE_LIST_TEST_CASE("models: NLLB-MoE, ReLU MLP experts with biases, top-2", "[layer][models]",
                         test::spaces) {
-  check_family<TestType, router::gshard_top2, expert::mlp<act::relu, true>>(family(2), false, true,
-                                                                            true, relu, 42);
+  check_family<TestType, router::gshard_top2, expert::mlp<act::relu, true>>(
+      family(2), false, true, {.renormalize = true}, relu, 42);
 }
 
 TEMPLATE_LIST_TEST_CASE("models: GShard with GELU and GELU-tanh MLP experts", "[layer][models]",
                         test::spaces) {
-  check_family<TestType, router::gshard_top2, expert::mlp<act::gelu, true>>(family(2), false, true,
-                                                                            true, gelu, 43);
-  check_family<TestType, router::gshard_top2, expert::mlp<act::gelu_tanh>>(family(2), false, false,
-                                                                           true, gelu_tanh, 44);
+  check_family<TestType, router::gshard_top2, expert::mlp<act::gelu, true>>(
+      family(2), false, true, {.renormalize = true}, gelu, 43);
+  check_family<TestType, router::gshard_top2, expert::mlp<act::gelu_tanh>>(
+      family(2), false, false, {.renormalize = true}, gelu_tanh, 44);
 }
 
 TEMPLATE_LIST_TEST_CASE("models: GeGLU experts (gated, GELU-tanh)", "[layer][models]",
                         test::spaces) {
-  check_family<TestType, router::mixtral<2>, expert::glu<act::gelu_tanh>>(family(2), true, false,
-                                                                          true, gelu_tanh, 45);
+  check_family<TestType, router::mixtral<2>, expert::glu<act::gelu_tanh>>(
+      family(2), true, false, {.renormalize = true}, gelu_tanh, 45);
 }
 
 TEMPLATE_LIST_TEST_CASE("models: Qwen2-MoE, a shared expert scaled per token by its sigmoid gate",
@@ -188,31 +207,55 @@ TEMPLATE_LIST_TEST_CASE("models: Qwen2-MoE, a shared expert scaled per token by 
   cfg.shared_experts = 1;
   cfg.shared_ffn = 20;
   cfg.shared_gate = true;
-  check_family<TestType, router::qwen<4, false>, expert::swiglu>(cfg, true, false, false, silu, 46);
+  check_family<TestType, router::qwen<4, false>, expert::swiglu>(cfg, true, false,
+                                                                 {.renormalize = false}, silu, 46);
   // Without the gate the same weights give another output: the gate is not silently ignored.
   const auto w = reference::full_weights::random(cfg, 46);
   const auto g = test::make_tokens({24}, cfg.hidden, 47);
   reference::full_weights plain = w;
   plain.cfg.shared_gate = false;
-  CHECK(test::relative_error(block(w, g.x, true, false, false, silu),
-                             block(plain, g.x, true, false, false, silu)) > 1e-2);
+  CHECK(test::relative_error(block(w, g.x, true, false, {.renormalize = false}, silu),
+                             block(plain, g.x, true, false, {.renormalize = false}, silu)) > 1e-2);
 }
 
 TEMPLATE_LIST_TEST_CASE(
     "models: Qwen3-MoE and OLMoE, softmax top-8 of 16 with and without "
     "norm_topk_prob",
     "[layer][models]", test::spaces) {
-  check_family<TestType, router::qwen<8, true>, expert::swiglu>(family(8, 16), true, false, true,
-                                                                silu, 50);
-  check_family<TestType, router::qwen<8, false>, expert::swiglu>(family(8, 16), true, false, false,
-                                                                 silu, 51);
+  check_family<TestType, router::qwen<8, true>, expert::swiglu>(family(8, 16), true, false,
+                                                                {.renormalize = true}, silu, 50);
+  check_family<TestType, router::qwen<8, false>, expert::swiglu>(family(8, 16), true, false,
+                                                                 {.renormalize = false}, silu, 51);
+}
+
+TEMPLATE_LIST_TEST_CASE(
+    "models: DeepSeek-V2, group-limited greedy by the group's max, routed "
+    "scaling 16, two shared experts",
+    "[layer][models]", test::spaces) {
+  layer_config cfg = family(4, 16);
+  cfg.shared_experts = 2;
+  const router::deepseek_v2<4> v2{
+      .groups = 4, .top_groups = 2, .scaling = 16.f, .group_by = router::group_score::max};
+  check_family<TestType, router::deepseek_v2<4>, expert::swiglu>(
+      cfg, true, false, {.renormalize = false, .groups = 4, .top_groups = 2, .scaling = 16}, silu,
+      52, v2);
+  // The V3 group score (two best) on the same weights routes differently: the option counts.
+  const auto w = reference::full_weights::random(cfg, 52);
+  const auto g = test::make_tokens({24}, cfg.hidden, 53);
+  using P = model_policies<TestType, router::deepseek_v2<4>, expert::swiglu>;
+  test::run_options<P> v3{.router = v2};
+  v3.router.group_by = router::group_score::top2_sum;
+  cfg.ranks = 1;
+  CHECK(test::relative_error(test::run_reference<P>(cfg, w, g, v3),
+                             test::run_reference<P>(cfg, w, g, {.router = v2})) > 1e-3);
 }
 
 TEMPLATE_LIST_TEST_CASE("models: JetMoE, an output bias after the weighted sum", "[layer][models]",
                         test::spaces) {
   layer_config cfg = family(2);
   cfg.output_bias = true;
-  check_family<TestType, router::mixtral<2>, expert::swiglu>(cfg, true, false, true, silu, 48);
+  check_family<TestType, router::mixtral<2>, expert::swiglu>(cfg, true, false,
+                                                             {.renormalize = true}, silu, 48);
 }
 
 TEMPLATE_LIST_TEST_CASE("models: shared gate and output bias with no shared expert rows to run",
@@ -220,8 +263,8 @@ TEMPLATE_LIST_TEST_CASE("models: shared gate and output bias with no shared expe
   // Output bias alone (no shared experts): the home rank's terms are the bias only.
   layer_config cfg = family(1);
   cfg.output_bias = true;
-  check_family<TestType, router::switch_top1, expert::mlp<act::relu, true>>(cfg, false, true, false,
-                                                                            relu, 49);
+  check_family<TestType, router::switch_top1, expert::mlp<act::relu, true>>(
+      cfg, false, true, {.renormalize = false}, relu, 49);
 }
 
 #ifndef EPMOE_TEST_SPACES_ONLY_GENERIC

@@ -302,3 +302,42 @@ TEST_CASE("group masks: group_mask is checked", "[router][group_mask][errors]") 
   r.group_mask = static_cast<group_mask_mode>(7);
   CHECK_THROWS_WITH(r.validate(cfg), Catch::Contains("router.group_mask"));
 }
+
+TEST_CASE("DeepSeek-V2: a group scored by its max p, weights times routed scaling",
+          "[router][deepseek_v2]") {
+  // Groups {0, 1} and {2, 3}: logits (2, -5 | 1.5, 1.5). Max p: group 0 (e^2 > e^1.5); sum of
+  // the two best: group 1 (2 e^1.5 = 8.96 > e^2 + e^-5 = 7.40).
+  const std::vector<float> logits{2.f, -5.f, 1.5f, 1.5f};
+  const double denom = std::exp(2.0) + std::exp(-5.0) + 2 * std::exp(1.5);
+  using epmoe::router::deepseek_v2;
+  using epmoe::router::group_score;
+  const auto v2 = route(
+      deepseek_v2<1>{.groups = 2, .top_groups = 1, .scaling = 16.f, .group_by = group_score::max},
+      logits);
+  CHECK(v2.ids == std::vector<int>{0});
+  CHECK(v2.weights[0] == Approx(16 * std::exp(2.0) / denom).epsilon(1e-6));  // 7.227
+  CHECK(v2.weights[0] == Approx(7.2272).epsilon(1e-4));
+  const auto v3 = route(deepseek_v2<1>{.groups = 2, .top_groups = 1, .scaling = 16.f}, logits);
+  CHECK(v3.ids == std::vector<int>{2});
+  CHECK(v3.weights[0] == Approx(16 * std::exp(1.5) / denom).epsilon(1e-6));
+  // Scaling after renormalisation: Mixtral's weights times 2.
+  const auto m = route(topk_softmax<2>{.scaling = 2.f}, logits);
+  CHECK(m.weights[0] + m.weights[1] == Approx(2.0).epsilon(1e-6));
+}
+
+TEST_CASE("DeepSeek-V2: scaling and group_by are checked", "[router][deepseek_v2][errors]") {
+  const layer_config cfg{.hidden = 4, .ffn = 4, .experts = 4, .top_k = 1, .max_tokens = 1};
+  const auto field = [&](const auto& r) -> std::string {
+    try {
+      r.validate(cfg);
+    } catch (const epmoe::config_error& e) {
+      return e.field();
+    }
+    return "<valid>";
+  };
+  CHECK(field(epmoe::router::deepseek_v2<1>{.scaling = 0.f}) == "router.scaling");
+  CHECK(field(epmoe::router::deepseek_v2<1>{.scaling = NAN}) == "router.scaling");
+  CHECK(field(epmoe::router::deepseek_v2<1>{
+            .group_by = static_cast<epmoe::router::group_score>(7)}) == "router.group_by");
+  CHECK(field(epmoe::router::deepseek_v2<1>{.scaling = 16.f}) == "<valid>");
+}

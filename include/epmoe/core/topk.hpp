@@ -88,6 +88,11 @@ EPMOE_HD void group_top_k(KeyFn key, PairFn pair, int n, int groups, int top_gro
       insert_top<K>(dropped, e, count, ids, keys);
 }
 
+/// Group score of its best key alone (DeepSeek-V2: max over the group).
+struct pair_first {
+  EPMOE_HD float operator()(float a, float) const { return a; }
+};
+
 /// Group score for additive scores (sigmoid): a + b.
 struct pair_sum {
   EPMOE_HD float operator()(float a, float b) const { return a + b; }

@@ -188,15 +188,19 @@ rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const ran
     const auto p = detail::softmax(row);
     // p's order is the logits' order; choosing on the logits keeps it where p underflows or
     // is NaN (a +inf logit).
+    // A group's score: p_a + p_b (as log(e^a + e^b) of the logits), or its best p (V2).
     const auto ids =
-        detail::group_limited_best(row, K, r.groups, r.top_groups, detail::log_sum_exp);
+        r.group_by == router::group_score::max
+            ? detail::group_limited_best(row, K, r.groups, r.top_groups,
+                                         [](double a, double) { return a; })
+            : detail::group_limited_best(row, K, r.groups, r.top_groups, detail::log_sum_exp);
     const double norm_p = r.norm_p;
     double chosen = 0;
     for (int e : ids) chosen += std::pow(std::abs(p[e]), norm_p);
     chosen = std::pow(chosen, 1.0 / norm_p);
     for (int k = 0; k < K; ++k) {
       out.id(t, k) = ids[k];
-      out.weight(t, k) = Renormalize ? p[ids[k]] / chosen : p[ids[k]];
+      out.weight(t, k) = (Renormalize ? p[ids[k]] / chosen : p[ids[k]]) * double{r.scaling};
     }
   }
   return out;

@@ -30,13 +30,19 @@ inline void validate_groups(const layer_config& cfg, int k, int groups, int top_
                   "kept groups must hold at least top_k experts");
 }
 
+/// How a group-limited router scores a group: the sum of its two best scores (DeepSeek-V3)
+/// or its best score alone (DeepSeek-V2's `group_limited_greedy`).
+enum class group_score { top2_sum, max };
+
 /// Softmax over all E gate logits, then the top-K experts.
 /// Renormalize = true: the K weights are divided by their p-norm (Σ_k |w_k|^p)^(1/p),
 /// p = norm_p: 1 is their sum (Mixtral, GShard top-2; equal to a softmax over just the K
 /// chosen logits), another p is DBRX's `moe_normalize_expert_weights = p`. false: the K
 /// softmax probabilities as they are (Switch top-1, Qwen-MoE `norm_topk_prob = false`).
 /// groups > 1 limits the choice to the best `top_groups` of `groups` contiguous expert groups,
-/// a group scored by the sum of its two best probabilities (DeepSeek group-limited routing).
+/// a group scored by the sum of its two best probabilities (DeepSeek group-limited routing),
+/// or by its best one (`group_by = group_score::max`, DeepSeek-V2). The weights are then
+/// multiplied by `scaling` (DeepSeek-V2's routed_scaling_factor, 16 in V2).
 /// The gate is a learned [E, H] matrix; the layer computes logits = x * gate^T.
 template <int K, bool Renormalize = true>
 struct topk_softmax {
@@ -44,9 +50,11 @@ struct topk_softmax {
   static constexpr int top_k = K;
   static constexpr bool uses_gate = true;
 
-  int groups = 1;      // expert groups (1: no group limit)
-  int top_groups = 1;  // groups kept per token when groups > 1
-  float norm_p = 1.f;  // Renormalize: the p of the p-norm the K weights are divided by
+  int groups = 1;       // expert groups (1: no group limit)
+  int top_groups = 1;   // groups kept per token when groups > 1
+  float norm_p = 1.f;   // Renormalize: the p of the p-norm the K weights are divided by
+  float scaling = 1.f;  // every weight times this (DeepSeek-V2's routed_scaling_factor)
+  group_score group_by = group_score::top2_sum;
 
   void validate(const layer_config& cfg) const {
     validate_groups(cfg, K, groups, top_groups);
@@ -54,6 +62,10 @@ struct topk_softmax {
                     "must be finite and > 0");
     detail::require(Renormalize || norm_p == 1.f, "router.norm_p", norm_p,
                     "must be 1 without renormalisation (topk_softmax<K, false>)");
+    detail::require(std::isfinite(scaling) && scaling > 0.f, "router.scaling", scaling,
+                    "must be finite and > 0");
+    detail::require(group_by == group_score::top2_sum || group_by == group_score::max,
+                    "router.group_by", static_cast<int>(group_by), "must be top2_sum or max");
   }
 
   /// logits[E] -> ids[K] (distinct, best first) and weights[K].
@@ -66,9 +78,12 @@ struct topk_softmax {
     for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
     float best[K] = {};
     // Select on the logits (the order of the probabilities, exact where they underflow);
-    // groups compare p_a + p_b through log(e^a + e^b).
-    math::group_top_k<K>([&](int e) { return l[e]; }, math::pair_log_sum_exp{}, E, groups,
-                         top_groups, ids, best);
+    // groups compare p_a + p_b through log(e^a + e^b), or max(p) through the best logit.
+    const auto key = [&](int e) { return l[e]; };
+    if (group_by == group_score::max)
+      math::group_top_k<K>(key, math::pair_first{}, E, groups, top_groups, ids, best);
+    else
+      math::group_top_k<K>(key, math::pair_log_sum_exp{}, E, groups, top_groups, ids, best);
     float chosen = 0.f;
     for (int k = 0; k < K; ++k) {
       weights[k] = math::shifted_exp(l[ids[k]], max) / denom;
@@ -87,6 +102,8 @@ struct topk_softmax {
         for (int k = 0; k < K; ++k) weights[k] /= norm;
       }
     }
+    if (scaling != 1.f)
+      for (int k = 0; k < K; ++k) weights[k] *= scaling;
   }
 
   /// The router's probability of every expert (the P_i of the auxiliary loss).
@@ -115,5 +132,10 @@ using gshard_top2 = topk_softmax<2, true>;
 /// with it unset is topk_softmax<K, false>).
 template <int K>
 using dbrx = topk_softmax<K, true>;
+/// DeepSeek-V2 (160 experts, top-6; V2-Lite 64, top-6): softmax top-K, not renormalised,
+/// times `scaling` = routed_scaling_factor; `group_limited_greedy` is groups = n_group,
+/// top_groups = topk_group, group_by = group_score::max.
+template <int K>
+using deepseek_v2 = topk_softmax<K, false>;
 
 }  // namespace epmoe::router
