@@ -160,6 +160,9 @@ void check_expert(bool shared_gate) {
 static_assert(reference::router_with_gradient<router::mixtral<2>> &&
               reference::router_with_gradient<router::sigmoid_bias<2>> &&
               reference::router_with_gradient<router::jitter<router::switch_top1>>);
+// The losses' probabilities of sigmoid_bias (normalised sigmoid) also when it is wrapped.
+static_assert(reference::detail::sigmoid_probabilities_v<router::jitter<router::sigmoid_bias<2>>> &&
+              !reference::detail::sigmoid_probabilities_v<router::mixtral<2>>);
 static_assert(!reference::router_with_gradient<router::sparsemixer>,
               "sparsemixer's gradient is not defined by the reference yet");
 
@@ -366,4 +369,130 @@ TEST_CASE("reference backward: capacity drops get exactly zero gradient", "[refe
   CHECK(any_nonzero(z.doutput_bias));
   CHECK(any_nonzero(z.dx));
   check_gradients<expert::swiglu>(w2, router::mixtral<2>{}, no_room{}, one, 56);
+}
+
+namespace {
+// The router losses' gradients (gate and x) against finite differences of
+// Σ_r scales.aux · aux_r + scales.seq_aux · seq_aux_r + scales.z · z_r.
+template <class Router>
+int check_loss_gradients(reference::full_weights w, const Router& router,
+                         const std::vector<index_t>& ranks, std::uint64_t seed) {
+  const index_t H = w.cfg.hidden;
+  index_t N = 0;
+  for (index_t n : ranks) N += n;
+  std::vector<float> x = uniform(static_cast<std::size_t>(N * H), seed);
+  const reference::loss_scales scales{1.3, 0.7, 0.05};
+  const auto xv = [&] { return matrix_view<const float>{x.data(), N, H}; };
+  const auto ids = [&] {
+    std::vector<std::int32_t> all;
+    for (const auto& r : reference::route_ranks(w, router, xv(), ranks))
+      all.insert(all.end(), r.ids.begin(), r.ids.end());
+    return all;
+  };
+  const auto loss = [&] {
+    double L = 0;
+    for (const auto& l : reference::losses(w, router, xv(), ranks)) {
+      REQUIRE(l.valid);
+      L += scales.aux * l.aux + scales.seq_aux * l.seq_aux + scales.z * l.z;
+    }
+    return L;
+  };
+  const auto g = reference::loss_backward(w, router, xv(), ranks, scales);
+  CHECK(all_zero(g.dw1));
+  CHECK(all_zero(g.dw2));
+  CHECK(all_zero(g.dshared_gate));
+  const auto base = ids();
+  int compared = 0;
+  const auto check = [&](const char* name, std::vector<float>& p, const std::vector<double>& d) {
+    REQUIRE(d.size() == p.size());
+    for (std::size_t i = 0; i < p.size(); ++i) {
+      const float old = p[i];
+      p[i] = static_cast<float>(old + step);
+      const double up = double{p[i]} - old;
+      REQUIRE(ids() == base);
+      const double Lp = loss();
+      p[i] = static_cast<float>(old - step);
+      const double down = old - double{p[i]};
+      REQUIRE(ids() == base);
+      const double Lm = loss();
+      p[i] = old;
+      const double fd = (Lp - Lm) / (up + down);
+      INFO(name << "[" << i << "]: backward " << d[i] << ", finite differences " << fd);
+      REQUIRE(std::isfinite(d[i]));
+      REQUIRE(std::abs(fd - d[i]) <= tol * (1.0 + std::abs(fd)));
+      ++compared;
+    }
+  };
+  check("gate", w.gate, g.dgate);
+  check("x", x, g.dx);
+  REQUIRE(any_nonzero(g.dgate));
+  REQUIRE(compared > 0);
+  return compared;
+}
+
+layer_config loss_config() {
+  auto cfg = small_config();
+  cfg.aux_loss_coef = 0.5;  // large enough that aux and seq_aux weigh in the sum
+  cfg.seq_len = 3;          // sequences of 3 tokens (the last one shorter)
+  return cfg;
+}
+}  // namespace
+
+TEST_CASE("reference losses: the same as the layer's compute_losses", "[reference][backward]") {
+  const auto w = smooth_weights(loss_config(), 61);
+  const std::vector<float> x = uniform(7 * 6, 62);
+  const std::vector<index_t> one{7};
+  const matrix_view<const float> xv{x.data(), 7, 6};
+  const auto compare = [&](const auto& router) {
+    const auto route = reference::route_ranks(w, router, xv, one).at(0);
+    std::vector<float> logits(7 * 4), weights(route.weights.begin(), route.weights.end());
+    for (index_t t = 0; t < 7; ++t)
+      for (index_t e = 0; e < 4; ++e) {
+        double s = 0;
+        for (index_t h = 0; h < 6; ++h) s += double{x[t * 6 + h]} * w.gate[e * 6 + h];
+        logits[t * 4 + e] = static_cast<float>(s);
+      }
+    const routing_view rv{{route.ids.data(), 7, route.width}, {weights.data(), 7, route.width}};
+    std::vector<float> probs(7 * 4);
+    std::vector<double> acc(8);
+    router_losses layer;
+    compute_losses(router, w.cfg, {logits.data(), 7, 4}, rv, probs, acc, layer);
+    const auto ref = reference::losses(w, router, xv, one).at(0);
+    REQUIRE(layer.valid);
+    REQUIRE(ref.valid);
+    CHECK(ref.aux > 0);
+    CHECK(ref.seq_aux > 0);
+    CHECK(ref.z > 0);
+    CHECK(ref.aux == Approx(layer.aux).epsilon(1e-5));
+    CHECK(ref.seq_aux == Approx(layer.seq_aux).epsilon(1e-5));
+    CHECK(ref.z == Approx(layer.z).epsilon(1e-5));
+  };
+  compare(router::mixtral<2>{});
+  compare(router::sigmoid_bias<2>{});
+  compare(router::expert_choice{});
+}
+
+TEST_CASE("reference loss_backward: aux, sequence aux and z-loss against finite differences",
+          "[reference][backward]") {
+  const auto w = smooth_weights(loss_config(), 63);
+  const std::vector<index_t> two{4, 3};
+  SECTION("topk_softmax") { check_loss_gradients(w, router::mixtral<2>{}, two, 64); }
+  SECTION("sigmoid_bias, and jittered while training") {
+    const std::vector<float> bias{0.3f, -0.2f, 0.1f, -0.4f};
+    router::sigmoid_bias<2> s;
+    s.bias = bias.data();
+    check_loss_gradients(w, s, two, 65);
+    router::jitter<router::sigmoid_bias<2>> j;
+    j.bias = bias.data();
+    j.training = true;
+    j.eps = 0.1f;
+    check_loss_gradients(w, j, two, 66);
+  }
+  SECTION("expert choice") { check_loss_gradients(w, router::expert_choice{}, two, 67); }
+  SECTION("noisy top-k while training") {
+    router::noisy_topk<2> r;
+    r.training = true;
+    r.seed = 3;
+    check_loss_gradients(w, r, two, 68);
+  }
 }
