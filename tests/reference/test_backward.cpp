@@ -331,6 +331,10 @@ TEST_CASE("reference backward: capacity drops get exactly zero gradient", "[refe
     // The limit drops assignments and the backward still matches finite differences.
     check_gradients<expert::swiglu>(w, router::mixtral<2>{}, capacity::factor<false>{}, ranks, 52);
   }
+  // The same under round-robin placement (capacity counts per physical slot).
+  check_gradients<expert::swiglu, router::mixtral<2>, capacity::factor<true>,
+                  placement::round_robin>(w, router::mixtral<2>{}, capacity::factor<true>{}, {5, 3},
+                                          57);
   // Tokens with every assignment dropped and no shared expert: dx exactly zero.
   cfg.shared_experts = 0;
   cfg.shared_gate = false;
