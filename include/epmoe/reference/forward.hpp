@@ -28,13 +28,20 @@ namespace epmoe::reference {
 /// from their definitions, never through the policies' own code. Capacity applies per
 /// (source rank, physical slot) in token order, then slot order within a token, as the
 /// layer does; with replicas it counts the copy the placement's rule picks.
+///
+/// forward_values is the same pass returning y in double, before the final rounding to
+/// float: reference::backward's finite-difference checks differentiate it.
 template <class Expert = expert::swiglu, class Router, class Capacity, class Placement>
-void forward(const full_weights& w, const Router& router, const Capacity& capacity,
-             const Placement& placement, matrix_view<const float> x,
-             std::span<const index_t> tokens_per_rank, matrix_view<float> y,
-             const pass_options& opt = {}) {
+std::vector<double> forward_values(const full_weights& w, const Router& router,
+                                   const Capacity& capacity, const Placement& placement,
+                                   matrix_view<const float> x,
+                                   std::span<const index_t> tokens_per_rank,
+                                   const pass_options& opt = {}) {
   const layer_config& cfg = w.cfg;
   const index_t H = cfg.hidden;
+  index_t total = 0;
+  for (index_t n : tokens_per_rank) total += n;
+  std::vector<double> y(static_cast<std::size_t>(total * H));  // [sum(tokens_per_rank), H]
   const auto routing = route_ranks(w, router, x, tokens_per_rank, opt);
   std::vector<double> out(static_cast<std::size_t>(H));
   index_t t0 = 0;
@@ -66,10 +73,23 @@ void forward(const full_weights& w, const Router& router, const Capacity& capaci
       }
       if (cfg.output_bias)  // JetMoE
         for (index_t o = 0; o < H; ++o) out[o] += w.output_bias[o];
-      for (index_t o = 0; o < H; ++o) y(t0 + t, o) = static_cast<float>(out[o]);
+      std::copy(out.begin(), out.end(), y.begin() + (t0 + t) * H);
     }
     t0 += route.tokens;
   }
+  return y;
+}
+
+template <class Expert = expert::swiglu, class Router, class Capacity, class Placement>
+void forward(const full_weights& w, const Router& router, const Capacity& capacity,
+             const Placement& placement, matrix_view<const float> x,
+             std::span<const index_t> tokens_per_rank, matrix_view<float> y,
+             const pass_options& opt = {}) {
+  const std::vector<double> v =
+      forward_values<Expert>(w, router, capacity, placement, x, tokens_per_rank, opt);
+  const index_t H = w.cfg.hidden;
+  for (index_t t = 0; t < static_cast<index_t>(v.size()) / H; ++t)
+    for (index_t o = 0; o < H; ++o) y(t, o) = static_cast<float>(v[t * H + o]);
 }
 
 /// The same with placement::block (one copy per expert).
