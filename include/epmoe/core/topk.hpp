@@ -111,6 +111,15 @@ EPMOE_HD float shifted_exp(float x, float max) { return expf(x - max); }
 
 EPMOE_HD float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
+/// p = softmax(l) over n logits, shifted by their max (the routers' P_i for the losses).
+EPMOE_HD void softmax(const float* l, int n, float* p) {
+  float max = -INFINITY;
+  for (int e = 0; e < n; ++e) max = l[e] > max ? l[e] : max;
+  float denom = 0.f;
+  for (int e = 0; e < n; ++e) denom += (p[e] = shifted_exp(l[e], max));
+  for (int e = 0; e < n; ++e) p[e] /= denom;
+}
+
 /// log(sum_e exp(v[e])), stable.
 EPMOE_HD float log_sum_exp(const float* v, int n) {
   float m = -INFINITY;

@@ -108,12 +108,7 @@ struct topk_softmax {
 
   /// The router's probability of every expert (the P_i of the auxiliary loss).
   EPMOE_HD void probabilities(const token_input& in, float* p) const {
-    const float* l = in.logits;
-    float max = -INFINITY;
-    for (int e = 0; e < in.experts; ++e) max = l[e] > max ? l[e] : max;
-    float denom = 0.f;
-    for (int e = 0; e < in.experts; ++e) denom += (p[e] = math::shifted_exp(l[e], max));
-    for (int e = 0; e < in.experts; ++e) p[e] /= denom;
+    math::softmax(in.logits, in.experts, p);
   }
 };
 
