@@ -71,6 +71,19 @@ concept space_policy = std::copyable<S> && requires {
   s.synchronize();
 };
 
+/// A space that can run the expert backward (docs/training.md): beyond space_policy, the
+/// grouped GEMMs of the backward, dX = dY W (grouped_gemm_nn) and dW = dYᵀ X summed over each
+/// group's rows (grouped_gemm_tn_accumulate). Only a training pass requires it.
+template <class S>
+concept training_space = space_policy<S> && requires(const S& s) {
+  s.grouped_gemm_nn(grouped_rows<const typename S::value_type>{},
+                    stacked_view<const typename S::value_type>{},
+                    grouped_rows<typename S::value_type>{}, bool{});
+  s.grouped_gemm_tn_accumulate(grouped_rows<const typename S::value_type>{},
+                               grouped_rows<const typename S::value_type>{}, stacked_view<float>{},
+                               bool{});
+};
+
 /// A router that decides per token, from that token alone (host+device code).
 template <class R>
 concept token_router = requires(const R& r, const token_input& in, int* ids, float* weights) {

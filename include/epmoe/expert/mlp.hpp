@@ -106,6 +106,88 @@ struct mlp {
                                          x.groups, x.device_offsets});
   }
 
+  // --- backward (docs/training.md) -------------------------------------------------------
+
+  /// The gradients of the L local experts' weights, shaped like weights_of (b1, b2 empty
+  /// without Biases).
+  template <class G>
+  struct grads_of {
+    stacked_view<G> w1;    // [L, F, H]
+    stacked_view<G> w2;    // [L, H, F]
+    stacked_view<G> b1{};  // [L, 1, F] (Biases)
+    stacked_view<G> b2{};  // [L, 1, H] (Biases)
+  };
+  using grads = grads_of<float>;
+
+  /// Scratch elements per row of backward: the recomputed hidden layer and dh.
+  static index_t backward_scratch_per_row(index_t ffn) { return 2 * ffn; }
+
+  /// Element i of the [rows, F] hidden layers: from a = x W1ᵀ + b1 and dh = dy W2, writes
+  /// h = act(a) over a and da = dh act'(a) over dh.
+  template <class T>
+  struct act_grad_rows {
+    T *a, *dh;
+    EPMOE_HD void operator()(index_t i) const {
+      const float av = to_float(a[i]);
+      dh[i] = from_float<T>(to_float(dh[i]) * Act::grad(av));
+      a[i] = from_float<T>(Act::apply(av));
+    }
+  };
+
+  /// Element i = g * cols + c of a [groups, cols] result: out[g][c] (+)= the sum of column c
+  /// over group g's rows of `data` (the bias gradients; rows in order: deterministic).
+  template <class T, class G>
+  struct group_column_sum {
+    const T* data;
+    index_t cols, stride;
+    const index_t* offsets;  // [groups + 1] in the space's memory
+    G* out;
+    index_t out_stride;  // between two groups' results
+    bool accumulate;
+    EPMOE_HD void operator()(index_t i) const {
+      const index_t g = i / cols, c = i - g * cols;
+      float s = 0.f;
+      for (index_t r = offsets[g] - offsets[0]; r < offsets[g + 1] - offsets[0]; ++r)
+        s += to_float(data[r * stride + c]);
+      G& o = out[g * out_stride + c];
+      o = from_float<G>(accumulate ? to_float(o) + s : s);
+    }
+  };
+
+  /// The backward of forward() for the rows of every local expert g (group g), recomputing
+  /// the hidden layer from the saved inputs x: dx = dL/dx (may be x or dy) and dL/dW of every
+  /// tensor into `grads` (overwritten, or added to with `accumulate`). scratch holds
+  /// x.rows() * backward_scratch_per_row(F) elements.
+  template <class Space, class T, class G>
+  static void backward(const Space& space, const weights_of<T>& w, grouped_rows<const T> x,
+                       grouped_rows<const T> dy, grouped_rows<T> dx, const grads_of<G>& grads,
+                       T* scratch, bool accumulate = false) {
+    const index_t F = w.w1.rows, n = x.elements(F);
+    const grouped_rows<T> a = x.over(scratch, F), dh = x.over(scratch + n, F);
+    if (n > 0) {
+      space.grouped_gemm_nt(x, w.w1, a);
+      space.for_each(n, bias_rows<T, false>{a.data, Biases ? w.b1.data : nullptr, w.b1.batch_stride,
+                                            F, a.stride, a.groups, a.device_offsets});
+      space.grouped_gemm_nn(dy, w.w2, dh);  // dh = dy W2: [rows, H] x [H, F]
+      space.for_each(n, act_grad_rows<T>{a.data, dh.data});
+    }
+    // dW2 = dyᵀ h, dW1 = daᵀ x (zeros for a group without rows); db2, db1: column sums.
+    space.grouped_gemm_tn_accumulate(dy, grouped_rows<const T>(a), grads.w2, accumulate);
+    space.grouped_gemm_tn_accumulate(grouped_rows<const T>(dh), x, grads.w1, accumulate);
+    if constexpr (Biases) {
+      const index_t H = w.w2.rows;
+      if (x.groups > 0) {
+        space.for_each(x.groups * H,
+                       group_column_sum<T, G>{dy.data, H, dy.stride, dy.device_offsets,
+                                              grads.b2.data, grads.b2.batch_stride, accumulate});
+        space.for_each(x.groups * F,
+                       group_column_sum<T, G>{dh.data, F, dh.stride, dh.device_offsets,
+                                              grads.b1.data, grads.b1.batch_stride, accumulate});
+      }
+    }
+    if (n > 0) space.grouped_gemm_nn(grouped_rows<const T>(dh), w.w1, dx);  // dx = da W1
+  }
+
   /// Local expert j alone on rows x [n, H] (tests, calibration).
   template <class Space, class T>
   static void forward(const Space& space, const weights_of<T>& w, index_t j, matrix_view<T> x,

@@ -98,6 +98,64 @@ struct glu {
     space.grouped_gemm_nt(h1, w.w2, x);
   }
 
+  // --- backward (docs/training.md) -------------------------------------------------------
+
+  /// The gradients of the L local experts' weights, shaped like weights_of (G: float, or the
+  /// space's element type).
+  template <class G>
+  struct grads_of {
+    stacked_view<G> w1;  // [L, F, H]
+    stacked_view<G> w3;  // [L, F, H]
+    stacked_view<G> w2;  // [L, H, F]
+  };
+  using grads = grads_of<float>;
+
+  /// Scratch elements per row of backward: the two recomputed projections and dh.
+  static index_t backward_scratch_per_row(index_t ffn) { return 3 * ffn; }
+
+  /// Element i of the [rows, F] hidden layers: from a = x W1ᵀ, b = x W3ᵀ and dh = dy W2,
+  /// writes da = dh b act'(a) over a, db = dh act(a) over b, and h = act(a) b over dh.
+  template <class T>
+  struct act_mul_grad_rows {
+    T *a, *b, *dh;
+    EPMOE_HD void operator()(index_t i) const {
+      const float av = to_float(a[i]), bv = to_float(b[i]), g = to_float(dh[i]);
+      const float s = Act::apply(av);
+      a[i] = from_float<T>(g * bv * Act::grad(av));
+      b[i] = from_float<T>(g * s);
+      dh[i] = from_float<T>(s * bv);
+    }
+  };
+
+  /// The backward of forward() for the rows of every local expert g (group g), recomputing
+  /// the hidden layers from the saved inputs x: dx = dL/dx (may be x or dy: they are read
+  /// before dx is written) and dL/dW of every tensor into `grads` (overwritten, or added to
+  /// with `accumulate`: several calls over parts of the rows). dy is dL/d(the expert's
+  /// output). scratch holds x.rows() * backward_scratch_per_row(F) elements (F padded as for
+  /// forward).
+  template <class Space, class T, class G>
+  static void backward(const Space& space, const weights_of<T>& w, grouped_rows<const T> x,
+                       grouped_rows<const T> dy, grouped_rows<T> dx, const grads_of<G>& grads,
+                       T* scratch, bool accumulate = false) {
+    const index_t F = w.w1.rows, n = x.elements(F);
+    const grouped_rows<T> a = x.over(scratch, F), b = x.over(scratch + n, F),
+                          dh = x.over(scratch + 2 * n, F);
+    if (n > 0) {
+      space.grouped_gemm_nt(x, w.w1, a);
+      space.grouped_gemm_nt(x, w.w3, b);
+      space.grouped_gemm_nn(dy, w.w2, dh);  // dh = dy W2: [rows, H] x [H, F]
+      space.for_each(n, act_mul_grad_rows<T>{a.data, b.data, dh.data});
+    }
+    // dW2 = dyᵀ h, dW1 = daᵀ x, dW3 = dbᵀ x (zeros for a group without rows).
+    space.grouped_gemm_tn_accumulate(dy, grouped_rows<const T>(dh), grads.w2, accumulate);
+    space.grouped_gemm_tn_accumulate(grouped_rows<const T>(a), x, grads.w1, accumulate);
+    space.grouped_gemm_tn_accumulate(grouped_rows<const T>(b), x, grads.w3, accumulate);
+    if (n == 0) return;
+    // dx = da W1 + db W3: [rows, F] x [F, H].
+    space.grouped_gemm_nn(a, w.w1, dx);
+    space.grouped_gemm_nn(b, w.w3, dx, true);
+  }
+
   /// Local expert j alone on rows x [n, H] (tests, calibration): the grouped forward of one
   /// group.
   template <class Space, class T>

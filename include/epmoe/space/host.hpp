@@ -141,6 +141,21 @@ class host : public allocates<host> {
       if (a.offsets[g + 1] > a.offsets[g]) gemm_nt(a.group(g), b[g], c.group(g));
   }
 
+  /// Per group g: c's rows of g (+)= a's rows of g x b[g] (b[g] row-major [K, N], not
+  /// transposed: the backward's dX = dY W). Empty groups are skipped.
+  void grouped_gemm_nn(grouped_rows<const float> a, stacked_view<const float> b,
+                       grouped_rows<float> c, bool accumulate = false) const {
+    for (int g = 0; g < a.groups; ++g)
+      if (a.offsets[g + 1] > a.offsets[g]) host_gemm_nn(a.group(g), b[g], c.group(g), accumulate);
+  }
+  /// Per group g: c[g] [M, N] (+)= (a's rows of g)ᵀ x (b's rows of g) (the backward's
+  /// dW = dYᵀ X, summed over the group's rows); a group without rows gives zeros (or leaves
+  /// c[g] when accumulating).
+  void grouped_gemm_tn_accumulate(grouped_rows<const float> a, grouped_rows<const float> b,
+                                  stacked_view<float> c, bool accumulate) const {
+    for (int g = 0; g < a.groups; ++g) host_gemm_tn(a.group(g), b.group(g), c[g], accumulate);
+  }
+
   /// Copies `count[i]` rows from src row `src_offset[i]` to dst row `dst_offset[i]`, for
   /// each of n blocks (the regroup between source-major and expert-major layouts).
   void copy_blocks(matrix_view<const float> src, matrix_view<float> dst, index_t n,

@@ -440,4 +440,78 @@ inline void host_gemm_nt(matrix_view<const float> a, matrix_view<const float> b,
   detail::gemm_nt_stream(a, b, c, detail::stream_threads(M, N, K), helpers);
 }
 
+namespace detail {
+
+/// c[M,N] (+)= a[M,K] * b[K,N] (b row-major [K, N]): the portable loop (rows of b scaled
+/// into rows of c, which vectorise).
+inline void gemm_nn_portable(matrix_view<const float> a, matrix_view<const float> b,
+                             matrix_view<float> c, bool accumulate) {
+  const index_t M = c.rows, N = c.cols, K = a.cols;
+  for (index_t i = 0; i < M; ++i) {
+    float* cr = c.row(i);
+    if (!accumulate) std::fill_n(cr, N, 0.f);
+    const float* ar = a.row(i);
+    for (index_t k = 0; k < K; ++k) {
+      const float x = ar[k];
+      const float* br = b.row(k);
+      for (index_t j = 0; j < N; ++j) cr[j] += x * br[j];
+    }
+  }
+}
+
+/// c[M,N] (+)= a[R,M]^T * b[R,N]: the portable loop (a sum over the R rows of a and b).
+inline void gemm_tn_portable(matrix_view<const float> a, matrix_view<const float> b,
+                             matrix_view<float> c, bool accumulate) {
+  const index_t M = c.rows, N = c.cols, R = a.rows;
+  if (!accumulate)
+    for (index_t i = 0; i < M; ++i) std::fill_n(c.row(i), N, 0.f);
+  for (index_t r = 0; r < R; ++r) {
+    const float* ar = a.row(r);
+    const float* br = b.row(r);
+    for (index_t i = 0; i < M; ++i) {
+      const float x = ar[i];
+      float* cr = c.row(i);
+      for (index_t j = 0; j < N; ++j) cr[j] += x * br[j];
+    }
+  }
+}
+
+}  // namespace detail
+
+/// c[M,N] (+)= a[M,K] * b[K,N], row-major with strides (b not transposed: the backward's
+/// dX = dY W). BLAS sgemm when the build found one, else the portable loop.
+inline void host_gemm_nn(matrix_view<const float> a, matrix_view<const float> b,
+                         matrix_view<float> c, bool accumulate = false) {
+  const index_t M = c.rows, N = c.cols;
+  if (M == 0 || N == 0) return;
+#if defined(EPMOE_HAS_CBLAS)
+  if (const index_t K = a.cols; K > 0) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(M), static_cast<int>(N),
+                static_cast<int>(K), 1.0f, a.data, static_cast<int>(a.stride), b.data,
+                static_cast<int>(b.stride), accumulate ? 1.0f : 0.0f, c.data,
+                static_cast<int>(c.stride));
+    return;
+  }
+#endif
+  detail::gemm_nn_portable(a, b, c, accumulate);
+}
+
+/// c[M,N] (+)= a[R,M]^T * b[R,N] (the backward's dW = dYᵀ X over a group's R rows; R = 0
+/// gives zeros, or leaves c when accumulating). BLAS sgemm when found, else the portable loop.
+inline void host_gemm_tn(matrix_view<const float> a, matrix_view<const float> b,
+                         matrix_view<float> c, bool accumulate = false) {
+  const index_t M = c.rows, N = c.cols;
+  if (M == 0 || N == 0) return;
+#if defined(EPMOE_HAS_CBLAS)
+  if (const index_t R = a.rows; R > 0) {
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, static_cast<int>(M), static_cast<int>(N),
+                static_cast<int>(R), 1.0f, a.data, static_cast<int>(a.stride), b.data,
+                static_cast<int>(b.stride), accumulate ? 1.0f : 0.0f, c.data,
+                static_cast<int>(c.stride));
+    return;
+  }
+#endif
+  detail::gemm_tn_portable(a, b, c, accumulate);
+}
+
 }  // namespace epmoe::space

@@ -30,6 +30,35 @@ inline void gemm_nt(cublasHandle_t h, cudaDataType_t ab, const void* a, index_t 
                                 static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
+/// c [M, N] (row-major, ldc, type ct) = a [M, K] x b [K, N] (b row-major, not transposed;
+/// type ab) + beta c, fp32 accumulate (the backward's dX = dY W).
+inline void gemm_nn(cublasHandle_t h, cudaDataType_t ab, const void* a, index_t lda, const void* b,
+                    index_t ldb, cudaDataType_t ct, void* c, index_t ldc, index_t M, index_t N,
+                    index_t K, float beta) {
+  if (M == 0 || N == 0) return;
+  const float alpha = 1.f;
+  // Row-major C = A B is column-major C^T = B^T A^T, and row-major B read column-major is B^T.
+  EPMOE_CUDA_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_N, static_cast<int>(N),
+                                static_cast<int>(M), static_cast<int>(K), &alpha, b, ab,
+                                static_cast<int>(ldb), a, ab, static_cast<int>(lda), &beta, c, ct,
+                                static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+/// c [M, N] (row-major, ldc, type ct) = a [R, M]^T x b [R, N] (type ab) + beta c, fp32
+/// accumulate (the backward's dW = dYᵀ X). R > 0.
+inline void gemm_tn(cublasHandle_t h, cudaDataType_t ab, const void* a, index_t lda, const void* b,
+                    index_t ldb, cudaDataType_t ct, void* c, index_t ldc, index_t M, index_t N,
+                    index_t R, float beta) {
+  if (M == 0 || N == 0) return;
+  const float alpha = 1.f;
+  // Column-major C^T [N, M] = B^T [N, R] x A [R, M]: row-major b read column-major is B^T
+  // (no op), row-major a read column-major is A^T (op T gives A).
+  EPMOE_CUDA_CHECK(cublasGemmEx(h, CUBLAS_OP_N, CUBLAS_OP_T, static_cast<int>(N),
+                                static_cast<int>(M), static_cast<int>(R), &alpha, b, ab,
+                                static_cast<int>(ldb), a, ab, static_cast<int>(lda), &beta, c, ct,
+                                static_cast<int>(ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
 class grouped_gemm {
  public:
   /// Room for `calls` grouped calls per pass of up to `groups` groups each.

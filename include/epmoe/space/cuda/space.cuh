@@ -175,6 +175,43 @@ class cuda : public allocates<cuda<T>> {
     ctx_->grouped.run(ctx_->blas, a, b, c, ctx_->work, ctx_->next_workspace());
   }
 
+  /// Per group g: c's rows of g (+)= a's rows of g x b[g] (b[g] row-major [K, N]: the
+  /// backward's dX = dY W). One cuBLAS GEMM per non-empty group (host offsets).
+  void grouped_gemm_nn(grouped_rows<const T> a, stacked_view<const T> b, grouped_rows<T> c,
+                       bool accumulate = false) const {
+    const auto [ws, bytes] = ctx_->next_workspace();
+    EPMOE_CUDA_CHECK(cublasSetWorkspace(ctx_->blas, ws, bytes));
+    for (int g = 0; g < a.groups; ++g) {
+      const index_t rows = a.offsets[g + 1] - a.offsets[g], r0 = a.offsets[g] - a.offsets[0];
+      if (rows == 0) continue;
+      cuda_detail::gemm_nn(ctx_->blas, dtype<T>::cuda, a.data + r0 * a.stride, a.stride,
+                           b.data + g * b.batch_stride, b.stride, dtype<T>::cuda,
+                           c.data + r0 * c.stride, c.stride, rows, b.cols, a.cols,
+                           accumulate ? 1.f : 0.f);
+    }
+  }
+  /// Per group g: c[g] [M, N] (+)= (a's rows of g)ᵀ x (b's rows of g) (the backward's
+  /// dW = dYᵀ X); c is T or fp32. A group without rows gives zeros (or leaves c[g]).
+  template <class C>
+  void grouped_gemm_tn_accumulate(grouped_rows<const T> a, grouped_rows<const T> b,
+                                  stacked_view<C> c, bool accumulate) const {
+    const auto [ws, bytes] = ctx_->next_workspace();
+    EPMOE_CUDA_CHECK(cublasSetWorkspace(ctx_->blas, ws, bytes));
+    for (int g = 0; g < a.groups; ++g) {
+      const index_t rows = a.offsets[g + 1] - a.offsets[g], r0 = a.offsets[g] - a.offsets[0];
+      C* cg = c.data + g * c.batch_stride;
+      if (rows == 0) {
+        if (!accumulate && c.rows > 0 && c.cols > 0)  // all-zero bits: 0 in fp32, bf16, fp16
+          EPMOE_CUDA_CHECK(cudaMemset2DAsync(cg, sizeof(C) * c.stride, 0, sizeof(C) * c.cols,
+                                             c.rows, ctx_->work));
+        continue;
+      }
+      cuda_detail::gemm_tn(ctx_->blas, dtype<T>::cuda, a.data + r0 * a.stride, a.stride,
+                           b.data + r0 * b.stride, b.stride, dtype<C>::cuda, cg, c.stride, c.rows,
+                           c.cols, rows, accumulate ? 1.f : 0.f);
+    }
+  }
+
   // --- the stage clock: events on the work stream, read after a synchronisation ---------
 
   class clock {
