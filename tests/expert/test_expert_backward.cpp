@@ -170,6 +170,7 @@ struct expert_case {
   index_t x_stride_pad = 0;     // extra elements per row of x, dy, dx
   index_t align = 1;            // the hidden layers' row alignment (over())
   bool dx_in_dy = false;        // dx written over dy
+  bool dx_in_x = false;         // dx written over x
 };
 
 // Runs Expert::backward on space::host and compares dx and every dW with the float64
@@ -187,11 +188,12 @@ int check_expert(const expert_case& k, std::uint64_t seed) {
 
   const auto off = offsets_of(k.counts);
   const index_t rows = off.back(), ld = H + k.x_stride_pad;
-  const std::vector<float> x = uniform(static_cast<std::size_t>(rows * ld), seed + 1);
+  std::vector<float> x = uniform(static_cast<std::size_t>(rows * ld), seed + 1);
+  const std::vector<float> x0 = x;
   std::vector<float> dy = uniform(static_cast<std::size_t>(rows * ld), seed + 2);
   const std::vector<float> dy0 = dy;
   std::vector<float> dx_own(static_cast<std::size_t>(rows * ld), nan);
-  std::vector<float>& dx = k.dx_in_dy ? dy : dx_own;
+  std::vector<float>& dx = k.dx_in_dy ? dy : k.dx_in_x ? x : dx_own;
   const grouped_rows<const float> xg{x.data(), H, ld, L, off.data(), off.data(), k.align};
   const grouped_rows<float> dyg{dy.data(), H, ld, L, off.data(), off.data(), k.align};
   const grouped_rows<float> dxg{dx.data(), H, ld, L, off.data(), off.data(), k.align};
@@ -218,7 +220,7 @@ int check_expert(const expert_case& k, std::uint64_t seed) {
   for (int e = 0; e < L; ++e)
     for (index_t r = off[e]; r < off[e + 1]; ++r) {
       std::vector<double> dout(dy0.begin() + r * ld, dy0.begin() + r * ld + H);
-      reference::expert_grad<Expert>::add(w, {false, e}, x.data() + r * ld, 1.0, dout, ref,
+      reference::expert_grad<Expert>::add(w, {false, e}, x0.data() + r * ld, 1.0, dout, ref,
                                           std::span<double>(ref.dx).subspan(r * H, H));
     }
   int compared = 0;
@@ -247,7 +249,7 @@ int check_expert(const expert_case& k, std::uint64_t seed) {
   };
   compare_weights(1.0);
   // Accumulating: a second pass over the same rows doubles every weight gradient.
-  if (!k.dx_in_dy) {
+  if (!k.dx_in_dy && !k.dx_in_x) {
     Expert::backward(host, lw, xg, grouped_rows<const float>(dyg), dxg, g, scratch.data(), true);
     compare_weights(2.0);
   }
@@ -261,7 +263,8 @@ void check_expert_cases(int tensors) {
   compared += check_expert<Expert>({{5, 0, 37, 3}}, 11);
   compared += check_expert<Expert>({{2, 9, 0, 1}, 3, 8}, 12);     // strided x, aligned hidden rows
   compared += check_expert<Expert>({{4, 0, 6}, 0, 1, true}, 13);  // dx over dy
-  CHECK(compared == (1 + 2 * tensors) * 2 + (1 + tensors));
+  compared += check_expert<Expert>({{0, 7, 2}, 0, 4, false, true}, 14);  // dx over x
+  CHECK(compared == (1 + 2 * tensors) * 2 + 2 * (1 + tensors));
 }
 
 }  // namespace
