@@ -43,6 +43,18 @@
 
 namespace epmoe {
 
+namespace detail {
+/// An expert policy's gradient bundle (grads_of<float>), or nothing for a forward-only one.
+struct no_expert_grads {};
+template <class X>
+auto expert_grads_of() {
+  if constexpr (requires { typename X::template grads_of<float>; })
+    return typename X::template grads_of<float>{};
+  else
+    return no_expert_grads{};
+}
+}  // namespace detail
+
 /// The policy bundle a layer starts from; derive and override the slots you change:
 ///   struct my_policies : epmoe::default_policies { using comm = epmoe::comm::threads; };
 struct default_policies {
@@ -149,6 +161,8 @@ class moe_layer {
         ex_(comm_, space_, layout_),
         clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks, 3 * units_max(),
                2 * units_max() + 1) {
+    if constexpr (requires { space_.set_fixed_order(true); })
+      space_.set_fixed_order(options.deterministic);
     allocate_workspace();
     place_placement();
     adopt_router_bias();  // a bias given with the router starts the layer's own
@@ -202,6 +216,123 @@ class moe_layer {
       bad = std::current_exception();
     }
     run_pass(x, y, {}, &routing, bad);
+  }
+
+  // --- training (docs/training.md) ------------------------------------------------------
+
+  /// Gradients of one rank's parameters (float, in the space's memory), shaped as `weights`;
+  /// a tensor the configuration does not use may stay empty.
+  using expert_grads = decltype(detail::expert_grads_of<expert_type>());
+  struct gradients {
+    matrix_view<float> gate{};         // [E, H]: from this rank's tokens; the gate is replicated,
+                                       //   so sum it over the ranks (sum_over_ranks, or the
+                                       //   framework's all-reduce)
+    expert_grads experts{};            // this rank's slots, local-slot order; a replicated
+                                       //   expert's gradient is the sum over its copies
+    expert_grads shared{};             // [N] shared experts
+    matrix_view<float> shared_gate{};  // [N, H] (config shared_gate)
+    matrix_view<float> output_bias{};  // [1, H] (config output_bias)
+  };
+  struct backward_options {
+    loss_scales losses{};     // add d(scale * loss)/d(gate, x) for each router loss of the pass
+    bool accumulate = false;  // add into `grads` instead of overwriting them
+  };
+
+  /// The backward of the last forward (config `training`), collective like forward: from
+  /// dy = dL/dy [T, H] (T of that pass) writes dx = dL/dx [T, H] and every gradient of `grads`.
+  /// The combine's backward is a dispatch of weighted dy rows, the experts' backward runs dX
+  /// and dW per local expert on the rows they computed, the dispatch's backward a combine of
+  /// dX rows; the routing weights' gradient goes through the router into the gate. Routing and
+  /// capacity are held fixed: a dropped assignment gets no gradient. It reads the forward's x
+  /// again (keep it unchanged) and consumes the saved state: one backward per forward.
+  /// Invalid arguments throw config_error here and input_error on every peer, before a row
+  /// moves; nothing is written then.
+  void backward(matrix_view<const value_type> dy, matrix_view<value_type> dx,
+                const gradients& grads, const backward_options& opt = {}) {
+    static_assert(training_space<space_type> && std::same_as<value_type, float>,
+                  "epmoe: moe_layer::backward needs a float space with the backward GEMMs "
+                  "(space::host, space::cuda<float>)");
+    static_assert(
+        requires { expert_type::backward_scratch_per_row(index_t{}); },
+        "epmoe: this expert policy has no backward: moe_layer::backward needs "
+        "Expert::backward and Expert::backward_scratch_per_row (expert/swiglu.hpp)");
+    static_assert(!router_type::uses_gate || router_with_backward<router_type>,
+                  "epmoe: this router has no backward yet: moe_layer::backward needs "
+                  "router.backward_token(in, ids, g, dlogits) (docs/training.md lists the routers "
+                  "that have one)");
+    stats();  // the forward's numbers are read before the clock starts again
+    std::exception_ptr bad;
+    try {
+      check_backward(dy, dx, grads);
+    } catch (const config_error&) {
+      bad = std::current_exception();
+    }
+    input_error_ = bad;
+    call_ = "backward";
+    dy_ = dy;
+    dx_ = dx;
+    grads_ = grads;
+    back_opt_ = opt;
+    saved_ = false;  // consumed, whatever happens next
+    grads_started_ = false;
+    stats_.backward = true;
+    stats_.expert_flops = 0;
+    stats_.started = seconds_since(built_);
+    pending_ = true;
+    space_.enter();
+    clock_.begin_pass();
+    const mark start = clock_.now();
+    backward_runner stages{{*this}};
+    ex_.set_backward(true);
+    schedule_type::run(stages);
+    ex_.set_backward(false);
+    clock_.stage(&stage_times::total, start, clock_.now());
+    space_.leave();
+    if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
+  }
+
+  /// Collective, after backward: makes `grads` what an optimizer step needs on every rank.
+  /// The replicated parameters' gradients (gate, shared experts, shared gate, output bias: each
+  /// rank's holds its own tokens' share) become their sum over the ranks, and every copy of a
+  /// replicated routed expert holds the sum over its copies. Each element is summed in rank
+  /// order by one rank and sent to all, so every rank gets bit-identical values. Staged through
+  /// host memory and the comm's all-to-all (a reduce-scatter, then an all-gather); a framework
+  /// with its own all-reduce may sum these tensors itself instead.
+  void reduce_gradients(const gradients& grads) {
+    detail::require(cfg_.training, "config.training", cfg_.training,
+                    "must be true for reduce_gradients (it sizes the staging buffers)");
+    // Every rank checks its tensors, then all learn whether every rank may go on.
+    std::exception_ptr bad;
+    try {
+      check_grads(grads);
+    } catch (const config_error&) {
+      bad = std::current_exception();
+    }
+    const int R = cfg_.ranks;
+    std::vector<int> ok(static_cast<std::size_t>(R), bad ? 0 : 1), all(ok.size());
+    comm_.alltoall(ok.data(), all.data(), 1);
+    if (bad) std::rethrow_exception(bad);
+    for (int r = 0; r < R; ++r)
+      if (!all[static_cast<std::size_t>(r)])
+        throw input_error("reduce_gradients inputs of rank " + std::to_string(r), "rejected",
+                          "every rank must pass valid gradients; nothing was summed");
+    gradients g = grads;
+    const index_t n = stage_segments(g, true);
+    const index_t P = (n + R - 1) / R;  // each rank sums one piece
+    space_.to_host(stage_, 0, n);
+    space_.synchronize();
+    float* v = stage_.host();
+    std::fill(v + n, v + P * R, 0.f);
+    comm_.alltoall(v, reduce_recv_.data(), P);
+    for (index_t i = 0; i < P; ++i) {
+      float sum = 0.f;
+      for (int r = 0; r < R; ++r) sum += reduce_recv_[static_cast<std::size_t>(r * P + i)];
+      for (int r = 0; r < R; ++r) reduce_send_[static_cast<std::size_t>(r * P + i)] = sum;
+    }
+    comm_.alltoall(reduce_send_.data(), v, P);
+    space_.to_device(stage_, 0, n);
+    stage_segments(g, false);
+    space_.synchronize();
   }
 
   const layer_config& config() const { return cfg_; }
@@ -292,6 +423,8 @@ class moe_layer {
     space_.synchronize();
     placement_ = next;
     place_placement();
+    saved_ = false;  // another expert set: the last forward's state no longer applies
+    if (cfg_.training) plan_replicas();
     return received;
   }
 
@@ -428,6 +561,11 @@ class moe_layer {
                 std::span<const std::int64_t> token_ids, const routing_view* routing,
                 std::exception_ptr bad) {
     input_error_ = bad;
+    call_ = "forward";
+    ex_.set_backward(false);  // (a backward that threw may have left it set)
+    saved_ = false;
+    saved_rows_ = 0;
+    stats_.backward = false;
     x_ = bad ? matrix_view<const value_type>{x.data, 0, cfg_.hidden, x.stride} : x;
     y_ = y;
     tokens_ = x_.rows;
@@ -450,6 +588,14 @@ class moe_layer {
     ++pass_;
     // Static shapes on a device: this rank's own error, once its part of the pass is queued.
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
+    if (cfg_.training) {
+      saved_ = true;
+      const index_t T = tokens_;
+      stats_.saved_bytes =
+          saved_rows_ * cfg_.hidden * static_cast<index_t>(sizeof(value_type)) +
+          T * width_ * static_cast<index_t>(sizeof(float) + sizeof(std::int32_t)) +
+          (router_type::uses_gate ? T * cfg_.experts * static_cast<index_t>(sizeof(float)) : 0);
+    }
   }
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -596,6 +742,34 @@ class moe_layer {
     if (cfg_.shared_gate) shared_scale_ = space_.template allocate<float>(T);
     stats_.timeline.reserve(static_cast<std::size_t>(3 * units_max()));
     stats_.recv_buffer_rows = ex_.receive_buffer_rows();
+    if (cfg_.training) allocate_training();
+  }
+
+  // What a training forward keeps and backward works in: the experts' input rows of a whole
+  // pass (every unit's), the routing weights' gradient, dlogits, dx's home-rank terms.
+  void allocate_training() {
+    if constexpr (requires { expert_type::backward_scratch_per_row(index_t{}); }) {
+      const index_t T = cfg_.max_tokens, K = width_, E = cfg_.experts, H = cfg_.hidden;
+      const index_t N = cfg_.shared_experts, S = layout_.row_stride;
+      saved_in_ = space_.template allocate<value_type>(layout_.recv_rows * S);
+      if (dedup) saved_out_ = space_.template allocate<value_type>(layout_.recv_rows * S);
+      saved_at_.assign(static_cast<std::size_t>(units_max()), 0);
+      weight_grad_ = space_.template allocate<float>(T * K);
+      if (router_type::uses_gate) dlogits_ = space_.template allocate_mirror<float>(T * E);
+      dx_home_ = space_.template allocate<float>(T * H);
+      if (N > 0) shared_dy_ = space_.template allocate<value_type>(T * S);
+      if (cfg_.shared_gate) shared_ds_ = space_.template allocate<float>(T);
+      plan_replicas();
+      const index_t need = std::max(
+          layout_.expert_rows * expert_type::backward_scratch_per_row(layout_.padded(cfg_.ffn)),
+          N > 0 ? T * expert_type::backward_scratch_per_row(layout_.padded(cfg_.shared_width()))
+                : index_t{0});
+      if (need > scratch_.size()) scratch_ = space_.template allocate<value_type>(need);
+      // Backward's grouped GEMMs: eight per unit, eleven per shared expert, two for the gate.
+      space_.reserve(8 * units_max() + 11 * static_cast<int>(N) + 4,
+                     std::max(1, placement_.slots_per_rank()),
+                     std::max(layout_.plan_keys(), layout_.recv_buffer_rows) + 1);
+    }
   }
 
   matrix_view<std::int32_t> ids_view(index_t T) const { return {ids_.device(), T, width_}; }
@@ -658,6 +832,28 @@ class moe_layer {
     }
     void reduce() {
       l.timed(&stage_times::reduce, [&] { l.do_reduce(); });
+    }
+  };
+
+  // Backward runs the same schedule over the same exchange: only the stages around the
+  // exchanges differ (route: the routing weights' and the router's backward; permute: the
+  // combine's backward; experts: dX and dW; reduce: dx).
+  struct backward_runner : stage_runner {
+    void route() {
+      this->l.timed(&stage_times::route, [&] { this->l.back_route(); });
+    }
+    void plan() {}  // the forward's plan
+    void permute() {
+      this->l.timed(&stage_times::permute, [&] { this->l.back_permute(); });
+    }
+    void shared() {
+      this->l.timed(&stage_times::shared, [&] { this->l.back_shared(); });
+    }
+    void experts(int u) {
+      this->l.timed(&stage_times::experts, [&] { this->l.back_experts(u); });
+    }
+    void reduce() {
+      this->l.timed(&stage_times::reduce, [&] { this->l.back_reduce(); });
     }
   };
 
@@ -780,7 +976,8 @@ class moe_layer {
     if (deferred()) return;
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
     if (rejected >= 0)
-      throw input_error("forward inputs of rank " + std::to_string(rejected), "rejected",
+      throw input_error(std::string(call_) + " inputs of rank " + std::to_string(rejected),
+                        "rejected",
                         "every rank must pass valid inputs; no rank ran this pass (rank " +
                             std::to_string(rejected) + " threw the reason)");
     count_plan_stats();
@@ -805,7 +1002,9 @@ class moe_layer {
     auto x = context();
     const mark t0 = clock_.now();
     const grouped_rows<value_type> rows = ex_.expert_rows(x, u);
+    if (cfg_.training) save_expert_rows(saved_in_, rows, u, true);
     expert_type::forward(space_, w_.experts, rows, scratch_.data());
+    if (dedup && cfg_.training) save_expert_rows(saved_out_, rows, u, false);
     ex_.progress();
     stats_.expert_flops +=
         static_cast<double>(rows.rows()) * expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
@@ -826,6 +1025,291 @@ class moe_layer {
           tokens_, cfg_.hidden,
           rows::weighted_reduce<value_type>{send_view(), p.slot, weights_view(tokens_), shared, y_,
                                             ex_.verdicts(p), ex_.verdict_stride(p), cfg_.ranks});
+  }
+
+  // --- training ---------------------------------------------------------------------------
+
+  void check_backward(matrix_view<const value_type> dy, matrix_view<value_type> dx,
+                      const gradients& g) const {
+    detail::require(cfg_.training, "config.training", cfg_.training,
+                    "must be true for backward (forward then keeps what backward needs)");
+    detail::require(saved_, "backward", "no saved forward",
+                    "needs a forward pass first, and runs once per forward");
+    const index_t T = tokens_, H = cfg_.hidden;
+    detail::require_shape(dy, T, H, "dy");
+    detail::require_shape(dx, T, H, "dx");
+    check_grads(g);
+  }
+  void check_grads(const gradients& g) const {
+    const index_t H = cfg_.hidden;
+    if constexpr (router_type::uses_gate)
+      detail::require_shape(g.gate, cfg_.experts, H, "grads.gate");
+    if constexpr (requires { expert_type::validate(g.experts, 0, 0, 0, std::string{}); }) {
+      expert_type::validate(g.experts, placement_.slots_per_rank(), H, cfg_.ffn, "grads.experts");
+      if (cfg_.shared_experts > 0)
+        expert_type::validate(g.shared, cfg_.shared_experts, H, cfg_.shared_width(),
+                              "grads.shared");
+    }
+    if (cfg_.shared_gate)
+      detail::require_shape(g.shared_gate, cfg_.shared_experts, H, "grads.shared_gate");
+    if (cfg_.output_bias) detail::require_shape(g.output_bias, 1, H, "grads.output_bias");
+  }
+
+  // A training forward keeps each unit's expert input rows (the backward's x) and, with
+  // dedup, their outputs (the routing weights' gradient is taken on the expert rank).
+  void save_expert_rows(buffer<value_type>& into, const grouped_rows<value_type>& rows, int u,
+                        bool inputs) {
+    const index_t n = rows.rows(), S = layout_.row_stride;
+    if (inputs) {
+      if (saved_rows_ + n > layout_.recv_rows)
+        throw std::logic_error("epmoe: a pass's expert rows exceed the saved-input workspace");
+      saved_at_[static_cast<std::size_t>(u)] = saved_rows_;
+      saved_rows_ += n;
+    }
+    const index_t at = saved_at_[static_cast<std::size_t>(u)];
+    space_.for_each_row(n, cfg_.hidden,
+                        rows::copy<value_type>{{rows.data, n, cfg_.hidden, S},
+                                               {into.data() + at * S, n, cfg_.hidden, S}});
+  }
+
+  // One group of all T rows (the gate's and the shared experts' GEMMs).
+  template <class T>
+  grouped_rows<T> all_rows(T* data, index_t cols, index_t stride) const {
+    return {data, cols, stride, 1, shared_offsets_.host(), shared_offsets_.device(), 1};
+  }
+
+  // The routing weights' gradient from the combined outputs, still in the send buffer (with
+  // dedup it is taken on the expert ranks and comes home with the combine).
+  void back_route() {
+    if (input_error_) return;
+    const index_t T = tokens_;
+    shared_offsets_.host()[0] = 0;
+    shared_offsets_.host()[1] = T;
+    space_.to_device(shared_offsets_, 0, 2);
+    space_.fill(dx_home_.data(), T * cfg_.hidden, 0.f);
+    if constexpr (!dedup)
+      space_.for_each(T, rows::routing_weight_grad<value_type>{dy_, send_view(), plan_.host().slot,
+                                                               weight_grad_view()});
+  }
+  // Which local slots hold a replicated expert: each such expert's index among them
+  // (reduce_gradients sums its copies' gradients), and the staging buffers sized for it.
+  void plan_replicas() {
+    const int R = cfg_.ranks, L = placement_.slots_per_rank(), E = cfg_.experts;
+    std::vector<int> copies(static_cast<std::size_t>(E), 0), index(copies.size(), -1);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < L; ++j) ++copies[placement_.expert_at(r, j)];
+    int q = 0;
+    for (int e = 0; e < E; ++e)
+      if (copies[e] > 1) index[e] = q++;
+    replica_of_slot_.assign(static_cast<std::size_t>(L), -1);
+    for (int j = 0; j < L; ++j) replica_of_slot_[j] = index[placement_.expert_at(rank(), j)];
+    replicas_ = q;
+    gradients none{};
+    const index_t n = stage_segments(none, true, true);
+    const index_t padded = (n + R - 1) / R * R;
+    if (!stage_.host() || stage_.size() < padded)
+      stage_ = space_.template allocate_mirror<float>(std::max<index_t>(padded, 1));
+    reduce_send_.assign(static_cast<std::size_t>(std::max<index_t>(padded, 1)), 0.f);
+    reduce_recv_.assign(reduce_send_.size(), 0.f);
+  }
+
+  // Every tensor reduce_gradients sums, in a fixed order, copied into the staging buffer
+  // (`in`) or back out of it; returns the elements. `count_only`: sizes only (construction).
+  index_t stage_segments(gradients& g, bool in, bool count_only = false) {
+    index_t at = 0;
+    const auto seg = [&](matrix_view<float> m) {
+      if (!count_only && m.rows > 0) {
+        const matrix_view<float> st(stage_.device() + at, m.rows, m.cols, m.cols);
+        if (in)
+          space_.for_each_row(m.rows, m.cols, rows::copy<float>{m, st});
+        else
+          space_.for_each_row(m.rows, m.cols, rows::copy<float>{st, m});
+      }
+      at += m.rows * m.cols;
+    };
+    const index_t E = cfg_.experts, H = cfg_.hidden, N = cfg_.shared_experts;
+    if constexpr (router_type::uses_gate)
+      seg(count_only ? matrix_view<float>{nullptr, E, H} : g.gate);
+    if constexpr (requires { expert_type::tensors(g.shared); }) {
+      // The shapes come from the weights (the same as the gradients').
+      auto ws = expert_type::tensors(w_.shared);
+      auto gs = expert_type::tensors(g.shared);
+      for (std::size_t t = 0; t < ws.size(); ++t)
+        for (index_t n = 0; n < N; ++n)
+          seg(count_only ? matrix_view<float>{nullptr, ws[t]->rows, ws[t]->cols} : (*gs[t])[n]);
+      if (cfg_.shared_gate) seg(count_only ? matrix_view<float>{nullptr, N, H} : g.shared_gate);
+      if (cfg_.output_bias) seg(count_only ? matrix_view<float>{nullptr, 1, H} : g.output_bias);
+      // Replicated routed experts: expert q's tensors at a fixed place, zeros where this rank
+      // holds no copy of it.
+      auto we = expert_type::tensors(w_.experts);
+      auto ge = expert_type::tensors(g.experts);
+      index_t per = 0;
+      for (auto* t : we) per += t->rows * t->cols;
+      if (!count_only && in && replicas_ > 0)
+        space_.fill(stage_.device() + at, replicas_ * per, 0.f);
+      for (std::size_t j = 0; !count_only && j < replica_of_slot_.size(); ++j) {
+        const int q = replica_of_slot_[j];
+        if (q < 0) continue;
+        index_t o = at + q * per;
+        for (std::size_t t = 0; t < we.size(); ++t) {
+          const matrix_view<float> m = (*ge[t])[static_cast<index_t>(j)];
+          const matrix_view<float> st(stage_.device() + o, m.rows, m.cols, m.cols);
+          if (in)
+            space_.for_each_row(m.rows, m.cols, rows::copy<float>{m, st});
+          else
+            space_.for_each_row(m.rows, m.cols, rows::copy<float>{st, m});
+          o += m.rows * m.cols;
+        }
+      }
+      at += replicas_ * per;
+    }
+    return at;
+  }
+
+  matrix_view<float> weight_grad_view() const { return {weight_grad_.data(), tokens_, width_}; }
+
+  // The router's backward into dlogits (+ the losses'), then dgate = dlogitsᵀ x and the
+  // home-rank term dx += dlogits W_gate.
+  void back_router() {
+    if constexpr (router_type::uses_gate && router_with_backward<router_type>) {
+      const index_t T = tokens_, H = cfg_.hidden, E = cfg_.experts;
+      const matrix_view<float> dl(dlogits_.device(), T, E);
+      const matrix_view<float> gate = grads_.gate;
+      if (routing_given_) {  // no router ran: the gate gets nothing
+        if (!back_opt_.accumulate)
+          for (index_t e = 0; e < E; ++e) space_.fill(gate.row(e), H, 0.f);
+        return;
+      }
+      const matrix_view<const float> logits(logits_.device(), T, E);
+      space_.for_each(T, rows::backward_tokens<router_type>{router_, logits, ids_view(T),
+                                                            weight_grad_view(), dl});
+      const loss_scales& ls = back_opt_.losses;
+      if constexpr (has_probabilities<router_type>)
+        if (ls.aux != 0 || ls.seq_aux != 0 || ls.z != 0) {  // the losses are host code
+          space_.to_host(logits_, 0, T * E);
+          space_.to_host(dlogits_, 0, T * E);
+          const routing_view r = last_routing();  // waits for both copies
+          loss_backward(router_, cfg_, {logits_.host(), T, E}, r, ls, {dlogits_.host(), T, E},
+                        std::span<float>(loss_probs_), std::span<double>(loss_acc_));
+          space_.to_device(dlogits_, 0, T * E);
+        }
+      const grouped_rows<const float> a = all_rows<const float>(dl.data, E, E);
+      space_.grouped_gemm_tn_accumulate(
+          a, all_rows<const value_type>(x_.data, H, x_.stride),
+          stacked_view<float>(gate.data, 1, E, H, gate.stride, E * gate.stride),
+          back_opt_.accumulate);
+      space_.grouped_gemm_nn(
+          a,
+          stacked_view<const value_type>(w_.gate.data, 1, E, H, w_.gate.stride, E * w_.gate.stride),
+          all_rows<float>(dx_home_.data(), H, H), true);
+    }
+  }
+
+  // The combine's backward: each kept assignment's send row = its weight times dy (padding
+  // rows zero: their dW terms must vanish).
+  void back_permute() {
+    if (input_error_) return;
+    const dispatch_plan& p = plan_.host();
+    if constexpr (dedup) {  // one dy row per (token, rank): weighted on the expert rank
+      space_.for_each_row_n(plan_.device().unique_offsets + p.chunks * cfg_.ranks,
+                            layout_.send_rows, cfg_.hidden,
+                            rows::gather<value_type>{dy_, p.unique_token, send_view()});
+      return;
+    }
+    if constexpr (capacity_type::pads)
+      space_.fill(ex_.send_buffer(), layout_.send_rows * layout_.row_stride, value_type{});
+    space_.for_each_row(
+        tokens_, cfg_.hidden,
+        rows::scatter_weighted<value_type>{dy_, p.slot, weights_view(tokens_), send_view()});
+  }
+
+  // The home rank's terms: each shared expert's backward on all T tokens (its gate's, when
+  // scaled), and the output bias's gradient (dy's column sums).
+  void back_shared() {
+    if (input_error_) return;
+    const index_t N = cfg_.shared_experts, T = tokens_, H = cfg_.hidden, S = layout_.row_stride;
+    const bool acc = back_opt_.accumulate;
+    if (cfg_.output_bias)
+      space_.for_each(
+          H, rows::column_sum<value_type, float>{dy_, nullptr, grads_.output_bias.data, acc});
+    if constexpr (requires { expert_type::backward_scratch_per_row(index_t{}); })
+      for (index_t n = 0; n < N; ++n) {
+        const matrix_view<value_type> in(shared_in_.data(), T, H, S), d(shared_dy_.data(), T, H, S);
+        const auto w = expert_type::slice(w_.shared, n, 1);
+        float* scale = cfg_.shared_gate ? shared_scale_.data() : nullptr;
+        space_.for_each_row(T, H, rows::copy<value_type>{x_, in});
+        if (scale) {  // s = σ(x · g_n); its logit's gradient (dy · o) s (1 - s), o recomputed
+          const value_type* gn = w_.shared_gate.row(n);
+          space_.for_each(T, rows::sigmoid_dot<value_type>{x_, gn, scale});
+          space_.for_each_row(T, H, rows::copy<value_type>{x_, d});
+          expert_type::forward(space_, w, all_rows<value_type>(d.data, H, S), scratch_.data());
+          space_.for_each(T, rows::sigmoid_dot_grad<value_type>{dy_, d, scale, shared_ds_.data()});
+          space_.for_each(H, rows::column_sum<value_type, float>{x_, shared_ds_.data(),
+                                                                 grads_.shared_gate.row(n), acc});
+          space_.for_each_row(
+              T, H, rows::add_outer<value_type>{dx_home_.data(), H, shared_ds_.data(), gn});
+        }
+        space_.for_each_row(T, H, rows::scaled_copy<value_type>{dy_, scale, d});
+        const grouped_rows<value_type> drows = all_rows<value_type>(d.data, H, S);
+        expert_type::backward(space_, w, all_rows<const value_type>(in.data, H, S),
+                              grouped_rows<const value_type>(drows), drows,
+                              expert_type::slice(grads_.shared, n, 1), scratch_.data(), acc);
+        space_.for_each_row(T, H, rows::accumulate<value_type>{d, dx_home_.data(), false});
+      }
+  }
+
+  // dX and dW of unit u's rows: dy rows arrived in the expert buffer, x rows were saved by the
+  // forward; dX overwrites dy there for the combine.
+  void back_experts(int u) {
+    if constexpr (requires { expert_type::backward_scratch_per_row(index_t{}); }) {
+      auto x = context();
+      const mark t0 = clock_.now();
+      const grouped_rows<value_type> rows = ex_.expert_rows(x, u);
+      const index_t at = saved_at_[static_cast<std::size_t>(u)] * layout_.row_stride;
+      const grouped_rows<const value_type> in =
+          rows.over(static_cast<const value_type*>(saved_in_.data()) + at, cfg_.hidden);
+      if constexpr (dedup) {  // each received row's weight gradient, then its dy times weight
+        const auto r = ex_.received(plan_.host(), u);
+        const index_t H = cfg_.hidden, S = layout_.row_stride;
+        space_.for_each(r.n, exchange_ops::dedup_weight_grad<value_type>{
+                                 r.expert_row,
+                                 r.meta,
+                                 rows.offsets[0],
+                                 {rows.data - rows.offsets[0] * S, layout_.expert_rows, H, S},
+                                 {saved_out_.data() + at, rows.rows(), H, S},
+                                 ex_.weight_grad_recv() + r.first});
+      }
+      expert_type::backward(space_, w_.experts, in, grouped_rows<const value_type>(rows), rows,
+                            grads_.experts, scratch_.data(),
+                            back_opt_.accumulate || grads_started_);
+      grads_started_ = true;
+      ex_.progress();
+      stats_.expert_flops += 2.0 * static_cast<double>(rows.rows()) *
+                             expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
+      const dispatch_plan& p = plan_.host();
+      clock_.event(ex_.chunk_of_unit(p, u), stage_kind::experts, ex_.round_of_unit(p, u),
+                   rows.rows(), 0, t0, clock_.now());
+    }
+  }
+
+  // The router's backward (its weights' gradients are all home now), then dx = the home-rank
+  // terms + the sum of each token's kept assignments' dX rows (with dedup one per rank).
+  void back_reduce() {
+    if (input_error_) return;
+    const dispatch_plan& p = plan_.host();
+    if constexpr (dedup)
+      space_.for_each(tokens_,
+                      rows::gather_weight_grad{ex_.weight_grad_send(), p.slot, weight_grad_view()});
+    back_router();
+    if constexpr (dedup)
+      space_.for_each_row(
+          tokens_, cfg_.hidden,
+          rows::sum_unique<value_type>{send_view(), p.unique_slot, width_, dx_home_.data(), dx_});
+    else
+      space_.for_each_row(
+          tokens_, cfg_.hidden,
+          rows::weighted_reduce<value_type>{
+              send_view(), p.slot, {nullptr, tokens_, width_}, dx_home_.data(), dx_});
   }
 
   matrix_view<value_type> send_view() const {
@@ -903,7 +1387,29 @@ class moe_layer {
   bool routing_given_ = false;           // the last pass's routing was given (no losses)
   std::exception_ptr input_error_;       // this rank's rejected input, thrown at counts
   index_t tokens_ = 0;
-  index_t limit_ = 0;  // the capacity of this pass's slots
+  index_t limit_ = 0;             // the capacity of this pass's slots
+  const char* call_ = "forward";  // which call's inputs the counts exchange judges
+
+  // Training (config training): what forward keeps, and backward's arguments and buffers.
+  buffer<value_type> saved_in_;    // the experts' input rows of the pass, unit after unit
+  buffer<value_type> saved_out_;   // dedup: their outputs
+  std::vector<index_t> saved_at_;  // [units]: each unit's first saved row
+  index_t saved_rows_ = 0;
+  bool saved_ = false;          // a forward's state waits for its backward
+  bool grads_started_ = false;  // a unit wrote the expert gradients of this backward
+  buffer<float> weight_grad_, dx_home_, shared_ds_;
+  mirror<float> dlogits_;
+  buffer<value_type> shared_dy_;
+  matrix_view<const value_type> dy_;
+  matrix_view<value_type> dx_;
+  gradients grads_;
+  backward_options back_opt_;
+  // reduce_gradients: each local slot's index among the replicated experts (-1: one copy),
+  // and the staging buffers.
+  std::vector<int> replica_of_slot_;
+  int replicas_ = 0;
+  mirror<float> stage_;
+  std::vector<float> reduce_send_, reduce_recv_;
   std::uint64_t pass_ = 0;
   mutable bool pending_ = false;  // stats() has marks and losses to resolve
 };

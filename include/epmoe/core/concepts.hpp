@@ -126,6 +126,13 @@ template <class R>
 concept router_with_jitter = requires {
   requires R::jitters_input;
 };
+/// A router the layer trains through: the backward of route_token for one token, its choice
+/// held fixed (docs/training.md).
+template <class R>
+concept router_with_backward = requires(const R& r, const token_input& in, const int* ids,
+                                        const float* g, float* dl) {
+  r.backward_token(in, ids, g, dl);
+};
 template <class R>
 concept router_with_validate = requires(const R& r, const layer_config& cfg) {
   r.validate(cfg);

@@ -29,6 +29,8 @@ struct layer_config {
   int chunks = 0;                // pass split into chunks of tokens (0: the schedule's default)
   int max_recv_rows = 0;         // rows a rank may hold in its receive buffer (0: unbounded,
                                  // sized R*T*K); past it a pass exchanges in rounds
+  bool training = false;         // forward keeps what backward() needs (docs/training.md):
+                                 // the routing, the plan and the experts' input rows
 
   int experts_per_rank() const { return experts / ranks; }
   int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }

@@ -112,7 +112,8 @@ struct expand_unique {
 };
 
 /// Dedup: unique row u = the weighted sum of its assignments' expert outputs, in the order
-/// they were received (the same sum on every space).
+/// they were received (the same sum on every space); `unweighted`: the plain sum (backward:
+/// the weights were applied to the dy rows).
 template <class T>
 struct weighted_unique_sum {
   const std::int32_t* order;  // received rows sorted by unique row (stable)
@@ -121,19 +122,43 @@ struct weighted_unique_sum {
   const std::int64_t* meta;  // the chunk's received metadata
   matrix_view<const T> expert;
   matrix_view<T> unique;
+  bool unweighted = false;
   EPMOE_HD void operator()(index_t u, index_t h0, index_t h1) const {
     for (index_t h = h0; h < h1; h += rows::piece) {
       const index_t n = h1 - h < rows::piece ? h1 - h : rows::piece;
       float acc[rows::piece] = {};
       for (index_t p = first[u]; p < first[u + 1]; ++p) {
         const std::int32_t i = order[p];
-        const float w = meta_weight(meta[i]);
+        const float w = unweighted ? 1.f : meta_weight(meta[i]);
         const T* src = expert.row(expert_row[i]) + h;
         for (index_t j = 0; j < n; ++j) acc[j] += w * to_float(src[j]);
       }
       T* out = unique.row(u) + h;
       for (index_t j = 0; j < n; ++j) out[j] = from_float<T>(acc[j]);
     }
+  }
+};
+
+/// Dedup backward at the expert rank, received assignment row i of a unit: its routing
+/// weight's gradient g[i] = dy · out (out: the forward's expert output, saved), then dy times
+/// the weight (the row the expert's backward takes; one expert row per received row).
+template <class T>
+struct dedup_weight_grad {
+  const index_t* expert_row;  // [n]: expert-buffer row of received row i
+  const std::int64_t* meta;   // [n]
+  index_t first;              // the unit's first expert-buffer row (saved row 0)
+  matrix_view<T> expert;
+  matrix_view<const T> saved;
+  float* g;  // [n]
+  EPMOE_HD void operator()(index_t i) const {
+    const index_t e = expert_row[i];
+    T* dy = expert.row(e);
+    const T* out = saved.row(e - first);
+    float d = 0.f;
+    for (index_t h = 0; h < expert.cols; ++h) d += to_float(dy[h]) * to_float(out[h]);
+    g[i] = d;
+    const float w = meta_weight(meta[i]);
+    for (index_t h = 0; h < expert.cols; ++h) dy[h] = from_float<T>(w * to_float(dy[h]));
   }
 };
 
@@ -200,6 +225,7 @@ class exchange {
     dispatch_req_.resize(static_cast<std::size_t>(S));
     meta_req_.resize(static_cast<std::size_t>(S));
     combine_req_.resize(static_cast<std::size_t>(S));
+    gback_req_.resize(static_cast<std::size_t>(S));
     marks_.resize(static_cast<std::size_t>(4 * S));
     if constexpr (Dedup) {
       meta_recv_ = space.template allocate<std::int64_t>(recv_rows);
@@ -207,6 +233,8 @@ class exchange {
       sum_key_ = space.template allocate<std::int32_t>(3 * n);
       sum_first_ = space.template allocate<index_t>(2 * (n + 1) + n);
       sum_sort_ = space.template allocate<char>(Space::sort_scratch_bytes(n, n));
+      g_recv_ = space.template allocate<float>(n);
+      g_send_ = space.template allocate<float>(w.send_rows);
     }
   }
 
@@ -227,6 +255,26 @@ class exchange {
   }
 
   value_type* send_buffer() const { return x_send_.data(); }
+
+  /// Backward passes (moe_layer::backward) run the same exchanges; with dedup the combine then
+  /// sums each unique row's dX rows unweighted (the weights went onto the dy rows) and carries
+  /// each assignment's routing-weight gradient home: the metadata exchange in reverse, from
+  /// weight_grad_recv() [received rows] into weight_grad_send() [send rows, as plan.meta].
+  void set_backward(bool b) { backward_ = b; }
+  float* weight_grad_recv() const { return g_recv_.data(); }
+  float* weight_grad_send() const { return g_send_.data(); }
+  /// Dedup: the received assignment rows of chunk c (unbounded): the first's index in the
+  /// pass's receive order, their count, and per row its expert-buffer row and metadata.
+  struct received_rows {
+    index_t first, n;
+    const index_t* expert_row;
+    const std::int64_t* meta;
+  };
+  received_rows received(const dispatch_plan& p, int c) const {
+    const index_t first = p.recv_offsets[p.block(c, 0, 0)];
+    return {first, p.recv_offsets[p.block(c + 1, 0, 0)] - first,
+            sum_first_.data() + 2 * (w_.recv_buffer_rows + 1) + first, meta_recv_.data() + first};
+  }
   std::int64_t* meta_recv() const { return meta_recv_.data(); }
 
   /// The counts all-to-all: every rank learns the rows it will receive per (chunk, source,
@@ -246,7 +294,7 @@ class exchange {
     // A pass that threw mid-way (a failed exchange) may have left slots or requests in use.
     expert_owner_ = -1;
     for (unit_state& us : units_) us.busy = false;
-    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
+    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_})
       for (auto& r : *reqs) r.reset();
     const mark t0 = x.clock.now();
     x.space.for_each(
@@ -374,13 +422,17 @@ class exchange {
     rank_counts& n = counts_[k];
     tr_.start(combine_req_[k], x_recv_.data(), n.recv_n, n.recv_d, x_send_.data(), n.send_n,
               n.send_d);
+    if (Dedup && backward_)
+      tr_.start(gback_req_[k], g_recv_.data(), n.meta_recv_n, n.meta_recv_d, g_send_.data(),
+                n.meta_send_n, n.meta_send_d);
     marks_[4 * k + 3] = x.clock.now();
   }
 
   void wait_combine(context& x, int u) {
     const int k = slot_of(u);
     const mark w0 = x.clock.now();
-    const double modeled = tr_.wait(combine_req_[k]);
+    double modeled = tr_.wait(combine_req_[k]);
+    if (Dedup && backward_) modeled += tr_.wait(gback_req_[k]);
     const mark w1 = x.clock.now();
     x.clock.exchange(marks_[4 * k + 2], marks_[4 * k + 3], w0, w1, modeled);
     units_[k].busy = false;
@@ -392,7 +444,7 @@ class exchange {
 
   /// Lets the comm progress pending exchanges (MPI moves data inside its calls).
   void progress() {
-    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_})
+    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_})
       for (auto& r : *reqs) tr_.progress(r);
   }
 
@@ -673,7 +725,7 @@ class exchange {
     x.space.for_each_row(U, w_.hidden,
                          exchange_ops::weighted_unique_sum<value_type>{
                              order, firsts, expert_row, meta_recv_.data() + first,
-                             const_view(expert_view()), chunk_unique_view(p, c)});
+                             const_view(expert_view()), chunk_unique_view(p, c), backward_});
   }
 
   matrix_view<value_type> chunk_unique_view(const dispatch_plan& p, int c) const {
@@ -711,13 +763,15 @@ class exchange {
   std::vector<unit_state> units_;    // [slots]
   index_t* first_unit_ = nullptr;    // [C+1]: bounded: first unit of each chunk
   std::vector<std::optional<typename transport_type::request>> dispatch_req_, meta_req_,
-      combine_req_;                 // [slots]
+      combine_req_, gback_req_;     // [slots] (gback: dedup backward's weight gradients)
   std::vector<mark> marks_;         // [4 * slots]: when each slot's dispatch and combine began and
                                     // their starts returned
   buffer<std::int64_t> meta_recv_;  // dedup: the received assignments' metadata
   buffer<std::int32_t> sum_key_;    // dedup: [3][recv rows] keys, sorted keys, order
   buffer<index_t> sum_first_;       // dedup: rows and first per unique row; expert rows
   buffer<char> sum_sort_;
+  buffer<float> g_recv_, g_send_;  // dedup backward: routing-weight gradients
+  bool backward_ = false;
 };
 
 }  // namespace epmoe

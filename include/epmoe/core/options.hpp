@@ -13,6 +13,11 @@ struct layer_options {
   /// Per-rank dedup: a token sends one row to each rank that holds any of its experts, and
   /// that rank returns one weighted sum (as DeepEP and Tutel do).
   bool dedup = false;
+  /// Bit-identical outputs and gradients from run to run (docs/training.md): every sum in a
+  /// fixed order, none depending on buffer alignment or thread timing (the host's streaming
+  /// GEMM gives up its alignment head; the other kernels already are). Across rank counts
+  /// results agree within fp32 rounding (a rank count changes which rows share a GEMM).
+  bool deterministic = false;
 };
 
 namespace detail {

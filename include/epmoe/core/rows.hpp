@@ -36,6 +36,21 @@ struct route_tokens {
   }
 };
 
+/// The router's backward of token t (its choice held fixed): dlogits[t] from the routing
+/// weights' gradient g[t] (docs/training.md).
+template <class Router>
+struct backward_tokens {
+  Router router;
+  matrix_view<const float> logits;      // [T, E]
+  matrix_view<const std::int32_t> ids;  // [T, K]
+  matrix_view<const float> g;           // [T, K]
+  matrix_view<float> dlogits;           // [T, E]
+  EPMOE_HD void operator()(index_t t) const {
+    const token_input in{logits.row(t), nullptr, static_cast<int>(logits.cols), t, 0};
+    router.backward_token(in, ids.row(t), g.row(t), dlogits.row(t));
+  }
+};
+
 /// ++counter (the pass counter, in the space's memory).
 struct advance {
   std::uint64_t* counter;
@@ -110,7 +125,7 @@ struct sigmoid_dot {
 inline constexpr index_t piece = 8;
 
 /// y[t] = sum_k weight[t,k] * back[slot[t,k]] over the assignments not dropped (+ the shared
-/// experts' sum, when given).
+/// experts' sum, when given); without weights (null data) the plain sum (dx in backward).
 template <class T>
 struct weighted_reduce {
   matrix_view<const T> back;          // [send rows, H]: expert outputs, home again
@@ -130,8 +145,8 @@ struct weighted_reduce {
       float acc[piece] = {};
       for (index_t k = 0; k < K; ++k) {
         const std::int32_t s = slot[t * K + k];
-        if (s < 0) continue;  // dropped: contributes nothing
-        const float w = weights(t, k);
+        if (s < 0) continue;                                 // dropped: contributes nothing
+        const float w = weights.data ? weights(t, k) : 1.f;  // none: a plain sum (backward)
         const T* src = back.row(s) + h;
         for (index_t j = 0; j < n; ++j) acc[j] += w * to_float(src[j]);
       }
@@ -168,6 +183,117 @@ struct sum_unique {
       for (index_t j = 0; j < n; ++j)
         out[j] = from_float<T>(shared ? acc[j] + shared[t * y.cols + h + j] : acc[j]);
     }
+  }
+};
+
+// --- backward (docs/training.md) ---------------------------------------------------------
+
+/// The routing weights' gradient of token t: g[t, k] = dy[t] · back[slot[t, k]] (the expert's
+/// output, home again), 0 for a dropped assignment or an empty slot.
+template <class T>
+struct routing_weight_grad {
+  matrix_view<const T> dy;    // [T, H]
+  matrix_view<const T> back;  // [send rows, H]
+  const std::int32_t* slot;   // [T*K]
+  matrix_view<float> g;       // [T, K]
+  EPMOE_HD void operator()(index_t t) const {
+    for (index_t k = 0; k < g.cols; ++k) {
+      const std::int32_t s = slot[t * g.cols + k];
+      float d = 0.f;
+      if (s >= 0) {
+        const T* a = dy.row(t);
+        const T* b = back.row(s);
+        for (index_t h = 0; h < dy.cols; ++h) d += to_float(a[h]) * to_float(b[h]);
+      }
+      g.row(t)[k] = d;
+    }
+  }
+};
+
+/// Dedup: g[t, k] = back[slot[t, k]], the routing weight's gradient the expert rank sent
+/// home (per assignment row, as plan.meta), 0 when dropped.
+struct gather_weight_grad {
+  const float* back;
+  const std::int32_t* slot;
+  matrix_view<float> g;
+  EPMOE_HD void operator()(index_t t) const {
+    for (index_t k = 0; k < g.cols; ++k) {
+      const std::int32_t s = slot[t * g.cols + k];
+      g.row(t)[k] = s >= 0 ? back[s] : 0.f;
+    }
+  }
+};
+
+/// The combine's backward at home: send row slot[t, k] = weight[t, k] * dy[t] for every
+/// assignment not dropped (the rows the dispatch then carries to the experts).
+template <class T>
+struct scatter_weighted {
+  matrix_view<const T> dy;           // [T, H]
+  const std::int32_t* slot;          // [T*K]
+  matrix_view<const float> weights;  // [T, K]
+  matrix_view<T> out;                // [send rows, H]
+  EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
+    for (index_t k = 0; k < weights.cols; ++k) {
+      const std::int32_t s = slot[t * weights.cols + k];
+      if (s < 0) continue;
+      const float w = weights(t, k);
+      const T* src = dy.row(t);
+      T* o = out.row(s);
+      for (index_t h = h0; h < h1; ++h) o[h] = from_float<T>(w * to_float(src[h]));
+    }
+  }
+};
+
+/// out row t = s[t] * x row t (s null: 1): a shared expert's output gradient.
+template <class T>
+struct scaled_copy {
+  matrix_view<const T> x;
+  const float* scale;
+  matrix_view<T> out;
+  EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
+    const float s = scale ? scale[t] : 1.f;
+    for (index_t h = h0; h < h1; ++h) out.row(t)[h] = from_float<T>(s * to_float(x.row(t)[h]));
+  }
+};
+
+/// A shared expert's gate backward, token t: with s = σ(x · g) (held in `scale`) and o the
+/// expert's output, d[t] = (dy[t] · o[t]) s (1 - s), the gradient of the gate's logit.
+template <class T>
+struct sigmoid_dot_grad {
+  matrix_view<const T> dy, out;
+  const float* scale;
+  float* d;
+  EPMOE_HD void operator()(index_t t) const {
+    float v = 0.f;
+    for (index_t h = 0; h < dy.cols; ++h) v += to_float(dy.row(t)[h]) * to_float(out.row(t)[h]);
+    d[t] = v * scale[t] * (1.f - scale[t]);
+  }
+};
+
+/// Column h of a [rows, H] matrix summed over its rows, each times w[row] (w null: 1), into
+/// out[h] (or added to it): an output bias's or a shared gate's gradient, rows in order.
+template <class T, class G>
+struct column_sum {
+  matrix_view<const T> x;
+  const float* w;
+  G* out;
+  bool accumulate;
+  EPMOE_HD void operator()(index_t h) const {
+    float s = 0.f;
+    for (index_t t = 0; t < x.rows; ++t) s += (w ? w[t] : 1.f) * to_float(x.row(t)[h]);
+    out[h] = from_float<G>(accumulate ? to_float(out[h]) + s : s);
+  }
+};
+
+/// into row t (float, [rows, H]) += d[t] * v: a gate logit's gradient into x (v = the gate row).
+template <class T>
+struct add_outer {
+  float* into;
+  index_t cols;
+  const float* d;
+  const T* v;  // [H]
+  EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
+    for (index_t h = h0; h < h1; ++h) into[t * cols + h] += d[t] * to_float(v[h]);
   }
 };
 

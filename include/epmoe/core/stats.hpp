@@ -119,6 +119,12 @@ struct pass_stats {
   int rounds = 1;              // most exchange rounds of one chunk (> 1 when max_recv_rows splits)
   index_t peak_recv_rows = 0;  // most rows one exchange round put in the receive buffer
   index_t recv_buffer_rows = 0;  // rows of the receive buffer (<= max_recv_rows when set)
+  bool backward = false;         // the last call was backward(): time, began, timeline and the
+                                 //   comm times are its stages (route: the router's and the
+                                 //   gate's backward; experts: dX and dW); the counts are the
+                                 //   forward's
+  index_t saved_bytes = 0;       // training: bytes the last forward kept for backward (expert
+                                 //   input rows, logits, routing), beyond the pass's buffers
 
   pass_stats() = default;
   pass_stats(int experts, int local_experts, int ranks)

@@ -118,6 +118,30 @@ struct mlp {
     stacked_view<G> b2{};  // [L, 1, H] (Biases)
   };
   using grads = grads_of<float>;
+  template <class G>
+  static grads_of<G> slice(const grads_of<G>& g, index_t first, index_t n) {
+    if constexpr (Biases)
+      return {g.w1.slice(first, n), g.w2.slice(first, n), g.b1.slice(first, n),
+              g.b2.slice(first, n)};
+    else
+      return {g.w1.slice(first, n), g.w2.slice(first, n)};
+  }
+  template <class G>
+  static auto tensors(grads_of<G>& g) {
+    if constexpr (Biases)
+      return std::array<stacked_view<G>*, 4>{&g.w1, &g.w2, &g.b1, &g.b2};
+    else
+      return std::array<stacked_view<G>*, 2>{&g.w1, &g.w2};
+  }
+  /// Checks a gradient bundle as validate() checks weights ("grads.experts.w1: ...").
+  template <class G>
+  static void validate(const grads_of<G>& g, index_t count, index_t hidden, index_t ffn,
+                       const std::string& name) {
+    if constexpr (Biases)
+      validate(weights_of<G>{g.w1, g.w2, g.b1, g.b2}, count, hidden, ffn, name);
+    else
+      validate(weights_of<G>{g.w1, g.w2}, count, hidden, ffn, name);
+  }
 
   /// Scratch elements per row of backward: the recomputed hidden layer and dh.
   static index_t backward_scratch_per_row(index_t ffn) { return 2 * ffn; }

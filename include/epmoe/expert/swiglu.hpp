@@ -109,6 +109,20 @@ struct glu {
     stacked_view<G> w2;  // [L, H, F]
   };
   using grads = grads_of<float>;
+  template <class G>
+  static grads_of<G> slice(const grads_of<G>& g, index_t first, index_t n) {
+    return {g.w1.slice(first, n), g.w3.slice(first, n), g.w2.slice(first, n)};
+  }
+  template <class G>
+  static std::array<stacked_view<G>*, 3> tensors(grads_of<G>& g) {
+    return {&g.w1, &g.w3, &g.w2};
+  }
+  /// Checks a gradient bundle as validate() checks weights ("grads.experts.w1: ...").
+  template <class G>
+  static void validate(const grads_of<G>& g, index_t count, index_t hidden, index_t ffn,
+                       const std::string& name) {
+    validate(weights_of<G>{g.w1, g.w3, g.w2}, count, hidden, ffn, name);
+  }
 
   /// Scratch elements per row of backward: the two recomputed projections and dh.
   static index_t backward_scratch_per_row(index_t ffn) { return 3 * ffn; }

@@ -532,9 +532,7 @@ gradients backward(const full_weights& w, const Router& router, const Capacity& 
 
 /// The weight of each loss in the caller's total: Σ_ranks aux · aux_r + seq_aux · seq_aux_r +
 /// z · z_r (1 adds the reported loss as it is).
-struct loss_scales {
-  double aux = 0, seq_aux = 0, z = 0;
-};
+using epmoe::loss_scales;  // core/losses.hpp: a plain struct of three coefficients
 
 template <class Router>
 concept router_with_losses = Router::uses_gate && has_probabilities<Router>;

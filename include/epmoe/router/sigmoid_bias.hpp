@@ -83,6 +83,38 @@ struct sigmoid_bias {
     for (int e = 0; e < in.experts; ++e) p[e] /= sum;
   }
 
+  /// Backward of route_token for one token, its choice `ids` held fixed: dl[E] = dL/dlogits
+  /// from g[K] = dL/dweights. s = σ(l); normalised, w_k = c s_k / Σ_j s_j (j chosen):
+  /// ds_k = (c / Σ)(g_k - Σ_j g_j s_j / Σ), else ds_k = c g_k; dl_k = ds_k s_k (1 - s_k) on the
+  /// chosen experts, 0 elsewhere. The bias only selects: it gets no gradient (update_bias).
+  EPMOE_HD void backward_token(const token_input& in, const int* ids, const float* g,
+                               float* dl) const {
+    const float* l = in.logits;
+    for (int e = 0; e < in.experts; ++e) dl[e] = 0.f;
+    float s[K], sum = 0.f, gs = 0.f;
+    for (int k = 0; k < K; ++k) {
+      sum += (s[k] = math::sigmoid(l[ids[k]]));
+      gs += g[k] * s[k];
+    }
+    for (int k = 0; k < K; ++k) {
+      const float ds = normalize ? scaling / sum * (g[k] - gs / sum) : scaling * g[k];
+      dl[ids[k]] = ds * s[k] * (1.f - s[k]);
+    }
+  }
+
+  /// dl[E] += the backward of probabilities() (the sequence loss's gradient): p = s / Σ s,
+  /// ds_e = (dp_e - p · dp) / Σ s, dl_e += ds_e s_e (1 - s_e).
+  EPMOE_HD void probabilities_backward(const token_input& in, const float* dp, float* dl) const {
+    const float* l = in.logits;
+    float sum = 0.f, pdp = 0.f;
+    for (int e = 0; e < in.experts; ++e) sum += math::sigmoid(l[e]);
+    for (int e = 0; e < in.experts; ++e) pdp += math::sigmoid(l[e]) / sum * dp[e];
+    for (int e = 0; e < in.experts; ++e) {
+      const float s = math::sigmoid(l[e]);
+      dl[e] += (dp[e] - pdp) / sum * s * (1.f - s);
+    }
+  }
+
   /// b_i += gamma * sign(mean(load) - load_i): underloaded experts become more attractive.
   void update_bias(std::span<float> b, std::span<const index_t> load) const {
     detail::require(load.size() == b.size(), "load", load.size(),

@@ -110,6 +110,45 @@ struct topk_softmax {
   EPMOE_HD void probabilities(const token_input& in, float* p) const {
     math::softmax(in.logits, in.experts, p);
   }
+
+  /// Backward of route_token for one token, its choice `ids` held fixed (docs/training.md):
+  /// dl[E] = dL/dlogits from g[K] = dL/dweights (0 for a dropped assignment).
+  /// Renormalised: w_k = c u_k, u_k = r_k / ||r||_q, r_k = e^(l_k): only the K chosen logits
+  /// move, dl_j = c (u_j g_j - (Σ_k g_k u_k) u_j^q). Not renormalised: w_k = c p_k, the softmax
+  /// backward over all E, dl_e = p_e (c g_e [e chosen] - c Σ_k g_k p_k).
+  EPMOE_HD void backward_token(const token_input& in, const int* ids, const float* g,
+                               float* dl) const {
+    const float* l = in.logits;
+    const int E = in.experts;
+    if constexpr (Renormalize) {
+      for (int e = 0; e < E; ++e) dl[e] = 0.f;
+      float u[K], norm = 0.f, gu = 0.f;
+      for (int k = 0; k < K; ++k)
+        norm += powf(u[k] = math::shifted_exp(l[ids[k]], l[ids[0]]), norm_p);
+      norm = powf(norm, 1.f / norm_p);
+      for (int k = 0; k < K; ++k) gu += g[k] * (u[k] /= norm);
+      for (int k = 0; k < K; ++k)
+        dl[ids[k]] = scaling * (u[k] * g[k] - gu * (norm_p == 1.f ? u[k] : powf(u[k], norm_p)));
+    } else {
+      float max = -INFINITY, denom = 0.f, gp = 0.f, pk[K];
+      for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
+      for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
+      for (int k = 0; k < K; ++k) gp += g[k] * (pk[k] = math::shifted_exp(l[ids[k]], max) / denom);
+      for (int e = 0; e < E; ++e) dl[e] = -scaling * gp * math::shifted_exp(l[e], max) / denom;
+      for (int k = 0; k < K; ++k) dl[ids[k]] += scaling * pk[k] * g[k];
+    }
+  }
+
+  /// dl[E] += the backward of probabilities() (the losses' gradient): p ⊙ (dp - p · dp).
+  EPMOE_HD void probabilities_backward(const token_input& in, const float* dp, float* dl) const {
+    const float* l = in.logits;
+    const int E = in.experts;
+    float max = -INFINITY, denom = 0.f, pdp = 0.f;
+    for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
+    for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
+    for (int e = 0; e < E; ++e) pdp += math::shifted_exp(l[e], max) / denom * dp[e];
+    for (int e = 0; e < E; ++e) dl[e] += math::shifted_exp(l[e], max) / denom * (dp[e] - pdp);
+  }
 };
 
 /// Mixtral: softmax over all experts, top-K, renormalised.

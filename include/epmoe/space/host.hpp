@@ -132,7 +132,7 @@ class host : public allocates<host> {
 
   /// c[M,N] = a[M,K] * b[N,K]^T (row-major; b is a PyTorch-style [out, in] weight).
   void gemm_nt(matrix_view<const float> a, matrix_view<const float> b, matrix_view<float> c) const {
-    host_gemm_nt(a, b, c, helpers_.get());
+    host_gemm_nt(a, b, c, helpers_.get(), fixed_order_);
   }
   /// Per group g: c's rows of g = a's rows of g x b[g]^T (the local experts' GEMMs).
   void grouped_gemm_nt(grouped_rows<const float> a, stacked_view<const float> b,
@@ -238,11 +238,17 @@ class host : public allocates<host> {
   void leave() const {}
   void synchronize() const {}
 
+  /// Fixed-order sums (layer_options::deterministic): every result bit-identical from run to
+  /// run whatever the buffers' alignment; BLAS and the portable loops already are.
+  void set_fixed_order(bool on) { fixed_order_ = on; }
+  bool fixed_order() const { return fixed_order_; }
+
   /// The helper threads of this space (shared by its copies).
   detail::stream_helpers* helpers() const { return helpers_.get(); }
 
  private:
   std::shared_ptr<detail::stream_helpers> helpers_;
+  bool fixed_order_ = false;
 };
 
 }  // namespace epmoe::space

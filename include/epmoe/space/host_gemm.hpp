@@ -211,17 +211,21 @@ __attribute__((target("avx2,fma"))) inline void dot_rows(const float* x0, const 
 
 // Streaming kernel: each block of 4 rows of b is read from memory once and then dotted with
 // every row of a, two at a time, from cache (8 accumulators, 8 lanes each).
+// fixed_order: no alignment head (k0 = 0), so every dot sums in an order that depends on K
+// alone, not on where the weights happen to be allocated (layer_options::deterministic).
 __attribute__((target("avx2,fma"))) inline void gemm_nt_columns_avx2(matrix_view<const float> a,
                                                                      matrix_view<const float> b,
                                                                      matrix_view<float> c,
-                                                                     index_t n0, index_t n1) {
+                                                                     index_t n0, index_t n1,
+                                                                     bool fixed_order) {
   const index_t M = c.rows, K = a.cols;
   index_t j = n0;
   for (; j + 4 <= n1; j += 4) {
     const float *b0 = b.row(j), *b1 = b.row(j + 1), *b2 = b.row(j + 2), *b3 = b.row(j + 3);
     const auto misalign = reinterpret_cast<std::uintptr_t>(b0) % 32;
-    const index_t k0 =
-        std::min<index_t>(K, misalign % 4 ? 0 : static_cast<index_t>((32 - misalign) % 32 / 4));
+    const index_t k0 = fixed_order || misalign % 4
+                           ? 0
+                           : std::min<index_t>(K, static_cast<index_t>((32 - misalign) % 32 / 4));
     // The first pass over these rows prefetches the next 4 (from this thread's range).
     const bool more = j + 8 <= n1;
     const float* next[4] = {more ? b.row(j + 4) : b0, more ? b.row(j + 5) : b1,
@@ -264,9 +268,12 @@ __attribute__((target("avx2,fma"))) inline void gemm_nt_columns_avx2(matrix_view
 #endif
 
 inline void gemm_nt_columns(matrix_view<const float> a, matrix_view<const float> b,
-                            matrix_view<float> c, index_t n0, index_t n1) {
+                            matrix_view<float> c, index_t n0, index_t n1,
+                            bool fixed_order = false) {
 #if defined(EPMOE_HOST_GEMM_AVX2)
-  if (cpu_has_avx2_fma()) return gemm_nt_columns_avx2(a, b, c, n0, n1);
+  if (cpu_has_avx2_fma()) return gemm_nt_columns_avx2(a, b, c, n0, n1, fixed_order);
+#else
+  (void)fixed_order;
 #endif
   gemm_nt_columns_portable(a, b, c, n0, n1);
 }
@@ -409,24 +416,27 @@ class stream_helpers {
 /// c = a b^T by streaming b: its rows cut into chunks of >= 64 (a multiple of 4) that
 /// `threads` threads take in turn (the caller and `helpers`; none: the caller alone).
 inline void gemm_nt_stream(matrix_view<const float> a, matrix_view<const float> b,
-                           matrix_view<float> c, int threads, stream_helpers* helpers) {
+                           matrix_view<float> c, int threads, stream_helpers* helpers,
+                           bool fixed_order = false) {
   const index_t N = c.cols;
   const int chunks = static_cast<int>(std::clamp<index_t>(N / 64, 1, 4 * threads));
   const auto chunk = [&](int q) {
     const auto edge = [&](int e) { return e == chunks ? N : (N * e / chunks) & ~index_t{3}; };
-    gemm_nt_columns(a, b, c, edge(q), edge(q + 1));
+    gemm_nt_columns(a, b, c, edge(q), edge(q + 1), fixed_order);
   };
   if (threads <= 1 || chunks == 1 || !helpers || !helpers->run(threads, chunks, chunk))
-    gemm_nt_columns(a, b, c, 0, N);
+    gemm_nt_columns(a, b, c, 0, N, fixed_order);
 }
 
 }  // namespace detail
 
 /// c[M,N] = a[M,K] * b[N,K]^T, row-major with strides. Few rows (M <= 32): a streaming kernel
 /// that reads b once (on the caller and `helpers`' threads); more: BLAS sgemm when the build
-/// found one, else the portable loop.
+/// found one, else the portable loop. `fixed_order`: sums whose order depends on the shapes
+/// alone (the streaming kernel skips its alignment head), bit-identical wherever b lives.
 inline void host_gemm_nt(matrix_view<const float> a, matrix_view<const float> b,
-                         matrix_view<float> c, detail::stream_helpers* helpers = nullptr) {
+                         matrix_view<float> c, detail::stream_helpers* helpers = nullptr,
+                         bool fixed_order = false) {
   const index_t M = c.rows, N = c.cols, K = a.cols;
   if (M == 0 || N == 0) return;
 #if defined(EPMOE_HAS_CBLAS)
@@ -437,7 +447,7 @@ inline void host_gemm_nt(matrix_view<const float> a, matrix_view<const float> b,
     return;
   }
 #endif
-  detail::gemm_nt_stream(a, b, c, detail::stream_threads(M, N, K), helpers);
+  detail::gemm_nt_stream(a, b, c, detail::stream_threads(M, N, K), helpers, fixed_order);
 }
 
 namespace detail {

@@ -1,0 +1,120 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+// The layer's backward on MPI processes (1 to 4) against reference::backward: every rank
+// checks its own dx rows and, after reduce_gradients, the gate's sum and its slots' expert
+// gradients (a replicated expert's copy holds the sum over its copies).
+#include <catch2/catch.hpp>
+#include <limits>
+#include <vector>
+
+#include "../layer/harness.hpp"
+#include <epmoe/comm/mpi.hpp>
+#include <epmoe/placement/table.hpp>
+#include <epmoe/reference/backward.hpp>
+#include <epmoe/schedule/pipelined.hpp>
+
+using namespace epmoe;
+
+namespace {
+
+struct mpi_train : default_policies {
+  using router = epmoe::router::topk_softmax<2>;
+  using comm = epmoe::comm::mpi;
+};
+struct mpi_train_dedup : mpi_train {
+  static constexpr epmoe::layer_options options{.dedup = true};
+};
+struct mpi_train_pipelined : mpi_train {
+  using schedule = epmoe::schedule::pipelined<2>;
+};
+struct mpi_train_replicas : mpi_train {
+  using placement = epmoe::placement::table;
+};
+
+int rank_of_world() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+int size_of_world() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+template <class Placement>
+Placement placement_for(const layer_config& cfg) {
+  if constexpr (std::is_same_v<Placement, placement::table>) {
+    std::vector<int> phy;  // each rank: its block, plus a copy of expert 0
+    const int L = cfg.experts / cfg.ranks;
+    for (int r = 0; r < cfg.ranks; ++r) {
+      for (int j = 0; j < L; ++j) phy.push_back(r * L + j);
+      phy.push_back(0);
+    }
+    return placement::table(cfg.experts, cfg.ranks, phy);
+  } else {
+    return Placement(cfg);
+  }
+}
+
+// The relative error of this rank's view against the reference's slice of it.
+double error_of(const float* got, const double* want, index_t n) {
+  return test::relative_error(std::vector<float>(got, got + n), std::vector<float>(want, want + n));
+}
+
+template <class P>
+void check_backward(layer_config cfg) {
+  const int R = size_of_world(), me = rank_of_world();
+  cfg.ranks = R;
+  cfg.training = true;
+  const index_t H = cfg.hidden, F = cfg.ffn, E = cfg.experts;
+  const auto w = reference::full_weights::random(cfg, 71);
+  std::vector<index_t> per(R);
+  for (int r = 0; r < R; ++r) per[r] = 9 + 5 * r;
+  const auto g = test::make_tokens(per, H, 72);
+  const std::vector<float> dy = reference::random_tokens(g.total() * H, 1, 73);
+  const typename P::placement where = placement_for<typename P::placement>(cfg);
+  const index_t L = where.slots_per_rank();
+  const auto mine = reference::slice(w, where, me);
+  moe_layer<P> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()}, {}, {},
+                     where);
+  const index_t T = per[me], at = g.offset(me) * H;
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> y(T * H, nan), dx(T * H, nan), dgate(E * H, nan), dw1(L * F * H, nan),
+      dw3(L * F * H, nan), dw2(L * H * F, nan);
+  const typename moe_layer<P>::gradients grads{
+      {dgate.data(), E, H}, {{dw1.data(), L, F, H}, {dw3.data(), L, F, H}, {dw2.data(), L, H, F}}};
+  layer.forward({g.x.data() + at, T, H}, {y.data(), T, H});
+  layer.backward({dy.data() + at, T, H}, {dx.data(), T, H}, grads);
+  layer.reduce_gradients(grads);
+  const reference::gradients want =
+      reference::backward(w, typename P::router{}, capacity::dropless{}, where,
+                          {g.x.data(), g.total(), H}, per, {dy.data(), g.total(), H});
+  INFO("rank " << me << " of " << R);
+  CHECK(error_of(dx.data(), want.dx.data() + at, T * H) <= 2e-5);
+  CHECK(error_of(dgate.data(), want.dgate.data(), E * H) <= 2e-5);
+  int slots = 0;
+  for (index_t j = 0; j < L; ++j, ++slots) {
+    const index_t e = where.expert_at(me, static_cast<int>(j));
+    INFO("slot " << j << " expert " << e);
+    CHECK(error_of(dw1.data() + j * F * H, want.dw1.data() + e * F * H, F * H) <= 2e-5);
+    CHECK(error_of(dw3.data() + j * F * H, want.dw3.data() + e * F * H, F * H) <= 2e-5);
+    CHECK(error_of(dw2.data() + j * H * F, want.dw2.data() + e * H * F, H * F) <= 2e-5);
+  }
+  CHECK(slots == L);
+}
+
+layer_config mpi_layer() {
+  return {.hidden = 12, .ffn = 10, .experts = 12, .top_k = 2, .max_tokens = 32};
+}
+
+}  // namespace
+
+TEST_CASE("mpi backward: dx and the reduced gradients equal the reference", "[mpi][backward]") {
+  check_backward<mpi_train>(mpi_layer());
+  check_backward<mpi_train_dedup>(mpi_layer());
+  layer_config chunks = mpi_layer();
+  chunks.chunks = 2;
+  check_backward<mpi_train_pipelined>(chunks);
+  check_backward<mpi_train_replicas>(mpi_layer());
+}
