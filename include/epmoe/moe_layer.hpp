@@ -232,6 +232,7 @@ class moe_layer {
     expert_grads shared{};             // [N] shared experts
     matrix_view<float> shared_gate{};  // [N, H] (config shared_gate)
     matrix_view<float> output_bias{};  // [1, H] (config output_bias)
+    matrix_view<float> noise_gate{};   // [E, H] noisy top-k's noise projection (while training)
   };
   struct backward_options {
     loss_scales losses{};     // add d(scale * loss)/d(gate, x) for each router loss of the pass
@@ -261,6 +262,7 @@ class moe_layer {
                   "router.backward_token(in, ids, g, dlogits) (docs/training.md lists the routers "
                   "that have one)");
     stats();  // the forward's numbers are read before the clock starts again
+    back_opt_ = opt;
     std::exception_ptr bad;
     try {
       check_backward(dy, dx, grads);
@@ -272,7 +274,6 @@ class moe_layer {
     dy_ = dy;
     dx_ = dx;
     grads_ = grads;
-    back_opt_ = opt;
     saved_ = false;  // consumed, whatever happens next
     grads_started_ = false;
     stats_.backward = true;
@@ -592,7 +593,8 @@ class moe_layer {
       saved_ = true;
       const index_t T = tokens_;
       stats_.saved_bytes =
-          saved_rows_ * cfg_.hidden * static_cast<index_t>(sizeof(value_type)) +
+          saved_rows_ * (cfg_.hidden * (dedup ? 2 : 1) + keep_per_row()) *
+              static_cast<index_t>(sizeof(value_type)) +
           T * width_ * static_cast<index_t>(sizeof(float) + sizeof(std::int32_t)) +
           (router_type::uses_gate ? T * cfg_.experts * static_cast<index_t>(sizeof(float)) : 0);
     }
@@ -753,9 +755,15 @@ class moe_layer {
       const index_t N = cfg_.shared_experts, S = layout_.row_stride;
       saved_in_ = space_.template allocate<value_type>(layout_.recv_rows * S);
       if (dedup) saved_out_ = space_.template allocate<value_type>(layout_.recv_rows * S);
+      if (keep_per_row() > 0)
+        saved_hidden_ = space_.template allocate<value_type>(layout_.recv_rows * keep_per_row());
       saved_at_.assign(static_cast<std::size_t>(units_max()), 0);
       weight_grad_ = space_.template allocate<float>(T * K);
       if (router_type::uses_gate) dlogits_ = space_.template allocate_mirror<float>(T * E);
+      if constexpr (router_with_noise_gate<router_type>)
+        dnoise_ = space_.template allocate<float>(T * E);
+      if constexpr (requires { router_type::jitters_input; })
+        jitter_dx_ = space_.template allocate<float>(T * H);
       dx_home_ = space_.template allocate<float>(T * H);
       if (N > 0) shared_dy_ = space_.template allocate<value_type>(T * S);
       if (cfg_.shared_gate) shared_ds_ = space_.template allocate<float>(T);
@@ -1003,7 +1011,10 @@ class moe_layer {
     const mark t0 = clock_.now();
     const grouped_rows<value_type> rows = ex_.expert_rows(x, u);
     if (cfg_.training) save_expert_rows(saved_in_, rows, u, true);
-    expert_type::forward(space_, w_.experts, rows, scratch_.data());
+    if constexpr (expert_keeps)
+      expert_type::forward(space_, w_.experts, rows, scratch_.data(), kept_hidden(u));
+    else
+      expert_type::forward(space_, w_.experts, rows, scratch_.data());
     if (dedup && cfg_.training) save_expert_rows(saved_out_, rows, u, false);
     ex_.progress();
     stats_.expert_flops +=
@@ -1039,6 +1050,14 @@ class moe_layer {
     detail::require_shape(dy, T, H, "dy");
     detail::require_shape(dx, T, H, "dx");
     check_grads(g);
+    const loss_scales& ls = back_opt_.losses;
+    const bool losses = ls.aux != 0 || ls.seq_aux != 0 || ls.z != 0;
+    for (double v : {ls.aux, ls.seq_aux, ls.z})
+      detail::require(std::isfinite(v), "backward_options.losses", v, "must be finite");
+    if constexpr (!has_probabilities_backward<router_type>)
+      detail::require(!losses, "backward_options.losses", "nonzero",
+                      "this router's losses have no gradient (no probabilities_backward): "
+                      "leave them 0");
   }
   void check_grads(const gradients& g) const {
     const index_t H = cfg_.hidden;
@@ -1053,6 +1072,21 @@ class moe_layer {
     if (cfg_.shared_gate)
       detail::require_shape(g.shared_gate, cfg_.shared_experts, H, "grads.shared_gate");
     if (cfg_.output_bias) detail::require_shape(g.output_bias, 1, H, "grads.output_bias");
+    if (noisy_training()) detail::require_shape(g.noise_gate, cfg_.experts, H, "grads.noise_gate");
+  }
+  // Whether the gate saw x ⊙ m (input jitter while training).
+  bool jittered() const {
+    if constexpr (requires { router_type::jitters_input; })
+      return router_.training;
+    else
+      return false;
+  }
+  // Whether passes draw routing noise through a noise gate (noisy top-k while training).
+  bool noisy_training() const {
+    if constexpr (router_with_noise_gate<router_type>)
+      return router_.training;
+    else
+      return false;
   }
 
   // A training forward keeps each unit's expert input rows (the backward's x) and, with
@@ -1070,6 +1104,25 @@ class moe_layer {
     space_.for_each_row(n, cfg_.hidden,
                         rows::copy<value_type>{{rows.data, n, cfg_.hidden, S},
                                                {into.data() + at * S, n, cfg_.hidden, S}});
+  }
+
+  // Whether a training forward keeps the experts' hidden layers (config recompute off and an
+  // expert policy that can), and where unit u's go.
+  static constexpr bool expert_keeps = requires(const space_type& s, const expert_weights& w,
+                                                grouped_rows<value_type> r, value_type* p) {
+    expert_type::forward(s, w, r, p, p);
+    expert_type::keep_per_row(index_t{});
+  };
+  index_t keep_per_row() const {
+    if constexpr (expert_keeps)
+      return cfg_.training && !cfg_.recompute ? expert_type::keep_per_row(layout_.padded(cfg_.ffn))
+                                              : 0;
+    else
+      return 0;
+  }
+  value_type* kept_hidden(int u) const {
+    const index_t per = keep_per_row();
+    return per > 0 ? saved_hidden_.data() + saved_at_[static_cast<std::size_t>(u)] * per : nullptr;
   }
 
   // One group of all T rows (the gate's and the shared experts' GEMMs).
@@ -1130,6 +1183,8 @@ class moe_layer {
     const index_t E = cfg_.experts, H = cfg_.hidden, N = cfg_.shared_experts;
     if constexpr (router_type::uses_gate)
       seg(count_only ? matrix_view<float>{nullptr, E, H} : g.gate);
+    if constexpr (router_with_noise_gate<router_type>)
+      seg(count_only ? matrix_view<float>{nullptr, E, H} : g.noise_gate);
     if constexpr (requires { expert_type::tensors(g.shared); }) {
       // The shapes come from the weights (the same as the gradients').
       auto ws = expert_type::tensors(w_.shared);
@@ -1181,10 +1236,21 @@ class moe_layer {
         return;
       }
       const matrix_view<const float> logits(logits_.device(), T, E);
-      space_.for_each(T, rows::backward_tokens<router_type>{router_, logits, ids_view(T),
-                                                            weight_grad_view(), dl});
+      const bool noisy = noisy_training();
+      const matrix_view<float> dn(dnoise_.data(), noisy ? T : 0, E);
+      space_.for_each(
+          T, rows::backward_tokens<router_type>{router_,
+                                                logits,
+                                                ids_view(T),
+                                                weight_grad_view(),
+                                                dl,
+                                                {noise_logits_.data(), noisy ? T : 0, E},
+                                                dn,
+                                                token_ids_.empty() ? nullptr : token_ids_.data(),
+                                                std::int64_t{rank()} * cfg_.max_tokens,
+                                                pass_ - 1});
       const loss_scales& ls = back_opt_.losses;
-      if constexpr (has_probabilities<router_type>)
+      if constexpr (has_probabilities_backward<router_type>)
         if (ls.aux != 0 || ls.seq_aux != 0 || ls.z != 0) {  // the losses are host code
           space_.to_host(logits_, 0, T * E);
           space_.to_host(dlogits_, 0, T * E);
@@ -1193,15 +1259,38 @@ class moe_layer {
                         std::span<float>(loss_probs_), std::span<double>(loss_acc_));
           space_.to_device(dlogits_, 0, T * E);
         }
+      // The gate's input: x, or x ⊙ m with input jitter (its dx term then goes through m).
+      const bool jit = jittered();
+      const value_type* gx = jit ? gate_scratch_.data() : x_.data;
+      const index_t gs = jit ? H : x_.stride;
+      float* dxg = jit ? jitter_dx_.data() : dx_home_.data();
       const grouped_rows<const float> a = all_rows<const float>(dl.data, E, E);
       space_.grouped_gemm_tn_accumulate(
-          a, all_rows<const value_type>(x_.data, H, x_.stride),
+          a, all_rows<const value_type>(gx, H, gs),
           stacked_view<float>(gate.data, 1, E, H, gate.stride, E * gate.stride),
           back_opt_.accumulate);
       space_.grouped_gemm_nn(
           a,
           stacked_view<const value_type>(w_.gate.data, 1, E, H, w_.gate.stride, E * w_.gate.stride),
-          all_rows<float>(dx_home_.data(), H, H), true);
+          all_rows<float>(dxg, H, H), !jit);
+      if (noisy) {  // the noise gate: dW_noise = dnᵀ x, dx += dn W_noise
+        const matrix_view<float> gn = grads_.noise_gate;
+        const matrix_view<const value_type> wn = w_.noise_gate;
+        const grouped_rows<const float> b = all_rows<const float>(dn.data, E, E);
+        space_.grouped_gemm_tn_accumulate(
+            b, all_rows<const value_type>(gx, H, gs),
+            stacked_view<float>(gn.data, 1, E, H, gn.stride, E * gn.stride), back_opt_.accumulate);
+        space_.grouped_gemm_nn(
+            b, stacked_view<const value_type>(wn.data, 1, E, H, wn.stride, E * wn.stride),
+            all_rows<float>(dxg, H, H), true);
+      }
+      if constexpr (requires { typename router_type::unjittered; })
+        if (jit)
+          space_.for_each_row(
+              T, H,
+              typename router_type::unjittered{router_, dxg, dx_home_.data(), H,
+                                               token_ids_.empty() ? nullptr : token_ids_.data(),
+                                               std::int64_t{rank()} * cfg_.max_tokens, pass_ - 1});
     }
   }
 
@@ -1279,9 +1368,14 @@ class moe_layer {
                                  {saved_out_.data() + at, rows.rows(), H, S},
                                  ex_.weight_grad_recv() + r.first});
       }
-      expert_type::backward(space_, w_.experts, in, grouped_rows<const value_type>(rows), rows,
-                            grads_.experts, scratch_.data(),
-                            back_opt_.accumulate || grads_started_);
+      const bool acc = back_opt_.accumulate || grads_started_;
+      if constexpr (expert_keeps)
+        expert_type::backward(space_, w_.experts, in, grouped_rows<const value_type>(rows), rows,
+                              grads_.experts, scratch_.data(), acc,
+                              static_cast<const value_type*>(kept_hidden(u)));
+      else
+        expert_type::backward(space_, w_.experts, in, grouped_rows<const value_type>(rows), rows,
+                              grads_.experts, scratch_.data(), acc);
       grads_started_ = true;
       ex_.progress();
       stats_.expert_flops += 2.0 * static_cast<double>(rows.rows()) *
@@ -1391,13 +1485,14 @@ class moe_layer {
   const char* call_ = "forward";  // which call's inputs the counts exchange judges
 
   // Training (config training): what forward keeps, and backward's arguments and buffers.
-  buffer<value_type> saved_in_;    // the experts' input rows of the pass, unit after unit
-  buffer<value_type> saved_out_;   // dedup: their outputs
-  std::vector<index_t> saved_at_;  // [units]: each unit's first saved row
+  buffer<value_type> saved_in_;      // the experts' input rows of the pass, unit after unit
+  buffer<value_type> saved_out_;     // dedup: their outputs
+  buffer<value_type> saved_hidden_;  // without recompute: their hidden layers (keep_per_row)
+  std::vector<index_t> saved_at_;    // [units]: each unit's first saved row
   index_t saved_rows_ = 0;
   bool saved_ = false;          // a forward's state waits for its backward
   bool grads_started_ = false;  // a unit wrote the expert gradients of this backward
-  buffer<float> weight_grad_, dx_home_, shared_ds_;
+  buffer<float> weight_grad_, dx_home_, shared_ds_, dnoise_, jitter_dx_;
   mirror<float> dlogits_;
   buffer<value_type> shared_dy_;
   matrix_view<const value_type> dy_;

@@ -1,11 +1,11 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
-// Must not compile: the layer cannot train through a router without backward_token (noisy
-// top-k has none yet), and says so in one message.
+// Must not compile: the layer cannot train through a router without backward_token
+// (sparsemixer has none yet), and says so in one message.
 #include <epmoe/epmoe.hpp>
 
 struct policies : epmoe::default_policies {
-  using router = epmoe::router::noisy_topk<2>;
+  using router = epmoe::router::sparsemixer;
 };
 
 int main() {

@@ -20,8 +20,12 @@
 #include <epmoe/expert/mlp.hpp>
 #include <epmoe/placement/table.hpp>
 #include <epmoe/reference/backward.hpp>
+#include <epmoe/router/expert_choice.hpp>
 #include <epmoe/router/hash.hpp>
+#include <epmoe/router/jitter.hpp>
+#include <epmoe/router/noisy_topk.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
+#include <epmoe/router/sinkhorn.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
 using namespace epmoe;
@@ -56,10 +60,10 @@ struct train_policies : default_policies {
 /// (views()) and their host copies (after download()).
 template <class X>
 struct grad_arrays {
-  std::vector<float> gate, w1, w3, w2, b1, b2, s1, s3, s2, sb1, sb2, sgate, obias;
+  std::vector<float> gate, w1, w3, w2, b1, b2, s1, s3, s2, sb1, sb2, sgate, obias, noise;
   std::vector<typename io::array> dev;
   std::vector<std::vector<float>*> all() {
-    return {&gate, &w1, &w3, &w2, &b1, &b2, &s1, &s3, &s2, &sb1, &sb2, &sgate, &obias};
+    return {&gate, &w1, &w3, &w2, &b1, &b2, &s1, &s3, &s2, &sb1, &sb2, &sgate, &obias, &noise};
   }
   void download(const test_space& s) {
     auto a = all();
@@ -75,7 +79,7 @@ struct grad_arrays {
                   Fs = c.shared_width();
     gate = n(E * H), w1 = n(L * F * H), w3 = n(L * F * H), w2 = n(L * H * F), b1 = n(L * F),
     b2 = n(L * H), s1 = n(N * Fs * H), s3 = n(N * Fs * H), s2 = n(N * H * Fs), sb1 = n(N * Fs),
-    sb2 = n(N * H), sgate = n(N * H), obias = n(H);
+    sb2 = n(N * H), sgate = n(N * H), obias = n(H), noise = n(E * H);
     for (auto* v : all()) dev.push_back(io::upload(*v));
   }
   static typename X::grads of(float* w1, float* w3, float* w2, float* b1, float* b2, index_t n,
@@ -92,14 +96,15 @@ struct grad_arrays {
             of(d(w1), d(w3), d(w2), d(b1), d(b2), L, c.ffn, H),
             of(d(s1), d(s3), d(s2), d(sb1), d(sb2), N, c.shared_width(), H),
             {d(sgate), N, H},
-            {d(obias), 1, H}};
+            {d(obias), 1, H},
+            {d(noise), E, H}};
   }
 };
 
 struct train_result {
   std::vector<float> y, dx;
   std::vector<float> dgate, dw1, dw3, dw2, db1, db2;  // summed over ranks / per logical expert
-  std::vector<float> ds1, ds3, ds2, dsb1, dsb2, dsgate, dobias;
+  std::vector<float> ds1, ds3, ds2, dsb1, dsb2, dsgate, dobias, dnoise;
   std::vector<pass_stats> forward_stats, backward_stats;  // [rank]
   bool reduced_agree = true;  // reduce: every rank's summed tensors and copies bit-identical
 };
@@ -214,7 +219,7 @@ train_result train_step(layer_config cfg, const reference::full_weights& w,
     first_copy(&grad_arrays<typename P::expert>::w3, F * H, out.dw3);
     first_copy(&grad_arrays<typename P::expert>::w2, H * F, out.dw2);
     out.dgate = a0.gate, out.ds1 = a0.s1, out.ds2 = a0.s2, out.ds3 = a0.s3;
-    out.dsgate = a0.sgate, out.dobias = a0.obias;
+    out.dsgate = a0.sgate, out.dobias = a0.obias, out.dnoise = a0.noise;
     for (auto* a : per_rank) delete a;
     return out;
   }
@@ -228,7 +233,7 @@ train_result train_step(layer_config cfg, const reference::full_weights& w,
     add_slots(out.db2, a.b2, H, experts_of[r]);
     add_all(out.ds1, a.s1), add_all(out.ds3, a.s3), add_all(out.ds2, a.s2);
     add_all(out.dsb1, a.sb1), add_all(out.dsb2, a.sb2);
-    add_all(out.dsgate, a.sgate), add_all(out.dobias, a.obias);
+    add_all(out.dsgate, a.sgate), add_all(out.dobias, a.obias), add_all(out.dnoise, a.noise);
     delete per_rank[r];
   }
   return out;
@@ -241,7 +246,7 @@ std::vector<float> to_float(const std::vector<double>& v) {
 /// The error of each gradient the configuration uses (NaN anywhere: +inf), checked <= tol.
 template <class Expert>
 void check_against(const train_result& got, const reference::gradients& want,
-                   const layer_config& cfg, bool gate, double tol = 2e-5) {
+                   const layer_config& cfg, bool gate, bool noise = false, double tol = 2e-5) {
   int checked = 0;
   const auto check = [&](const char* name, const std::vector<float>& a,
                          const std::vector<double>& b) {
@@ -269,6 +274,7 @@ void check_against(const train_result& got, const reference::gradients& want,
   }
   if (cfg.shared_gate) check("dshared_gate", got.dsgate, want.dshared_gate);
   if (cfg.output_bias) check("doutput_bias", got.dobias, want.doutput_bias);
+  if (noise) check("dnoise_gate", got.dnoise, want.dnoise_gate);
   CHECK(checked >= 4);
 }
 
@@ -315,8 +321,10 @@ void check_step(const layer_config& cfg, const train_options<P>& opt = {},
   if constexpr (router_with_bias<typename P::router>)
     if (opt.router.bias) ro.bias.assign(opt.router.bias, opt.router.bias + cfg.experts);
   CHECK(test::relative_error(got.y, test::run_reference<P>(cfg, w, g, ro)) <= 1e-5);
+  bool noise = false;
+  if constexpr (router_with_noise_gate<typename P::router>) noise = opt.router.training;
   check_against<typename P::expert>(got, reference_step<P>(cfg, w, g, dy, opt), cfg,
-                                    P::router::uses_gate);
+                                    P::router::uses_gate, noise);
   CHECK(got.reduced_agree);
 }
 
@@ -340,6 +348,13 @@ TEST_CASE("layer backward: dx and every gradient equal the reference on 1, 2 and
   }
   // Uneven tokens, one rank with none.
   check_step<train_policies<router::topk_softmax<2>>>(train_layer(2), {}, {0, 17}, 5);
+  // config recompute: the hidden layers recomputed instead of kept, the same gradients.
+  layer_config recompute = train_layer(2);
+  recompute.recompute = true;
+  check_step<train_policies<router::topk_softmax<2>>>(recompute);
+  check_step<
+      train_policies<router::topk_softmax<2>, capacity::dropless, expert::mlp<act::gelu, true>>>(
+      recompute);
 }
 
 TEST_CASE("layer backward: capacity drops get no gradient, padded capacity the same",
@@ -460,6 +475,27 @@ TEST_CASE("layer backward: the routers that train", "[layer][backward]") {
     r.normalize = false;
     check_step<train_policies<router::sigmoid_bias<2>>>(train_layer(2), {.router = r});
   }
+  SECTION("expert choice") { check_step<train_policies<router::expert_choice>>(train_layer(2)); }
+  SECTION("sinkhorn, top-2 and top-1") {
+    check_step<train_policies<router::sinkhorn<2>>>(train_layer(2));
+    check_step<train_policies<router::sinkhorn<1>>>(train_layer(2, 1));
+  }
+  SECTION("noisy top-k: while training through both gates, else through the gate alone") {
+    router::noisy_topk<2> r;
+    r.training = true;
+    r.seed = 5;
+    check_step<train_policies<router::noisy_topk<2>>>(train_layer(2), {.router = r});
+    r.training = false;
+    check_step<train_policies<router::noisy_topk<2>>>(train_layer(2), {.router = r});
+  }
+  SECTION("input jitter: the gate saw x times the forward's noise") {
+    router::jitter<router::topk_softmax<2>> r;
+    r.training = true;
+    r.eps = 0.2f;
+    r.seed = 9;
+    check_step<train_policies<router::jitter<router::topk_softmax<2>>>>(train_layer(2),
+                                                                        {.router = r});
+  }
   SECTION("hash: no gate, the experts still train") {
     std::vector<std::int64_t> ids(48);
     for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int64_t>(i * 7 % 13);
@@ -567,12 +603,48 @@ TEST_CASE("layer backward: config training off is named, the saved bytes are rep
   }
   layer_config training = cfg;
   training.training = true;
+  training.recompute = true;
+  index_t recomputed = 0;
+  {
+    moe_layer<P> layer(training, comm::local{}, arrays.views(cfg, E));
+    layer.forward({g.x.data(), T, H}, {y.data(), T, H});
+    const pass_stats& s = layer.stats();
+    CHECK_FALSE(s.backward);
+    // Every expert row's input (T*K rows, dropless), the routing and the logits.
+    CHECK(s.saved_bytes == T * K * H * 4 + T * K * 8 + T * E * 4);
+    recomputed = s.saved_bytes;
+  }
+  // Without recompute the experts' two hidden layers too (F = 10 padded to 12 floats).
+  training.recompute = false;
   moe_layer<P> layer(training, comm::local{}, arrays.views(cfg, E));
   layer.forward({g.x.data(), T, H}, {y.data(), T, H});
-  const pass_stats& s = layer.stats();
-  CHECK_FALSE(s.backward);
-  // Every expert row's input (T*K rows, dropless), the routing and the logits.
-  CHECK(s.saved_bytes == T * K * H * 4 + T * K * 8 + T * E * 4);
+  CHECK(layer.stats().saved_bytes == recomputed + T * K * 2 * 12 * 4);
+}
+
+TEST_CASE("layer backward: loss scales on a router whose losses have no gradient are named",
+          "[layer][backward]") {
+  struct P : train_policies<router::noisy_topk<2>> {
+    using comm = epmoe::comm::local;
+  };
+  layer_config cfg = train_layer(1);
+  cfg.training = true;
+  const auto w = reference::full_weights::random(cfg, 33);
+  const index_t H = cfg.hidden, T = 8, E = cfg.experts;
+  const auto g = test::make_tokens({T}, H, 34);
+  std::vector<float> y(T * H), dy(T * H, 1.f), dx(T * H, nan_f);
+  test::rank_arrays<P> arrays(w, reference::slice(w, placement::block(cfg), 0));
+  grad_arrays<expert::swiglu> grads(cfg, E);
+  moe_layer<P> layer(cfg, comm::local{}, arrays.views(cfg, E));
+  layer.forward({g.x.data(), T, H}, {y.data(), T, H});
+  std::string field;
+  try {
+    layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads.views<P>(cfg, E),
+                   {.losses = {.z = 1.0}});
+  } catch (const config_error& e) {
+    field = e.field();
+  }
+  CHECK(field == "backward_options.losses");
+  CHECK(std::isnan(dx[0]));
 }
 #endif
 

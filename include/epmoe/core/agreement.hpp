@@ -118,6 +118,7 @@ void agree_on_layer(const layer_config& cfg, Comm& comm, const Placement& placem
       {"chunks", cfg.chunks},
       {"max_recv_rows", cfg.max_recv_rows},
       {"training", cfg.training},
+      {"recompute", cfg.recompute},
       {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
       {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
       {"policies (hash of the policy bundle type)", type_hash<Policies>()},

@@ -132,6 +132,9 @@ template <class R>
 concept router_with_backward = requires(const R& r, const token_input& in, const int* ids,
                                         const float* g, float* dl) {
   r.backward_token(in, ids, g, dl);
+}
+|| requires(const R& r, const token_input& in, const int* ids, const float* g, float* dl) {
+  r.backward_token(in, ids, g, dl, dl);  // with a noise gate: dL/d(noise logits) too
 };
 template <class R>
 concept router_with_validate = requires(const R& r, const layer_config& cfg) {

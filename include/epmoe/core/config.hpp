@@ -31,6 +31,8 @@ struct layer_config {
                                  // sized R*T*K); past it a pass exchanges in rounds
   bool training = false;         // forward keeps what backward() needs (docs/training.md):
                                  // the routing, the plan and the experts' input rows
+  bool recompute = false;        // training: drop the experts' hidden layers and recompute
+                                 // them in backward (less memory, two more GEMMs per expert)
 
   int experts_per_rank() const { return experts / ranks; }
   int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }

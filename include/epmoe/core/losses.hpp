@@ -110,11 +110,18 @@ inline void balance_loss_grad(routing_view routing, index_t begin, index_t end, 
 /// dlogits [T, E] += the gradient of scales.aux * aux + scales.seq_aux * seq_aux + scales.z * z
 /// (compute_losses' definitions; the routing's counts held fixed) on the host. scratch: T*E
 /// floats (dL/dprobabilities) and E doubles.
+/// A router whose losses have a gradient: its probabilities() has a backward.
+template <class R>
+concept has_probabilities_backward = requires(const R& r, const token_input& in, const float* dp,
+                                              float* dl) {
+  r.probabilities_backward(in, dp, dl);
+};
+
 template <class Router>
 void loss_backward(const Router& router, const layer_config& cfg, matrix_view<const float> logits,
                    routing_view routing, const loss_scales& scales, matrix_view<float> dlogits,
                    std::span<float> dp, std::span<double> acc) {
-  if constexpr (Router::uses_gate && has_probabilities<Router>) {
+  if constexpr (Router::uses_gate && has_probabilities_backward<Router>) {
     const index_t T = logits.rows;
     const int E = cfg.experts;
     if (T == 0) return;

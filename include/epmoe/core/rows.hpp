@@ -45,9 +45,22 @@ struct backward_tokens {
   matrix_view<const std::int32_t> ids;  // [T, K]
   matrix_view<const float> g;           // [T, K]
   matrix_view<float> dlogits;           // [T, E]
+  // A router with a noise gate (noisy top-k): the forward's noise logits, token identities
+  // and pass (the same draws), and dL/d(noise logits) [T, E]; else empty.
+  matrix_view<const float> noise{};
+  matrix_view<float> dnoise{};
+  const std::int64_t* token_ids = nullptr;
+  std::int64_t first_token = 0;
+  std::uint64_t pass = 0;
   EPMOE_HD void operator()(index_t t) const {
-    const token_input in{logits.row(t), nullptr, static_cast<int>(logits.cols), t, 0};
-    router.backward_token(in, ids.row(t), g.row(t), dlogits.row(t));
+    const token_input in{logits.row(t), noise.data ? noise.row(t) : nullptr,
+                         static_cast<int>(logits.cols), token_ids ? token_ids[t] : first_token + t,
+                         pass};
+    if constexpr (requires(float* d) { router.backward_token(in, ids.row(t), g.row(t), d, d); })
+      router.backward_token(in, ids.row(t), g.row(t), dlogits.row(t),
+                            dnoise.data ? dnoise.row(t) : nullptr);
+    else
+      router.backward_token(in, ids.row(t), g.row(t), dlogits.row(t));
   }
 };
 

@@ -120,6 +120,31 @@ EPMOE_HD void softmax(const float* l, int n, float* p) {
   for (int e = 0; e < n; ++e) p[e] /= denom;
 }
 
+/// The backward of weights w_k = c softmax(l)_{ids[k]} (n slots; ids < 0 are empty): with
+/// p = softmax(l) over all E and dp = c g at the chosen experts, dl = p ⊙ (dp - p · dp), so
+/// dl_e = c p_e (g_e - Σ_k g_k p_{ids[k]}), g_e = 0 for an expert not chosen. Overwrites dl.
+EPMOE_HD void softmax_backward_at(const float* l, int E, const int* ids, const float* g, int n,
+                                  float c, float* dl) {
+  float max = -INFINITY, denom = 0.f, gp = 0.f;
+  for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
+  for (int e = 0; e < E; ++e) denom += shifted_exp(l[e], max);
+  for (int k = 0; k < n; ++k)
+    if (ids[k] >= 0) gp += g[k] * shifted_exp(l[ids[k]], max) / denom;
+  for (int e = 0; e < E; ++e) dl[e] = -c * gp * shifted_exp(l[e], max) / denom;
+  for (int k = 0; k < n; ++k)
+    if (ids[k] >= 0) dl[ids[k]] += c * g[k] * shifted_exp(l[ids[k]], max) / denom;
+}
+
+/// dl[E] += the backward of p = softmax(l) for dL/dp = dp: p ⊙ (dp - p · dp) (the losses'
+/// gradient through a softmax router's probabilities).
+EPMOE_HD void softmax_probabilities_backward(const float* l, int E, const float* dp, float* dl) {
+  float max = -INFINITY, denom = 0.f, pdp = 0.f;
+  for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
+  for (int e = 0; e < E; ++e) denom += shifted_exp(l[e], max);
+  for (int e = 0; e < E; ++e) pdp += shifted_exp(l[e], max) / denom * dp[e];
+  for (int e = 0; e < E; ++e) dl[e] += shifted_exp(l[e], max) / denom * (dp[e] - pdp);
+}
+
 /// log(sum_e exp(v[e])), stable.
 EPMOE_HD float log_sum_exp(const float* v, int n) {
   float m = -INFINITY;

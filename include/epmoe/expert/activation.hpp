@@ -53,3 +53,14 @@ struct relu {
 };
 
 }  // namespace epmoe::act
+
+namespace epmoe::expert {
+/// dst[i] = src[i]: the hidden layers an expert keeps for backward (out of and back into
+/// its scratch).
+template <class T>
+struct copy_elements {
+  const T* src;
+  T* dst;
+  EPMOE_HD void operator()(index_t i) const { dst[i] = src[i]; }
+};
+}  // namespace epmoe::expert

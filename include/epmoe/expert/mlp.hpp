@@ -92,13 +92,22 @@ struct mlp {
   /// Runs every local expert g on its rows of x (group g); the output overwrites x. scratch
   /// holds x.rows() * scratch_per_row elements.
   template <class Space, class T>
-  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch) {
+  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch,
+                      T* keep = nullptr) {
     const index_t F = w.w1.rows, n = x.elements(F);
     if (n == 0) return;
     const grouped_rows<T> h = x.over(scratch, F);
     space.grouped_gemm_nt(x, w.w1, h);
-    space.for_each(n, bias_rows<T, true>{h.data, Biases ? w.b1.data : nullptr, w.b1.batch_stride, F,
-                                         h.stride, h.groups, h.device_offsets});
+    if (keep) {  // training without recompute: a = x W1ᵀ + b1 is kept for backward
+      space.for_each(n, bias_rows<T, false>{h.data, Biases ? w.b1.data : nullptr, w.b1.batch_stride,
+                                            F, h.stride, h.groups, h.device_offsets});
+      space.for_each(n, copy_elements<T>{h.data, keep});
+      space.for_each(
+          n, bias_rows<T, true>{h.data, nullptr, 0, F, h.stride, h.groups, h.device_offsets});
+    } else {
+      space.for_each(n, bias_rows<T, true>{h.data, Biases ? w.b1.data : nullptr, w.b1.batch_stride,
+                                           F, h.stride, h.groups, h.device_offsets});
+    }
     space.grouped_gemm_nt(h, w.w2, x);
     if constexpr (Biases)
       space.for_each(x.elements(x.cols),
@@ -145,6 +154,8 @@ struct mlp {
 
   /// Scratch elements per row of backward: the recomputed hidden layer and dh.
   static index_t backward_scratch_per_row(index_t ffn) { return 2 * ffn; }
+  /// Elements per row a training forward keeps (without recompute): a = x W1ᵀ + b1.
+  static index_t keep_per_row(index_t ffn) { return ffn; }
 
   /// Element i of the [rows, F] hidden layers: from a = x W1ᵀ + b1 and dh = dy W2, writes
   /// h = act(a) over a and da = dh act'(a) over dh.
@@ -185,13 +196,18 @@ struct mlp {
   template <class Space, class T, class G>
   static void backward(const Space& space, const weights_of<T>& w, grouped_rows<const T> x,
                        grouped_rows<const T> dy, grouped_rows<T> dx, const grads_of<G>& grads,
-                       T* scratch, bool accumulate = false) {
+                       T* scratch, bool accumulate = false, const T* kept = nullptr) {
     const index_t F = w.w1.rows, n = x.elements(F);
     const grouped_rows<T> a = x.over(scratch, F), dh = x.over(scratch + n, F);
     if (n > 0) {
-      space.grouped_gemm_nt(x, w.w1, a);
-      space.for_each(n, bias_rows<T, false>{a.data, Biases ? w.b1.data : nullptr, w.b1.batch_stride,
-                                            F, a.stride, a.groups, a.device_offsets});
+      if (kept) {  // the forward's a (act_grad_rows overwrites it)
+        space.for_each(n, copy_elements<T>{kept, scratch});
+      } else {
+        space.grouped_gemm_nt(x, w.w1, a);
+        space.for_each(
+            n, bias_rows<T, false>{a.data, Biases ? w.b1.data : nullptr, w.b1.batch_stride, F,
+                                   a.stride, a.groups, a.device_offsets});
+      }
       space.grouped_gemm_nn(dy, w.w2, dh);  // dh = dy W2: [rows, H] x [H, F]
       space.for_each(n, act_grad_rows<T>{a.data, dh.data});
     }

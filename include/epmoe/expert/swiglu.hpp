@@ -83,13 +83,17 @@ struct glu {
   /// Runs every local expert g on its rows of x (group g; the groups' GEMMs go to the
   /// space's grouped GEMM); the output [rows, H] overwrites x (its input is no longer needed
   /// once both up-projections are done). scratch holds x.rows() * scratch_per_row elements.
+  /// `keep` (training without recompute): x.rows() * keep_per_row(F) elements that receive
+  /// the two up-projections for backward.
   template <class Space, class T>
-  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch) {
+  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch,
+                      T* keep = nullptr) {
     const index_t F = w.w1.rows, n = x.elements(F);  // the [rows, F] hidden layers
     if (n == 0) return;
     const grouped_rows<T> h1 = x.over(scratch, F), h3 = x.over(scratch + n, F);
     space.grouped_gemm_nt(x, w.w1, h1);
     space.grouped_gemm_nt(x, w.w3, h3);
+    if (keep) space.for_each(2 * n, copy_elements<T>{scratch, keep});
     // The gate over whole padded rows (padding elements are never read).
     if constexpr (std::same_as<Act, act::silu> && requires { space.silu_mul(h1.data, h3.data, n); })
       space.silu_mul(h1.data, h3.data, n);  // the space's vectorised loop (space::host)
@@ -126,6 +130,8 @@ struct glu {
 
   /// Scratch elements per row of backward: the two recomputed projections and dh.
   static index_t backward_scratch_per_row(index_t ffn) { return 3 * ffn; }
+  /// Elements per row a training forward keeps (without recompute): a = x W1ᵀ, b = x W3ᵀ.
+  static index_t keep_per_row(index_t ffn) { return 2 * ffn; }
 
   /// Element i of the [rows, F] hidden layers: from a = x W1ᵀ, b = x W3ᵀ and dh = dy W2,
   /// writes da = dh b act'(a) over a, db = dh act(a) over b, and h = act(a) b over dh.
@@ -150,13 +156,17 @@ struct glu {
   template <class Space, class T, class G>
   static void backward(const Space& space, const weights_of<T>& w, grouped_rows<const T> x,
                        grouped_rows<const T> dy, grouped_rows<T> dx, const grads_of<G>& grads,
-                       T* scratch, bool accumulate = false) {
+                       T* scratch, bool accumulate = false, const T* kept = nullptr) {
     const index_t F = w.w1.rows, n = x.elements(F);
     const grouped_rows<T> a = x.over(scratch, F), b = x.over(scratch + n, F),
                           dh = x.over(scratch + 2 * n, F);
     if (n > 0) {
-      space.grouped_gemm_nt(x, w.w1, a);
-      space.grouped_gemm_nt(x, w.w3, b);
+      if (kept) {  // the forward's a and b (the functor below overwrites them)
+        space.for_each(2 * n, copy_elements<T>{kept, scratch});
+      } else {
+        space.grouped_gemm_nt(x, w.w1, a);
+        space.grouped_gemm_nt(x, w.w3, b);
+      }
       space.grouped_gemm_nn(dy, w.w2, dh);  // dh = dy W2: [rows, H] x [H, F]
       space.for_each(n, act_mul_grad_rows<T>{a.data, b.data, dh.data});
     }

@@ -67,6 +67,19 @@ struct expert_choice {
     }
   }
 
+  /// Backward for one token, the choice held fixed: w[t, e] = softmax(l_t)_e for the experts
+  /// that chose t (slot e holds expert e or no_expert), so the softmax backward with
+  /// dp_e = g[e] where chosen (docs/training.md).
+  EPMOE_HD void backward_token(const token_input& in, const int* ids, const float* g,
+                               float* dl) const {
+    math::softmax_backward_at(in.logits, in.experts, ids, g, in.experts, 1.f, dl);
+  }
+
+  /// dl[E] += the backward of probabilities() (softmax) for the losses' gradient.
+  EPMOE_HD void probabilities_backward(const token_input& in, const float* dp, float* dl) const {
+    math::softmax_probabilities_backward(in.logits, in.experts, dp, dl);
+  }
+
   void probabilities(const token_input& in, float* p) const {
     const float m = *std::max_element(in.logits, in.logits + in.experts);
     float sum = 0.f;

@@ -57,6 +57,23 @@ struct jitter : Inner {
     in.x = {g.scratch, g.x.rows, g.x.cols};
     router::gate(static_cast<const Inner&>(*this), space, in);
   }
+  /// Backward: the gate saw x ⊙ m, so its dx term d (the logits' gradient times the gate)
+  /// reaches x times m: into[t, h] += d[t, h] * m[t, h], m redrawn as in that forward.
+  struct unjittered {
+    jitter router;
+    const float* d;  // [T, H]
+    float* into;     // [T, H]
+    index_t cols;
+    const std::int64_t* ids;
+    std::int64_t first;
+    std::uint64_t pass;
+    EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
+      const std::int64_t token = ids ? ids[t] : first + t;
+      for (index_t h = h0; h < h1; ++h)
+        into[t * cols + h] += d[t * cols + h] * router.factor(pass, token, h);
+    }
+  };
+
   /// The jittered input: [max_tokens, H].
   static index_t gate_scratch(const layer_config& cfg) {
     return static_cast<index_t>(cfg.max_tokens) * cfg.hidden;

@@ -59,6 +59,31 @@ struct noisy_topk {
     for (int k = 0; k < K; ++k) weights[k] /= sum;
   }
 
+  /// Backward for one token, the choice held fixed (`in` as in the forward: its noise logits,
+  /// token and pass draw the same z): w = softmax over the chosen H, dH_k = w_k (g_k - Σ_j
+  /// w_j g_j); dl = dH and, while training, dn = dH z σ(n) (softplus' = σ) into dnoise[E].
+  EPMOE_HD void backward_token(const token_input& in, const int* ids, const float* g, float* dl,
+                               float* dnoise) const {
+    float h[K], w[K], sum = 0.f, gw = 0.f;
+    for (int k = 0; k < K; ++k) h[k] = noisy_logit(in, ids[k]);
+    for (int k = 0; k < K; ++k) sum += (w[k] = math::shifted_exp(h[k], h[0]));
+    for (int k = 0; k < K; ++k) gw += (w[k] /= sum) * g[k];
+    for (int e = 0; e < in.experts; ++e) dl[e] = 0.f;
+    const bool noisy = training && in.noise_logits != nullptr && dnoise != nullptr;
+    if (noisy)
+      for (int e = 0; e < in.experts; ++e) dnoise[e] = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int e = ids[k];
+      const float dh = w[k] * (g[k] - gw);
+      dl[e] = dh;
+      if (noisy) {
+        const auto z = math::standard_normal(math::hash4(
+            seed, in.pass, static_cast<std::uint64_t>(in.token), static_cast<std::uint64_t>(e)));
+        dnoise[e] = dh * z * math::sigmoid(in.noise_logits[e]);
+      }
+    }
+  }
+
   EPMOE_HD void probabilities(const token_input& in, float* p) const {
     float max = -INFINITY, sum = 0.f;
     for (int e = 0; e < in.experts; ++e) {

@@ -83,6 +83,24 @@ struct sinkhorn {
     }
   }
 
+  /// Backward for one token, the balanced choice held fixed: K > 1, w_k = softmax(l)_k (the
+  /// softmax backward); K = 1, w = σ(l_k) (dl_k = g σ (1 - σ)).
+  EPMOE_HD void backward_token(const token_input& in, const int* ids, const float* g,
+                               float* dl) const {
+    if constexpr (K == 1) {
+      for (int e = 0; e < in.experts; ++e) dl[e] = 0.f;
+      const float s = math::sigmoid(in.logits[ids[0]]);
+      dl[ids[0]] = g[0] * s * (1.f - s);
+    } else {
+      math::softmax_backward_at(in.logits, in.experts, ids, g, K, 1.f, dl);
+    }
+  }
+
+  /// dl[E] += the backward of probabilities() (softmax) for the losses' gradient.
+  EPMOE_HD void probabilities_backward(const token_input& in, const float* dp, float* dl) const {
+    math::softmax_probabilities_backward(in.logits, in.experts, dp, dl);
+  }
+
   void probabilities(const token_input& in, float* p) const {
     const float m = *std::max_element(in.logits, in.logits + in.experts);
     float sum = 0.f;

@@ -130,24 +130,13 @@ struct topk_softmax {
       for (int k = 0; k < K; ++k)
         dl[ids[k]] = scaling * (u[k] * g[k] - gu * (norm_p == 1.f ? u[k] : powf(u[k], norm_p)));
     } else {
-      float max = -INFINITY, denom = 0.f, gp = 0.f, pk[K];
-      for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
-      for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
-      for (int k = 0; k < K; ++k) gp += g[k] * (pk[k] = math::shifted_exp(l[ids[k]], max) / denom);
-      for (int e = 0; e < E; ++e) dl[e] = -scaling * gp * math::shifted_exp(l[e], max) / denom;
-      for (int k = 0; k < K; ++k) dl[ids[k]] += scaling * pk[k] * g[k];
+      math::softmax_backward_at(l, E, ids, g, K, scaling, dl);
     }
   }
 
   /// dl[E] += the backward of probabilities() (the losses' gradient): p ⊙ (dp - p · dp).
   EPMOE_HD void probabilities_backward(const token_input& in, const float* dp, float* dl) const {
-    const float* l = in.logits;
-    const int E = in.experts;
-    float max = -INFINITY, denom = 0.f, pdp = 0.f;
-    for (int e = 0; e < E; ++e) max = l[e] > max ? l[e] : max;
-    for (int e = 0; e < E; ++e) denom += math::shifted_exp(l[e], max);
-    for (int e = 0; e < E; ++e) pdp += math::shifted_exp(l[e], max) / denom * dp[e];
-    for (int e = 0; e < E; ++e) dl[e] += math::shifted_exp(l[e], max) / denom * (dp[e] - pdp);
+    math::softmax_probabilities_backward(in.logits, in.experts, dp, dl);
   }
 };
 
