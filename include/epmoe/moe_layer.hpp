@@ -277,18 +277,9 @@ class moe_layer {
     saved_ = false;  // consumed, whatever happens next
     grads_started_ = false;
     stats_.backward = true;
-    stats_.expert_flops = 0;
-    stats_.started = seconds_since(built_);
-    pending_ = true;
-    space_.enter();
-    clock_.begin_pass();
-    const mark start = clock_.now();
-    backward_runner stages{{*this}};
     ex_.set_backward(true);
-    schedule_type::run(stages);
+    drive(backward_runner{{*this}}, false);
     ex_.set_backward(false);
-    clock_.stage(&stage_times::total, start, clock_.now());
-    space_.leave();
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
   }
 
@@ -575,17 +566,7 @@ class moe_layer {
     routing_given_ = given_ != nullptr;
     plan_.host().chunks = chunks_;
     stats_.chunks = chunks_;
-    stats_.expert_flops = 0;
-    stats_.started = seconds_since(built_);
-    pending_ = true;
-    space_.enter();
-    clock_.begin_pass();
-    const mark start = clock_.now();
-    stage_runner stages{*this};
-    schedule_type::run(stages);
-    space_.for_each(1, rows::advance{pass_counter_.device()});
-    clock_.stage(&stage_times::total, start, clock_.now());
-    space_.leave();
+    drive(stage_runner{*this}, true);
     ++pass_;
     // Static shapes on a device: this rank's own error, once its part of the pass is queued.
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
@@ -598,6 +579,22 @@ class moe_layer {
           T * width_ * static_cast<index_t>(sizeof(float) + sizeof(std::int32_t)) +
           (router_type::uses_gate ? T * cfg_.experts * static_cast<index_t>(sizeof(float)) : 0);
     }
+  }
+
+  // Runs the schedule over `stages` (a forward's or a backward's) as one timed pass; a
+  // forward then advances the pass counter on the space.
+  template <class Stages>
+  void drive(Stages stages, bool advance_pass) {
+    stats_.expert_flops = 0;
+    stats_.started = seconds_since(built_);
+    pending_ = true;
+    space_.enter();
+    clock_.begin_pass();
+    const mark start = clock_.now();
+    schedule_type::run(stages);
+    if (advance_pass) space_.for_each(1, rows::advance{pass_counter_.device()});
+    clock_.stage(&stage_times::total, start, clock_.now());
+    space_.leave();
   }
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {

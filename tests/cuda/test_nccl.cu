@@ -4,11 +4,13 @@
 // The layer on space::cuda over NCCL, one rank per GPU (one process, a thread per GPU), vs
 // the host reference: dynamic (dropless), static shapes (padded capacity, no host wait), the
 // pipelined schedule with dedup (exchanges on the comm stream under the experts) and a
-// receive bound (rounds).
+// receive bound (rounds); and training (forward, backward, reduce_gradients), plain and
+// pipelined with dedup, against reference::backward.
 // Exits 77 (CTest: skipped) with one GPU or none on the machine; a CUDA error on a machine
 // with a GPU fails.
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <limits>
 #include <thread>
@@ -18,6 +20,7 @@
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/comm/nccl.cuh>
 #include <epmoe/moe_layer.hpp>
+#include <epmoe/reference/backward.hpp>
 #include <epmoe/reference/compare.hpp>
 #include <epmoe/reference/forward.hpp>
 #include <epmoe/reference/weights.hpp>
@@ -97,6 +100,86 @@ double run(int gpus, int max_recv_rows = 0) {
   return reference::max_relative_error(y, want);  // infinite on any NaN/Inf
 }
 
+std::vector<float> download(const device_buffer<float>& d, index_t n) {
+  std::vector<float> h(static_cast<std::size_t>(n));
+  EPMOE_CUDA_CHECK(cudaMemcpy(h.data(), d.data(), sizeof(float) * n, cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Training over NCCL: forward, backward and reduce_gradients on every GPU; the worst relative
+// error of dx, the summed gate gradient and every rank's expert gradients against
+// reference::backward.
+template <class P>
+double run_backward(int gpus) {
+  layer_config cfg;
+  cfg.hidden = 64;
+  cfg.ffn = 96;
+  cfg.experts = 4 * gpus;
+  cfg.top_k = 2;
+  cfg.ranks = gpus;
+  cfg.max_tokens = 64;
+  cfg.training = true;
+  const auto w = reference::full_weights::random(cfg, 17);
+  const index_t T = 64, H = cfg.hidden, F = cfg.ffn, E = cfg.experts, L = E / gpus;
+  const std::vector<float> x = reference::random_tokens(T * gpus, H, 18);
+  const std::vector<float> dy = reference::random_tokens(T * gpus, H, 19);
+  const auto want = reference::backward(w, router::topk_softmax<2>{}, capacity::dropless{},
+                                        {x.data(), T * gpus, H}, std::vector<index_t>(gpus, T),
+                                        {dy.data(), T * gpus, H});
+  std::vector<double> worst(gpus, std::numeric_limits<double>::infinity());
+  std::vector<ncclComm_t> comms(gpus);
+  std::vector<int> devs(gpus);
+  for (int d = 0; d < gpus; ++d) devs[d] = d;
+  EPMOE_CUDA_CHECK(ncclCommInitAll(comms.data(), gpus, devs.data()));
+  std::vector<std::thread> pool;
+  for (int d = 0; d < gpus; ++d)
+    pool.emplace_back([&, d] {
+      EPMOE_CUDA_CHECK(cudaSetDevice(d));
+      cudaStream_t s;
+      EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      const auto mine = reference::slice(w, placement::block(cfg), d);
+      auto gate = upload<float>(w.gate.data(), E * H);
+      auto w1 = upload<float>(mine.w1.data(), L * F * H);
+      auto w3 = upload<float>(mine.w3.data(), L * F * H);
+      auto w2 = upload<float>(mine.w2.data(), L * H * F);
+      auto xd = upload<float>(x.data() + d * T * H, T * H);
+      auto dyd = upload<float>(dy.data() + d * T * H, T * H);
+      device_buffer<float> yd(T * H), dxd(T * H), dgate(E * H), dw1(L * F * H), dw3(L * F * H),
+          dw2(L * H * F);
+      for (auto* b : {&dxd, &dgate, &dw1, &dw3, &dw2})  // NaN: anything unwritten fails
+        EPMOE_CUDA_CHECK(cudaMemsetAsync(b->data(), 0xff, sizeof(float) * b->size(), s));
+      moe_layer<P> layer(
+          cfg, comm::nccl(comms[d], s),
+          {{gate.data(), E, H}, {{w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}}},
+          {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
+      const typename moe_layer<P>::gradients grads{
+          {dgate.data(), E, H},
+          {{dw1.data(), L, F, H}, {dw3.data(), L, F, H}, {dw2.data(), L, H, F}}};
+      layer.forward({xd.data(), T, H}, {yd.data(), T, H});
+      layer.backward({dyd.data(), T, H}, {dxd.data(), T, H}, grads);
+      layer.reduce_gradients(grads);
+      layer.synchronize();
+      const auto slice = [](const std::vector<double>& v, index_t at, index_t n) {
+        return std::vector<float>(v.begin() + at, v.begin() + at + n);
+      };
+      double e =
+          reference::max_relative_error(download(dxd, T * H), slice(want.dx, d * T * H, T * H));
+      e = std::max(
+          e, reference::max_relative_error(download(dgate, E * H), slice(want.dgate, 0, E * H)));
+      e = std::max(e, reference::max_relative_error(download(dw1, L * F * H),
+                                                    slice(want.dw1, d * L * F * H, L * F * H)));
+      e = std::max(e, reference::max_relative_error(download(dw3, L * F * H),
+                                                    slice(want.dw3, d * L * F * H, L * F * H)));
+      e = std::max(e, reference::max_relative_error(download(dw2, L * H * F),
+                                                    slice(want.dw2, d * L * H * F, L * H * F)));
+      worst[d] = e;
+      cudaStreamDestroy(s);
+    });
+  for (auto& t : pool) t.join();
+  for (auto c : comms) ncclCommDestroy(c);
+  return *std::max_element(worst.begin(), worst.end());
+}
+
 }  // namespace
 
 int main() {
@@ -113,9 +196,15 @@ int main() {
   const double piped = run<nccl_policies<capacity::dropless, schedule::pipelined<4>, true>>(gpus);
   const double rounds =
       run<nccl_policies<capacity::dropless, schedule::pipelined<2>>>(gpus, 3 * gpus * 16);
+  const double train = run_backward<nccl_policies<capacity::dropless>>(gpus);
+  const double train_piped =
+      run_backward<nccl_policies<capacity::dropless, schedule::pipelined<2>, true>>(gpus);
   std::printf(
       "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
-      "rounds %.2e\n",
-      gpus, dynamic, fixed, piped, rounds);
-  return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 ? 0 : 1;
+      "rounds %.2e; backward %.2e, backward pipelined+dedup %.2e\n",
+      gpus, dynamic, fixed, piped, rounds, train, train_piped);
+  return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 && train <= 1e-4 &&
+                 train_piped <= 1e-4
+             ? 0
+             : 1;
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../layer/harness.hpp"
+#include "world.hpp"
 #include <epmoe/comm/mpi.hpp>
 #include <epmoe/placement/table.hpp>
 #include <epmoe/reference/backward.hpp>
@@ -31,17 +32,6 @@ struct mpi_train_replicas : mpi_train {
   using placement = epmoe::placement::table;
 };
 
-int rank_of_world() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int size_of_world() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
 template <class Placement>
 Placement placement_for(const layer_config& cfg) {
   if constexpr (std::is_same_v<Placement, placement::table>) {
@@ -64,7 +54,7 @@ double error_of(const float* got, const double* want, index_t n) {
 
 template <class P>
 void check_backward(layer_config cfg) {
-  const int R = size_of_world(), me = rank_of_world();
+  const int R = test::world_size(), me = test::world_rank();
   cfg.ranks = R;
   cfg.training = true;
   const index_t H = cfg.hidden, F = cfg.ffn, E = cfg.experts;

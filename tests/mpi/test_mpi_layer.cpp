@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "../layer/harness.hpp"
+#include "world.hpp"
 #include <epmoe/comm/mpi.hpp>
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/placement/table.hpp>
@@ -40,16 +41,8 @@ struct mpi_table_policies : mpi_policies {
   using placement = epmoe::placement::table;
 };
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
+using test::world_rank;
+using test::world_size;
 
 // Every rank's output rows, gathered in global token order on rank 0 (empty elsewhere).
 std::vector<float> gather(const std::vector<float>& mine, const test::global_tokens& g, index_t H) {
