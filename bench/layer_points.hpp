@@ -18,6 +18,44 @@ struct point_options {
   std::FILE* out = stdout;
 };
 
+/// The flags every layer benchmark takes: --shapes, --tokens, --min-reps N, --max-reps N,
+/// --min-seconds S, --batches N, --no-flush, --no-layer, --quick-machine, --json FILE|-.
+struct layer_bench_options {
+  std::string shapes;
+  std::vector<index_t> tokens;
+  point_options point;
+  bool layer = true;  // --no-layer: only the machine
+  bool quick_machine = false;
+  std::string json_path;
+
+  /// True if the current argument was one of these flags (its value read).
+  bool flag(cli::command_line& cl) {
+    if (cl.is("--shapes"))
+      shapes = cl.value();
+    else if (cl.is("--tokens"))
+      tokens = token_list(cl);
+    else if (cl.is("--min-reps"))
+      point.reps.min_reps = static_cast<int>(cl.integer());
+    else if (cl.is("--max-reps"))
+      point.reps.max_reps = static_cast<int>(cl.integer());
+    else if (cl.is("--min-seconds"))
+      point.reps.min_seconds = cl.number();
+    else if (cl.is("--batches"))
+      point.batches = std::max(1, static_cast<int>(cl.integer()));
+    else if (cl.is("--no-flush"))
+      point.flush = false;
+    else if (cl.is("--no-layer"))
+      layer = false;
+    else if (cl.is("--quick-machine"))
+      quick_machine = true;
+    else if (cl.is("--json"))
+      json_path = cl.value();
+    else
+      return false;
+    return true;
+  }
+};
+
 /// Reads a buffer larger than the last-level cache, so the next call finds its weights in
 /// memory, as a layer does in a model whose other layers ran in between.
 class cache_flusher {

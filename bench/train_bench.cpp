@@ -27,15 +27,6 @@ constexpr double backward_flops_per_forward_flop = 8.0 / 3.0;
 constexpr double goal_ratio = 2.3;
 constexpr index_t goal_tokens = 1024;
 
-struct options {
-  std::string shapes = "mixtral,deepseek";
-  std::vector<index_t> tokens = {128, 1024, 4096};
-  point_options point;
-  bool layer = true;  // --no-layer: only the machine (compare_torch.py --train)
-  bool quick_machine = false;
-  std::string json_path;
-};
-
 constexpr const char* usage_text =
     "usage: epmoe_bench_train [--shapes all|tiny|NAME,...] [--tokens 128,1024,4096]\n"
     "  [--min-reps N] [--max-reps N] [--min-seconds S] [--batches N] [--no-flush]\n"
@@ -43,34 +34,13 @@ constexpr const char* usage_text =
     "  The layer's forward (training mode) and backward on one rank, timed separately:\n"
     "  backward / forward and the backward's stages (bench/README.md).\n";
 
-options parse(int argc, char** argv) {
-  options o;
+layer_bench_options parse(int argc, char** argv) {
+  layer_bench_options o;
+  o.shapes = "mixtral,deepseek";
+  o.tokens = {128, 1024, 4096};
   cli::command_line cl(argc, argv, usage_text);
-  const auto integer = [&] { return static_cast<int>(cl.integer()); };
-  while (cl.next()) {
-    if (cl.is("--shapes"))
-      o.shapes = cl.value();
-    else if (cl.is("--tokens"))
-      o.tokens = token_list(cl);
-    else if (cl.is("--min-reps"))
-      o.point.reps.min_reps = integer();
-    else if (cl.is("--max-reps"))
-      o.point.reps.max_reps = integer();
-    else if (cl.is("--min-seconds"))
-      o.point.reps.min_seconds = cl.number();
-    else if (cl.is("--batches"))
-      o.point.batches = std::max(1, integer());
-    else if (cl.is("--no-flush"))
-      o.point.flush = false;
-    else if (cl.is("--no-layer"))
-      o.layer = false;
-    else if (cl.is("--quick-machine"))
-      o.quick_machine = true;
-    else if (cl.is("--json"))
-      o.json_path = cl.value();
-    else
-      cl.unknown();
-  }
+  while (cl.next())
+    if (!o.flag(cl)) cl.unknown();
   return o;
 }
 
@@ -99,8 +69,8 @@ struct grad_arrays {
 
 /// The layer of shape s at every T on one rank, in training mode; one JSON object per point.
 template <class P, class Router>
-std::vector<json> train_points(const shape& s, Router router, const options& o, std::FILE* out,
-                               std::vector<std::string>& goals) {
+std::vector<json> train_points(const shape& s, Router router, const layer_bench_options& o,
+                               std::FILE* out, std::vector<std::string>& goals) {
   using layer_t = epmoe::moe_layer<P>;
   layer_config cfg = s.cfg;
   cfg.ranks = 1;
@@ -188,7 +158,7 @@ std::vector<json> train_points(const shape& s, Router router, const options& o, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  const options o = parse(argc, argv);
+  const layer_bench_options o = parse(argc, argv);
   // With the JSON on stdout, the tables go to stderr.
   std::FILE* out = o.json_path == "-" ? stderr : stdout;
 
