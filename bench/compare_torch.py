@@ -76,6 +76,9 @@ def parse_args():
     p.add_argument("--wait-idle", type=float, default=300.0,
                    help="before each point, wait up to this many seconds for the machine to be "
                         "idle (other jobs skew a side-by-side run); 0: do not wait")
+    p.add_argument("--busy-retries", type=int, default=1,
+                   help="measure a point again, up to this many times, when other processes "
+                        "used over 5%% of the CPUs while it ran; the least disturbed is kept")
     p.add_argument("--out", help="write every figure as JSON here")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, few repetitions: checks that both sides run")
@@ -93,6 +96,7 @@ def parse_args():
         a.scaling_tokens = "32"
         a.scaling_reps = 1
         a.wait_idle = 0.0
+        a.busy_retries = 0
     if a.train and a.tokens == "1,16,128,1024,4096":
         a.tokens = "128,1024,4096"
     return a
@@ -478,18 +482,26 @@ def main():
 
     def each_point(side_by_side, row):
         """Per shape and T: waits for an idle machine, runs side_by_side(name, spec, model, T)
-        (the C++ side, then the PyTorch side) while metering other processes, prints row(p)."""
+        (the C++ side, then the PyTorch side) while metering other processes (again if they
+        were busy, --busy-retries), prints row(p)."""
         points = []
         for name in shapes:
             spec = SHAPES[name]
             model = build_torch_layer(torch, spec)
             for T in tokens:
-                idle = wait_idle(args.wait_idle)
-                with others_meter() as others:
-                    p = side_by_side(name, spec, model, T)
-                p.update(idle_before=idle, other_processes_cpu_share=others.share)
+                p = None
+                for _ in range(1 + args.busy_retries):
+                    idle = wait_idle(args.wait_idle)
+                    with others_meter() as others:
+                        q = side_by_side(name, spec, model, T)
+                    q.update(idle_before=idle, other_processes_cpu_share=others.share)
+                    if p is None or others.share < p["other_processes_cpu_share"]:
+                        p = q
+                    if others.share <= 0.05:
+                        break
+                share = p["other_processes_cpu_share"]
                 busy = " (machine busy: other processes used %.0f%% of the CPUs)" % (
-                    100 * others.share) if others.share > 0.05 else ""
+                    100 * share) if share > 0.05 else ""
                 print(row(p) + busy, flush=True)
                 points.append(p)
             del model
