@@ -188,6 +188,20 @@ inline std::string cpu_model() {
   return "unknown";
 }
 
+/// Whether /proc/cpuinfo lists `flag` ("avx512f": the SkylakeX kernels of OpenBLAS run).
+inline bool cpu_has(const std::string& flag) {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line, word;
+  while (std::getline(in, line))
+    if (line.rfind("flags", 0) == 0) {
+      std::istringstream words(line);
+      while (words >> word)
+        if (word == flag) return true;
+      return false;
+    }
+  return false;
+}
+
 inline std::string env_or(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
   return v ? v : fallback;
@@ -370,10 +384,24 @@ inline json stage_json(const std::vector<epmoe::stage_times>& t) {
   return j;
 }
 
+/// "route 0.12 plan 0.01 ... reduce 0.30": each stage's median ms, for a table row.
+inline std::string stage_text(const std::vector<epmoe::stage_times>& t) {
+  using st = epmoe::stage_times;
+  char buf[256];
+  std::snprintf(buf, sizeof buf,
+                "route %.2f plan %.2f permute %.2f shared %.2f dispatch %.2f experts %.2f "
+                "combine %.2f reduce %.2f",
+                median_of(t, &st::route), median_of(t, &st::plan), median_of(t, &st::permute),
+                median_of(t, &st::shared), median_of(t, &st::dispatch), median_of(t, &st::experts),
+                median_of(t, &st::combine), median_of(t, &st::reduce));
+  return buf;
+}
+
 /// What the machine is, measured now: printed first, and the "machine" object of the JSON.
 struct machine {
   std::string cpu;
   int cpus = 0;
+  bool avx512 = false;
   std::string gemm, blas_core, blas_config, coretype_env, blas_threads_env;
   int blas_threads = 1;
   double read_gbs_1 = 0, read_gbs_all = 0, sgemm_gflops = 0;
@@ -381,10 +409,13 @@ struct machine {
 
   /// quick: small arrays and matrices (smoke runs). given_gbs > 0: take that read bandwidth
   /// (measured by an earlier run of this program) instead of measuring it again.
-  static machine measure(bool quick, double given_gbs = 0) {
+  /// bandwidth = false: leave it unmeasured (NaN, null in the JSON) for a benchmark that does
+  /// not compare with it.
+  static machine measure(bool quick, double given_gbs = 0, bool bandwidth = true) {
     machine m;
     m.cpu = cpu_model();
     m.cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    m.avx512 = cpu_has("avx512f");
     m.gemm = epmoe::space::host_gemm_backend();
     m.blas_core = bench::blas_core();
     m.blas_config = bench::blas_config();
@@ -398,8 +429,8 @@ struct machine {
       m.given = true;
       return m;
     }
-    m.read_gbs_1 = read_bandwidth(bytes, 1);
-    m.read_gbs_all = read_bandwidth(bytes, m.cpus);
+    m.read_gbs_1 = bandwidth ? read_bandwidth(bytes, 1) : NAN;
+    m.read_gbs_all = bandwidth ? read_bandwidth(bytes, m.cpus) : NAN;
     m.sgemm_gflops = quick ? blas_sgemm_rate(64, 128, 64) : blas_sgemm_rate(1024, 4096, 1024);
     return m;
   }
@@ -407,7 +438,8 @@ struct machine {
   double read_gbs() const { return std::max(read_gbs_1, read_gbs_all); }
 
   void print(std::FILE* out) const {
-    std::fprintf(out, "machine: %s, %d logical CPUs\n", cpu.c_str(), cpus);
+    std::fprintf(out, "machine: %s, %d logical CPUs, AVX-512 %s\n", cpu.c_str(), cpus,
+                 avx512 ? "yes" : "no");
     std::fprintf(out,
                  "GEMM: %s; BLAS core %s, %d BLAS threads (OPENBLAS_CORETYPE=%s, "
                  "OPENBLAS_NUM_THREADS=%s)\n",
@@ -416,6 +448,8 @@ struct machine {
     std::fprintf(out, "BLAS config: %s\n", blas_config.c_str());
     if (given)
       std::fprintf(out, "read bandwidth: %.1f GB/s (given, --read-gbs)\n\n", read_gbs_all);
+    else if (std::isnan(read_gbs_all))
+      std::fprintf(out, "sgemm 1024x4096x1024: %.1f GFLOP/s\n\n", sgemm_gflops);
     else
       std::fprintf(out,
                    "read bandwidth: %.1f GB/s (1 thread), %.1f GB/s (%d threads); "
@@ -426,6 +460,7 @@ struct machine {
     json j = json::object();
     j.add("cpu", cpu)
         .add("logical_cpus", cpus)
+        .add("avx512", avx512)
         .add("gemm", gemm)
         .add("blas_core", blas_core)
         .add("blas_config", blas_config)

@@ -18,6 +18,44 @@ struct point_options {
   std::FILE* out = stdout;
 };
 
+/// The flags every layer benchmark takes: --shapes, --tokens, --min-reps N, --max-reps N,
+/// --min-seconds S, --batches N, --no-flush, --no-layer, --quick-machine, --json FILE|-.
+struct layer_bench_options {
+  std::string shapes;
+  std::vector<index_t> tokens;
+  point_options point;
+  bool layer = true;  // --no-layer: only the machine
+  bool quick_machine = false;
+  std::string json_path;
+
+  /// True if the current argument was one of these flags (its value read).
+  bool flag(cli::command_line& cl) {
+    if (cl.is("--shapes"))
+      shapes = cl.value();
+    else if (cl.is("--tokens"))
+      tokens = token_list(cl);
+    else if (cl.is("--min-reps"))
+      point.reps.min_reps = static_cast<int>(cl.integer());
+    else if (cl.is("--max-reps"))
+      point.reps.max_reps = static_cast<int>(cl.integer());
+    else if (cl.is("--min-seconds"))
+      point.reps.min_seconds = cl.number();
+    else if (cl.is("--batches"))
+      point.batches = std::max(1, static_cast<int>(cl.integer()));
+    else if (cl.is("--no-flush"))
+      point.flush = false;
+    else if (cl.is("--no-layer"))
+      layer = false;
+    else if (cl.is("--quick-machine"))
+      quick_machine = true;
+    else if (cl.is("--json"))
+      json_path = cl.value();
+    else
+      return false;
+    return true;
+  }
+};
+
 /// Reads a buffer larger than the last-level cache, so the next call finds its weights in
 /// memory, as a layer does in a model whose other layers ran in between.
 class cache_flusher {
@@ -32,6 +70,25 @@ class cache_flusher {
  private:
   std::vector<float> a_;
   volatile float sink_ = 0;
+};
+
+/// Random weights of a one-rank layer (cfg.ranks = 1) as it takes them: the experts the
+/// placement puts on rank 0 (local-slot order), the gate and the shared experts.
+template <class Layer>
+struct rank0_weights {
+  epmoe::reference::full_weights full;
+  epmoe::reference::rank_weights mine;
+
+  explicit rank0_weights(const layer_config& cfg)
+      : full(epmoe::reference::full_weights::random(cfg, 1)),
+        mine(epmoe::reference::slice(full, typename Layer::placement_type(cfg), 0)) {
+    std::vector<float>().swap(full.w1);  // the layer reads the slice; free the second copy
+    std::vector<float>().swap(full.w3);
+    std::vector<float>().swap(full.w2);
+  }
+  typename Layer::weights views() const {
+    return {full.gate_view(), mine.experts(), full.shared()};
+  }
 };
 
 /// C[M,N] = A[M,K] B[N,K]^T as one BLAS call (the portable loop when there is no BLAS).
@@ -55,14 +112,10 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
   cfg.max_tokens = static_cast<int>(*std::max_element(tokens.begin(), tokens.end()));
   const index_t H = cfg.hidden, F = cfg.ffn, Fs = cfg.shared_width(), N = cfg.shared_experts;
 
-  auto full = epmoe::reference::full_weights::random(cfg, 1);
-  const auto mine = epmoe::reference::slice(full, typename layer_t::placement_type(cfg), 0);
-  std::vector<float>().swap(full.w1);  // the layer reads the slice; free the second copy
-  std::vector<float>().swap(full.w3);
-  std::vector<float>().swap(full.w2);
-  const auto experts = mine.experts();
-  const auto shared = full.shared();
-  layer_t layer(cfg, epmoe::comm::local{}, {full.gate_view(), experts, shared}, router);
+  const rank0_weights<layer_t> w(cfg);
+  const auto experts = w.mine.experts();
+  const auto shared = w.full.shared();
+  layer_t layer(cfg, epmoe::comm::local{}, w.views(), router);
   const epmoe::space::host space{};
   cache_flusher flush(o.flush);
 
@@ -164,21 +217,10 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
         .add("weight_mb", weight_bytes * 1e-6)
         .add("weight_gbs", weight_gbs)
         .add("weight_bw_fraction", weight_gbs / m.read_gbs());
-    std::fprintf(o.out,
-                 "%-14s %5lld %9.3f %9.3f %9.3f %7.1f %6.2f %6.2f %7.1f %5.0f%%  "
-                 "[route %.2f plan %.2f permute %.2f shared %.2f dispatch %.2f experts %.2f "
-                 "combine %.2f reduce %.2f]\n",
+    std::fprintf(o.out, "%-14s %5lld %9.3f %9.3f %9.3f %7.1f %6.2f %6.2f %7.1f %5.0f%%  [%s]\n",
                  s.name.c_str(), static_cast<long long>(T), layer_s * 1e3, gemm_s * 1e3,
                  alone_s * 1e3, mean_flops / layer_s * 1e-9, gemm_s / layer_s, layer_s / alone_s,
-                 weight_gbs, 100 * weight_gbs / m.read_gbs(),
-                 median_of(stages, &epmoe::stage_times::route),
-                 median_of(stages, &epmoe::stage_times::plan),
-                 median_of(stages, &epmoe::stage_times::permute),
-                 median_of(stages, &epmoe::stage_times::shared),
-                 median_of(stages, &epmoe::stage_times::dispatch),
-                 median_of(stages, &epmoe::stage_times::experts),
-                 median_of(stages, &epmoe::stage_times::combine),
-                 median_of(stages, &epmoe::stage_times::reduce));
+                 weight_gbs, 100 * weight_gbs / m.read_gbs(), stage_text(stages).c_str());
     std::fflush(o.out);
     points.push_back(p);
   }

@@ -23,17 +23,11 @@ namespace {
 
 using namespace bench;
 
-struct options {
-  std::string shapes = "all";
-  std::vector<index_t> tokens = {1, 16, 128, 1024, 4096};
-  point_options point;
-  bool layer = true;
+struct options : layer_bench_options {
   bool scaling = false;
   std::vector<index_t> scaling_tokens = {128, 1024};
   int scaling_reps = 5;
-  bool quick_machine = false;
   double read_gbs = 0;
-  std::string json_path;
 };
 
 constexpr const char* usage_text =
@@ -46,37 +40,19 @@ constexpr const char* usage_text =
 
 options parse(int argc, char** argv) {
   options o;
+  o.shapes = "all";
+  o.tokens = {1, 16, 128, 1024, 4096};
   cli::command_line cl(argc, argv, usage_text);
-  const auto integer = [&] { return static_cast<int>(cl.integer()); };
   while (cl.next()) {
-    if (cl.is("--shapes"))
-      o.shapes = cl.value();
-    else if (cl.is("--tokens"))
-      o.tokens = token_list(cl);
-    else if (cl.is("--min-reps"))
-      o.point.reps.min_reps = integer();
-    else if (cl.is("--max-reps"))
-      o.point.reps.max_reps = integer();
-    else if (cl.is("--min-seconds"))
-      o.point.reps.min_seconds = cl.number();
-    else if (cl.is("--batches"))
-      o.point.batches = std::max(1, integer());
-    else if (cl.is("--no-flush"))
-      o.point.flush = false;
-    else if (cl.is("--scaling"))
+    if (o.flag(cl)) continue;
+    if (cl.is("--scaling"))
       o.scaling = true;
     else if (cl.is("--scaling-tokens"))
       o.scaling_tokens = token_list(cl);
     else if (cl.is("--scaling-reps"))
-      o.scaling_reps = std::max(1, integer());
-    else if (cl.is("--no-layer"))
-      o.layer = false;
-    else if (cl.is("--quick-machine"))
-      o.quick_machine = true;
+      o.scaling_reps = std::max(1, static_cast<int>(cl.integer()));
     else if (cl.is("--read-gbs"))
       o.read_gbs = cl.number();
-    else if (cl.is("--json"))
-      o.json_path = cl.value();
     else
       cl.unknown();
   }
