@@ -1122,6 +1122,15 @@ class moe_layer {
     return per > 0 ? saved_hidden_.data() + saved_at_[static_cast<std::size_t>(u)] * per : nullptr;
   }
 
+  // The experts' backward FLOPs per row (the policy's count, else twice the forward's).
+  double backward_flops_per_row() const {
+    const index_t H = cfg_.hidden, F = cfg_.ffn;
+    if constexpr (requires { expert_type::backward_flops_per_row(H, F, true); })
+      return expert_type::backward_flops_per_row(H, F, keep_per_row() == 0);
+    else
+      return 2.0 * expert_type::flops_per_row(H, F);
+  }
+
   // One group of all T rows (the gate's and the shared experts' GEMMs).
   template <class T>
   grouped_rows<T> all_rows(T* data, index_t cols, index_t stride) const {
@@ -1375,8 +1384,7 @@ class moe_layer {
                               grads_.experts, scratch_.data(), acc);
       grads_started_ = true;
       ex_.progress();
-      stats_.expert_flops += 2.0 * static_cast<double>(rows.rows()) *
-                             expert_type::flops_per_row(cfg_.hidden, cfg_.ffn);
+      stats_.expert_flops += static_cast<double>(rows.rows()) * backward_flops_per_row();
       const dispatch_plan& p = plan_.host();
       clock_.event(ex_.chunk_of_unit(p, u), stage_kind::experts, ex_.round_of_unit(p, u),
                    rows.rows(), 0, t0, clock_.now());

@@ -619,6 +619,11 @@ TEST_CASE("layer backward: config training off is named, the saved bytes are rep
   moe_layer<P> layer(training, comm::local{}, arrays.views(cfg, E));
   layer.forward({g.x.data(), T, H}, {y.data(), T, H});
   CHECK(layer.stats().saved_bytes == recomputed + T * K * 2 * 12 * 4);
+  CHECK(layer.stats().expert_flops == double(T * K) * 6 * H * cfg.ffn);
+  // Backward's expert FLOPs: 6 GEMMs of the forward's 3 (the kept layers are not recomputed).
+  layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads.views<P>(cfg, E));
+  CHECK(layer.stats().backward);
+  CHECK(layer.stats().expert_flops == double(T * K) * 12 * H * cfg.ffn);
 }
 
 TEST_CASE("layer backward: loss scales on a router whose losses have no gradient are named",

@@ -154,6 +154,11 @@ struct mlp {
 
   /// Scratch elements per row of backward: the recomputed hidden layer and dh.
   static index_t backward_scratch_per_row(index_t ffn) { return 2 * ffn; }
+  /// FLOPs per row of backward: dh, two dW and one dX GEMM, and with `recompute` the
+  /// up-projection again (5 GEMMs of the forward's 2, else 4).
+  static double backward_flops_per_row(index_t hidden, index_t ffn, bool recompute) {
+    return (recompute ? 10.0 : 8.0) * static_cast<double>(hidden) * static_cast<double>(ffn);
+  }
   /// Elements per row a training forward keeps (without recompute): a = x W1ᵀ + b1.
   static index_t keep_per_row(index_t ffn) { return ffn; }
 

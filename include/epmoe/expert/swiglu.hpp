@@ -130,6 +130,11 @@ struct glu {
 
   /// Scratch elements per row of backward: the two recomputed projections and dh.
   static index_t backward_scratch_per_row(index_t ffn) { return 3 * ffn; }
+  /// FLOPs per row of backward: dh, three dW and two dX GEMMs, and with `recompute` the two
+  /// up-projections again (8 GEMMs of the forward's 3, else 6).
+  static double backward_flops_per_row(index_t hidden, index_t ffn, bool recompute) {
+    return (recompute ? 16.0 : 12.0) * static_cast<double>(hidden) * static_cast<double>(ffn);
+  }
   /// Elements per row a training forward keeps (without recompute): a = x W1ᵀ, b = x W3ᵀ.
   static index_t keep_per_row(index_t ffn) { return 2 * ffn; }
 
