@@ -371,6 +371,9 @@ TEST_CASE("layer backward: capacity drops get no gradient, padded capacity the s
   CHECK(dropped > 0);
   check_against<expert::swiglu>(got, reference_step<drop>(cfg, w, g, dy, {}), cfg, true);
   check_step<train_policies<router::topk_softmax<2>, capacity::factor<true>>>(cfg);
+  // With biases an expert's output on a padding row is not zero: its dy must be.
+  check_step<train_policies<router::topk_softmax<2>, capacity::factor<true>,
+                            expert::mlp<act::gelu, true>>>(cfg);
 }
 
 TEST_CASE("layer backward: pipelined chunks and receive rounds", "[layer][backward]") {
