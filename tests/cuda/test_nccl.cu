@@ -47,6 +47,26 @@ device_buffer<T> upload(const float* p, index_t n) {
   return d;
 }
 
+// f(d, comm, stream) on a thread per GPU d, over NCCL communicators of all of them.
+template <class F>
+void on_gpus(int gpus, F&& f) {
+  std::vector<ncclComm_t> comms(gpus);
+  std::vector<int> devs(gpus);
+  for (int d = 0; d < gpus; ++d) devs[d] = d;
+  EPMOE_CUDA_CHECK(ncclCommInitAll(comms.data(), gpus, devs.data()));
+  std::vector<std::thread> pool;
+  for (int d = 0; d < gpus; ++d)
+    pool.emplace_back([&, d] {
+      EPMOE_CUDA_CHECK(cudaSetDevice(d));
+      cudaStream_t s;
+      EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      f(d, comms[d], s);
+      cudaStreamDestroy(s);
+    });
+  for (auto& t : pool) t.join();
+  for (auto c : comms) ncclCommDestroy(c);
+}
+
 template <class P>
 double run(int gpus, int max_recv_rows = 0) {
   using Capacity = typename P::capacity;
@@ -65,38 +85,26 @@ double run(int gpus, int max_recv_rows = 0) {
   reference::forward(w, router::topk_softmax<2>{}, Capacity{}, {x.data(), T * gpus, H},
                      std::vector<index_t>(gpus, T), {want.data(), T * gpus, H});
 
-  std::vector<ncclComm_t> comms(gpus);
-  std::vector<int> devs(gpus);
-  for (int d = 0; d < gpus; ++d) devs[d] = d;
-  EPMOE_CUDA_CHECK(ncclCommInitAll(comms.data(), gpus, devs.data()));
-  std::vector<std::thread> pool;
-  for (int d = 0; d < gpus; ++d)
-    pool.emplace_back([&, d] {
-      EPMOE_CUDA_CHECK(cudaSetDevice(d));
-      cudaStream_t s;
-      EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      const auto mine = reference::slice(w, placement::block(cfg), d);
-      auto gate = upload<float>(w.gate.data(), cfg.experts * H);
-      auto w1 = upload<float>(mine.w1.data(), L * cfg.ffn * H);
-      auto w3 = upload<float>(mine.w3.data(), L * cfg.ffn * H);
-      auto w2 = upload<float>(mine.w2.data(), L * H * cfg.ffn);
-      auto xd = upload<float>(x.data() + d * T * H, T * H);
-      device_buffer<float> yd(T * H);
-      // 0xff bytes are NaN: a row the layer leaves unwritten fails the comparison.
-      EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
-      moe_layer<P> layer(
-          cfg, comm::nccl(comms[d], s),
-          {{gate.data(), cfg.experts, H},
-           {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H}, {w2.data(), L, H, cfg.ffn}}},
-          {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
-      layer.forward({xd.data(), T, H}, {yd.data(), T, H});
-      layer.synchronize();
-      EPMOE_CUDA_CHECK(cudaMemcpy(y.data() + d * T * H, yd.data(), sizeof(float) * T * H,
-                                  cudaMemcpyDeviceToHost));
-      cudaStreamDestroy(s);
-    });
-  for (auto& t : pool) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+  on_gpus(gpus, [&](int d, ncclComm_t nccl, cudaStream_t s) {
+    const auto mine = reference::slice(w, placement::block(cfg), d);
+    auto gate = upload<float>(w.gate.data(), cfg.experts * H);
+    auto w1 = upload<float>(mine.w1.data(), L * cfg.ffn * H);
+    auto w3 = upload<float>(mine.w3.data(), L * cfg.ffn * H);
+    auto w2 = upload<float>(mine.w2.data(), L * H * cfg.ffn);
+    auto xd = upload<float>(x.data() + d * T * H, T * H);
+    device_buffer<float> yd(T * H);
+    // 0xff bytes are NaN: a row the layer leaves unwritten fails the comparison.
+    EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
+    moe_layer<P> layer(
+        cfg, comm::nccl(nccl, s),
+        {{gate.data(), cfg.experts, H},
+         {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H}, {w2.data(), L, H, cfg.ffn}}},
+        {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
+    layer.forward({xd.data(), T, H}, {yd.data(), T, H});
+    layer.synchronize();
+    EPMOE_CUDA_CHECK(
+        cudaMemcpy(y.data() + d * T * H, yd.data(), sizeof(float) * T * H, cudaMemcpyDeviceToHost));
+  });
   return reference::max_relative_error(y, want);  // infinite on any NaN/Inf
 }
 
@@ -127,56 +135,44 @@ double run_backward(int gpus) {
                                         {x.data(), T * gpus, H}, std::vector<index_t>(gpus, T),
                                         {dy.data(), T * gpus, H});
   std::vector<double> worst(gpus, std::numeric_limits<double>::infinity());
-  std::vector<ncclComm_t> comms(gpus);
-  std::vector<int> devs(gpus);
-  for (int d = 0; d < gpus; ++d) devs[d] = d;
-  EPMOE_CUDA_CHECK(ncclCommInitAll(comms.data(), gpus, devs.data()));
-  std::vector<std::thread> pool;
-  for (int d = 0; d < gpus; ++d)
-    pool.emplace_back([&, d] {
-      EPMOE_CUDA_CHECK(cudaSetDevice(d));
-      cudaStream_t s;
-      EPMOE_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-      const auto mine = reference::slice(w, placement::block(cfg), d);
-      auto gate = upload<float>(w.gate.data(), E * H);
-      auto w1 = upload<float>(mine.w1.data(), L * F * H);
-      auto w3 = upload<float>(mine.w3.data(), L * F * H);
-      auto w2 = upload<float>(mine.w2.data(), L * H * F);
-      auto xd = upload<float>(x.data() + d * T * H, T * H);
-      auto dyd = upload<float>(dy.data() + d * T * H, T * H);
-      device_buffer<float> yd(T * H), dxd(T * H), dgate(E * H), dw1(L * F * H), dw3(L * F * H),
-          dw2(L * H * F);
-      for (auto* b : {&dxd, &dgate, &dw1, &dw3, &dw2})  // NaN: anything unwritten fails
-        EPMOE_CUDA_CHECK(cudaMemsetAsync(b->data(), 0xff, sizeof(float) * b->size(), s));
-      moe_layer<P> layer(
-          cfg, comm::nccl(comms[d], s),
-          {{gate.data(), E, H}, {{w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}}},
-          {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
-      const typename moe_layer<P>::gradients grads{
-          {dgate.data(), E, H},
-          {{dw1.data(), L, F, H}, {dw3.data(), L, F, H}, {dw2.data(), L, H, F}}};
-      layer.forward({xd.data(), T, H}, {yd.data(), T, H});
-      layer.backward({dyd.data(), T, H}, {dxd.data(), T, H}, grads);
-      layer.reduce_gradients(grads);
-      layer.synchronize();
-      const auto slice = [](const std::vector<double>& v, index_t at, index_t n) {
-        return std::vector<float>(v.begin() + at, v.begin() + at + n);
-      };
-      double e =
-          reference::max_relative_error(download(dxd, T * H), slice(want.dx, d * T * H, T * H));
-      e = std::max(
-          e, reference::max_relative_error(download(dgate, E * H), slice(want.dgate, 0, E * H)));
-      e = std::max(e, reference::max_relative_error(download(dw1, L * F * H),
-                                                    slice(want.dw1, d * L * F * H, L * F * H)));
-      e = std::max(e, reference::max_relative_error(download(dw3, L * F * H),
-                                                    slice(want.dw3, d * L * F * H, L * F * H)));
-      e = std::max(e, reference::max_relative_error(download(dw2, L * H * F),
-                                                    slice(want.dw2, d * L * H * F, L * H * F)));
-      worst[d] = e;
-      cudaStreamDestroy(s);
-    });
-  for (auto& t : pool) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+  on_gpus(gpus, [&](int d, ncclComm_t nccl, cudaStream_t s) {
+    const auto mine = reference::slice(w, placement::block(cfg), d);
+    auto gate = upload<float>(w.gate.data(), E * H);
+    auto w1 = upload<float>(mine.w1.data(), L * F * H);
+    auto w3 = upload<float>(mine.w3.data(), L * F * H);
+    auto w2 = upload<float>(mine.w2.data(), L * H * F);
+    auto xd = upload<float>(x.data() + d * T * H, T * H);
+    auto dyd = upload<float>(dy.data() + d * T * H, T * H);
+    device_buffer<float> yd(T * H), dxd(T * H), dgate(E * H), dw1(L * F * H), dw3(L * F * H),
+        dw2(L * H * F);
+    for (auto* b : {&dxd, &dgate, &dw1, &dw3, &dw2})  // NaN: anything unwritten fails
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(b->data(), 0xff, sizeof(float) * b->size(), s));
+    moe_layer<P> layer(
+        cfg, comm::nccl(nccl, s),
+        {{gate.data(), E, H}, {{w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}}},
+        {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
+    const typename moe_layer<P>::gradients grads{
+        {dgate.data(), E, H},
+        {{dw1.data(), L, F, H}, {dw3.data(), L, F, H}, {dw2.data(), L, H, F}}};
+    layer.forward({xd.data(), T, H}, {yd.data(), T, H});
+    layer.backward({dyd.data(), T, H}, {dxd.data(), T, H}, grads);
+    layer.reduce_gradients(grads);
+    layer.synchronize();
+    const auto slice = [](const std::vector<double>& v, index_t at, index_t n) {
+      return std::vector<float>(v.begin() + at, v.begin() + at + n);
+    };
+    double e =
+        reference::max_relative_error(download(dxd, T * H), slice(want.dx, d * T * H, T * H));
+    e = std::max(
+        e, reference::max_relative_error(download(dgate, E * H), slice(want.dgate, 0, E * H)));
+    e = std::max(e, reference::max_relative_error(download(dw1, L * F * H),
+                                                  slice(want.dw1, d * L * F * H, L * F * H)));
+    e = std::max(e, reference::max_relative_error(download(dw3, L * F * H),
+                                                  slice(want.dw3, d * L * F * H, L * F * H)));
+    e = std::max(e, reference::max_relative_error(download(dw2, L * H * F),
+                                                  slice(want.dw2, d * L * H * F, L * H * F)));
+    worst[d] = e;
+  });
   return *std::max_element(worst.begin(), worst.end());
 }
 
