@@ -67,39 +67,58 @@ void on_gpus(int gpus, F&& f) {
   for (auto c : comms) ncclCommDestroy(c);
 }
 
-template <class P>
-double run(int gpus, int max_recv_rows = 0) {
-  using Capacity = typename P::capacity;
+/// The layer of these checks: 4 experts per GPU, top-2.
+layer_config nccl_layer(int gpus, int max_tokens) {
   layer_config cfg;
   cfg.hidden = 64;
   cfg.ffn = 96;
   cfg.experts = 4 * gpus;
   cfg.top_k = 2;
   cfg.ranks = gpus;
-  cfg.max_tokens = 128;
+  cfg.max_tokens = max_tokens;
+  return cfg;
+}
+
+/// GPU d's weights (the gate and its block of experts) in its memory, and the layer's views.
+struct gpu_weights {
+  layer_config cfg;
+  device_buffer<float> gate, w1, w3, w2;
+  gpu_weights(const layer_config& c, const reference::full_weights& w, int d) : cfg(c) {
+    const index_t H = c.hidden, F = c.ffn, L = c.experts / c.ranks;
+    const auto mine = reference::slice(w, placement::block(c), d);
+    gate = upload<float>(w.gate.data(), c.experts * H);
+    w1 = upload<float>(mine.w1.data(), L * F * H);
+    w3 = upload<float>(mine.w3.data(), L * F * H);
+    w2 = upload<float>(mine.w2.data(), L * H * F);
+  }
+  template <class P>
+  typename moe_layer<P>::weights views() const {
+    const index_t H = cfg.hidden, F = cfg.ffn, L = cfg.experts / cfg.ranks;
+    return {{gate.data(), cfg.experts, H},
+            {{w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}}};
+  }
+};
+
+template <class P>
+double run(int gpus, int max_recv_rows = 0) {
+  using Capacity = typename P::capacity;
+  layer_config cfg = nccl_layer(gpus, 128);
   cfg.max_recv_rows = max_recv_rows;
   const auto w = reference::full_weights::random(cfg, 7);
-  const index_t T = 128, H = cfg.hidden, L = cfg.experts / gpus;
+  const index_t T = 128, H = cfg.hidden;
   const std::vector<float> x = reference::random_tokens(T * gpus, H, 8);
   std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN()), want(x.size());
   reference::forward(w, router::topk_softmax<2>{}, Capacity{}, {x.data(), T * gpus, H},
                      std::vector<index_t>(gpus, T), {want.data(), T * gpus, H});
 
   on_gpus(gpus, [&](int d, ncclComm_t nccl, cudaStream_t s) {
-    const auto mine = reference::slice(w, placement::block(cfg), d);
-    auto gate = upload<float>(w.gate.data(), cfg.experts * H);
-    auto w1 = upload<float>(mine.w1.data(), L * cfg.ffn * H);
-    auto w3 = upload<float>(mine.w3.data(), L * cfg.ffn * H);
-    auto w2 = upload<float>(mine.w2.data(), L * H * cfg.ffn);
+    const gpu_weights weights(cfg, w, d);
     auto xd = upload<float>(x.data() + d * T * H, T * H);
     device_buffer<float> yd(T * H);
     // 0xff bytes are NaN: a row the layer leaves unwritten fails the comparison.
     EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
-    moe_layer<P> layer(
-        cfg, comm::nccl(nccl, s),
-        {{gate.data(), cfg.experts, H},
-         {{w1.data(), L, cfg.ffn, H}, {w3.data(), L, cfg.ffn, H}, {w2.data(), L, H, cfg.ffn}}},
-        {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
+    moe_layer<P> layer(cfg, comm::nccl(nccl, s), weights.views<P>(), {}, {}, placement::block(cfg),
+                       epmoe::space::cuda<float>(s));
     layer.forward({xd.data(), T, H}, {yd.data(), T, H});
     layer.synchronize();
     EPMOE_CUDA_CHECK(
@@ -119,13 +138,7 @@ std::vector<float> download(const device_buffer<float>& d, index_t n) {
 // reference::backward.
 template <class P>
 double run_backward(int gpus) {
-  layer_config cfg;
-  cfg.hidden = 64;
-  cfg.ffn = 96;
-  cfg.experts = 4 * gpus;
-  cfg.top_k = 2;
-  cfg.ranks = gpus;
-  cfg.max_tokens = 64;
+  layer_config cfg = nccl_layer(gpus, 64);
   cfg.training = true;
   const auto w = reference::full_weights::random(cfg, 17);
   const index_t T = 64, H = cfg.hidden, F = cfg.ffn, E = cfg.experts, L = E / gpus;
@@ -136,21 +149,15 @@ double run_backward(int gpus) {
                                         {dy.data(), T * gpus, H});
   std::vector<double> worst(gpus, std::numeric_limits<double>::infinity());
   on_gpus(gpus, [&](int d, ncclComm_t nccl, cudaStream_t s) {
-    const auto mine = reference::slice(w, placement::block(cfg), d);
-    auto gate = upload<float>(w.gate.data(), E * H);
-    auto w1 = upload<float>(mine.w1.data(), L * F * H);
-    auto w3 = upload<float>(mine.w3.data(), L * F * H);
-    auto w2 = upload<float>(mine.w2.data(), L * H * F);
+    const gpu_weights weights(cfg, w, d);
     auto xd = upload<float>(x.data() + d * T * H, T * H);
     auto dyd = upload<float>(dy.data() + d * T * H, T * H);
     device_buffer<float> yd(T * H), dxd(T * H), dgate(E * H), dw1(L * F * H), dw3(L * F * H),
         dw2(L * H * F);
     for (auto* b : {&dxd, &dgate, &dw1, &dw3, &dw2})  // NaN: anything unwritten fails
       EPMOE_CUDA_CHECK(cudaMemsetAsync(b->data(), 0xff, sizeof(float) * b->size(), s));
-    moe_layer<P> layer(
-        cfg, comm::nccl(nccl, s),
-        {{gate.data(), E, H}, {{w1.data(), L, F, H}, {w3.data(), L, F, H}, {w2.data(), L, H, F}}},
-        {}, {}, placement::block(cfg), epmoe::space::cuda<float>(s));
+    moe_layer<P> layer(cfg, comm::nccl(nccl, s), weights.views<P>(), {}, {}, placement::block(cfg),
+                       epmoe::space::cuda<float>(s));
     const typename moe_layer<P>::gradients grads{
         {dgate.data(), E, H},
         {{dw1.data(), L, F, H}, {dw3.data(), L, F, H}, {dw2.data(), L, H, F}}};
