@@ -1270,26 +1270,19 @@ class moe_layer {
       const value_type* gx = jit ? gate_scratch_.data() : x_.data;
       const index_t gs = jit ? H : x_.stride;
       float* dxg = jit ? jitter_dx_.data() : dx_home_.data();
-      const grouped_rows<const float> a = all_rows<const float>(dl.data, E, E);
-      space_.grouped_gemm_tn_accumulate(
-          a, all_rows<const value_type>(gx, H, gs),
-          stacked_view<float>(gate.data, 1, E, H, gate.stride, E * gate.stride),
-          back_opt_.accumulate);
-      space_.grouped_gemm_nn(
-          a,
-          stacked_view<const value_type>(w_.gate.data, 1, E, H, w_.gate.stride, E * w_.gate.stride),
-          all_rows<float>(dxg, H, H), !jit);
-      if (noisy) {  // the noise gate: dW_noise = dnᵀ x, dx += dn W_noise
-        const matrix_view<float> gn = grads_.noise_gate;
-        const matrix_view<const value_type> wn = w_.noise_gate;
-        const grouped_rows<const float> b = all_rows<const float>(dn.data, E, E);
+      const auto project_back = [&](matrix_view<const float> d, matrix_view<const value_type> w,
+                                    matrix_view<float> dw, bool dx_adds) {
+        // A projection logits = x Wᵀ: dW (+)= dᵀ x, dx (+)= d W.
+        const grouped_rows<const float> a = all_rows<const float>(d.data, E, E);
         space_.grouped_gemm_tn_accumulate(
-            b, all_rows<const value_type>(gx, H, gs),
-            stacked_view<float>(gn.data, 1, E, H, gn.stride, E * gn.stride), back_opt_.accumulate);
+            a, all_rows<const value_type>(gx, H, gs),
+            stacked_view<float>(dw.data, 1, E, H, dw.stride, E * dw.stride), back_opt_.accumulate);
         space_.grouped_gemm_nn(
-            b, stacked_view<const value_type>(wn.data, 1, E, H, wn.stride, E * wn.stride),
-            all_rows<float>(dxg, H, H), true);
-      }
+            a, stacked_view<const value_type>(w.data, 1, E, H, w.stride, E * w.stride),
+            all_rows<float>(dxg, H, H), dx_adds);
+      };
+      project_back(dl, w_.gate, gate, !jit);
+      if (noisy) project_back(dn, w_.noise_gate, grads_.noise_gate, true);  // the noise gate
       if constexpr (requires { typename router_type::unjittered; })
         if (jit)
           space_.for_each_row(
