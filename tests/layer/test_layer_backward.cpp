@@ -34,6 +34,14 @@ namespace {
 
 constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 
+// Bit-identical, the same length; an empty vector's data() may be null, which memcmp forbids.
+bool same_bits(const float* a, const float* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0;
+}
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && same_bits(a.data(), b.data(), a.size());
+}
+
 template <class X>
 concept gated = requires(typename X::grads g) {
   g.w3;
@@ -191,8 +199,7 @@ train_result train_step(layer_config cfg, const reference::full_weights& w,
   });
   if (opt.reduce) {  // each summed tensor once (rank 0's), each copy agreeing with the first
     const auto same = [&](const std::vector<float>& a, const std::vector<float>& b) {
-      out.reduced_agree = out.reduced_agree && a.size() == b.size() &&
-                          std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+      out.reduced_agree = out.reduced_agree && same_bits(a, b);
     };
     const auto first_copy = [&](std::vector<float> grad_arrays<typename P::expert>::*m, index_t per,
                                 std::vector<float>& into) {
@@ -203,7 +210,7 @@ train_result train_step(layer_config cfg, const reference::full_weights& w,
           const auto* src = ((*per_rank[r]).*m).data() + j * per;
           float* dst = into.data() + e * per;
           if (seen[e])
-            out.reduced_agree = out.reduced_agree && std::memcmp(dst, src, per * 4) == 0;
+            out.reduced_agree = out.reduced_agree && same_bits(dst, src, per);
           else
             std::copy(src, src + per, dst);
           seen[e] = 1;
@@ -680,7 +687,7 @@ TEST_CASE("layer backward: deterministic, bit-identical across runs, allocations
     for (auto m : {&train_result::y, &train_result::dx, &train_result::dgate, &train_result::dw1,
                    &train_result::dw3, &train_result::dw2}) {
       REQUIRE((a.*m).size() == (b.*m).size());
-      CHECK(std::memcmp((a.*m).data(), (b.*m).data(), (a.*m).size() * sizeof(float)) == 0);
+      CHECK(same_bits(a.*m, b.*m));
       double worst = 0;
       for (std::size_t i = 0; i < (a.*m).size(); ++i)
         worst = std::max(worst, double(std::abs((a.*m)[i] - (b.*m)[i])));
