@@ -327,6 +327,17 @@ class moe_layer {
     space_.synchronize();
   }
 
+  /// Points the layer at other weights of the same shapes (a framework that replaced its
+  /// parameter tensors, or moved them). Local, between passes: every rank rebinds its own;
+  /// a bad view throws config_error naming it and the layer keeps the old ones. Not after a
+  /// live re-placement (the layer then holds its own copy of the experts).
+  void set_weights(const weights& w) {
+    detail::require(owned_experts_.empty(), "set_weights", "after apply_placement",
+                    "the layer owns its experts after a live re-placement; build a new layer");
+    checked(cfg_, comm_, w, router_, placement_);
+    w_ = w;
+  }
+
   const layer_config& config() const { return cfg_; }
   /// What the last pass did (waits for it on a device space): rows, drops, bytes, FLOPs,
   /// losses and stage times.

@@ -41,6 +41,14 @@ class threads_world {
   template <class Fn>
   void run(Fn&& fn);
 
+  /// Makes a world that failed usable again, between runs (no rank inside an exchange): for
+  /// callers that recover from an error every rank saw, e.g. inputs the layer rejected.
+  void reset() {
+    std::lock_guard lock(mutex_);
+    aborted_ = failed_ = false;
+    waiting_ = 0;
+  }
+
  private:
   friend class threads;
 

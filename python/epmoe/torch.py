@@ -1,0 +1,318 @@
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""epmoe.torch.MoE: the expert-parallel MoE layer as a torch.nn.Module (docs/pytorch.md).
+
+The module owns its parameters (torch Parameters; the layer reads them in place, no copy)
+and runs epmoe's C++ layer for forward and, through autograd, backward. Its ranks are a
+torch.distributed process group (each process holds its experts; tokens travel over the
+group's all-to-all) or, in one process, `ranks` threads.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import _epmoe
+
+__all__ = ["MoE", "RouterLosses", "menu"]
+
+# Each expert kind's tensors, in the layer's order, and their shapes ([slots, rows, cols]).
+EXPERT_TENSORS = {
+    "swiglu": ("w1", "w3", "w2"),
+    "mlp_relu": ("w1", "w2"),
+    "mlp_relu_bias": ("w1", "w2", "b1", "b2"),
+}
+
+
+def _shape(name: str, n: int, hidden: int, ffn: int):
+    return {"w1": (n, ffn, hidden), "w3": (n, ffn, hidden), "w2": (n, hidden, ffn),
+            "b1": (n, 1, ffn), "b2": (n, 1, hidden)}[name]
+
+
+class RouterLosses(NamedTuple):
+    """The router's losses of the last pass, as torch scalars that carry gradient: the
+    load-balancing loss (times aux_loss_coef), its per-sequence form and the z-loss. Over this
+    process's tokens (with thread ranks, the mean of the ranks')."""
+
+    aux: torch.Tensor
+    seq_aux: torch.Tensor
+    z: torch.Tensor
+
+
+def menu():
+    """The precompiled bundles (router, top_k, expert, capacity, schedule)."""
+    return _epmoe.menu()
+
+
+def _placement_table(placement, experts: int, ranks: int):
+    """phy_to_log of a placement: "block", "round_robin" or a list (one expert per slot)."""
+    L = experts // ranks
+    if placement == "block":
+        return list(range(experts))
+    if placement == "round_robin":
+        return [j * ranks + r for r in range(ranks) for j in range(L)]
+    if isinstance(placement, str):
+        raise ValueError(f"epmoe: placement = {placement!r}: must be 'block', 'round_robin' or a "
+                         "list of the logical expert of each slot")
+    table = [int(e) for e in placement]
+    if sorted(table) != list(range(experts)):
+        raise ValueError(f"epmoe: placement = {table}: must hold each of the {experts} experts "
+                         "once (replicas are not in the torch module yet)")
+    return table
+
+
+class _MoEFunction(torch.autograd.Function):
+    """y, aux, seq_aux, z = MoE(x); backward runs the layer's backward (collective)."""
+
+    @staticmethod
+    def forward(ctx, module: "MoE", x: torch.Tensor, *params: torch.Tensor):
+        y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
+        module._layer.forward(x, y)
+        module._passes += 1
+        ctx.module, ctx.pass_id = module, module._passes
+        aux, seq, z = module._mean_losses()
+        return y, x.new_tensor(aux), x.new_tensor(seq), x.new_tensor(z)
+
+    @staticmethod
+    def backward(ctx, dy, daux, dseq, dz):
+        module: MoE = ctx.module
+        if ctx.pass_id != module._passes or module._consumed == ctx.pass_id:
+            raise RuntimeError(
+                "epmoe: backward of a forward that is not the layer's last: the layer keeps one "
+                "forward's state (call backward before the next forward of this module)")
+        module._consumed = ctx.pass_id
+        n = module._layer.local_ranks
+        grads, per_rank = module._new_grads()
+        dx = torch.empty_like(dy)
+        scale = 1.0 / n  # the losses are the ranks' mean
+        module._layer.backward(dy.contiguous(), dx, per_rank, float(daux) * scale,
+                               float(dseq) * scale, float(dz) * scale)
+        module._sum_replicated(grads, per_rank)
+        return (None, dx) + tuple(grads[name] for name in module._param_names)
+
+
+def _viewable(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous()
+
+
+class MoE(nn.Module):
+    """The MoE block: a router over `experts` FFN experts, top_k per token, optionally shared
+    experts, on expert-parallel ranks.
+
+    Policies come from the precompiled menu (epmoe.menu()): router in softmax (renormalised
+    top-k: Mixtral, Qwen3, OLMoE/Qwen norm_topk_prob, DBRX, Granite, JetMoE), softmax_raw (the
+    top-k probabilities as they are: Qwen1.5/2-MoE, Jamba, OLMoE, Switch), sigmoid_bias
+    (DeepSeek-V3), sparsemixer (PhiMoE, forward only), sinkhorn; expert in swiglu, mlp_relu,
+    mlp_relu_bias; capacity in dropless, factor, padded; schedule in sequential, pipelined.
+    An unknown combination raises ValueError listing the menu.
+
+    Ranks: `group` a torch.distributed ProcessGroup (this process holds experts/R of them;
+    every process calls forward and backward together), or `ranks` threads of this process
+    (the module then holds every expert). Parameters: gate [E, H]; w1, w3 [L, F, H], w2
+    [L, H, F] (this process's slots in slot order; `expert_ids` names each slot's expert);
+    shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H].
+    """
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
+                 router: str = "softmax", expert: str = "swiglu", capacity: str = "dropless",
+                 schedule: str = "sequential", placement: Union[str, Sequence[int]] = "block",
+                 capacity_factor: float = 1.0, chunks: int = 0, shared_experts: int = 0,
+                 shared_ffn: int = 0, shared_gate: bool = False, output_bias: bool = False,
+                 groups: int = 1, top_groups: int = 1, norm_p: float = 1.0, scaling: float = 1.0,
+                 group_by: str = "top2_sum", normalize: bool = True, group_mask: str = "minus_inf",
+                 router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
+                 jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
+                 max_tokens: int = 4096, recompute: bool = False, group=None,
+                 ranks: Optional[int] = None):
+        super().__init__()
+        if group is not None and ranks is not None:
+            raise ValueError("epmoe: pass group (torch.distributed ranks) or ranks (threads), not both")
+        R = group.size() if group is not None else (ranks or 1)
+        rank = group.rank() if group is not None else 0
+        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("top_k", top_k),
+                        ("max_tokens", max_tokens)):
+            if int(v) < 1:
+                raise ValueError(f"epmoe: {name} = {v}: must be >= 1")
+        if experts % R:
+            raise ValueError(f"epmoe: experts = {experts}: must be a multiple of the ranks ({R})")
+        if expert not in EXPERT_TENSORS:
+            raise ValueError(f"epmoe: expert = {expert!r}: must be one of {sorted(EXPERT_TENSORS)}")
+        if group_by not in ("top2_sum", "max"):
+            raise ValueError(f"epmoe: group_by = {group_by!r}: must be 'top2_sum' or 'max'")
+        if group_mask not in ("minus_inf", "zero"):
+            raise ValueError(f"epmoe: group_mask = {group_mask!r}: must be 'minus_inf' or 'zero'")
+        entry = dict(router=router, top_k=int(top_k), expert=expert, capacity=capacity,
+                     schedule=schedule)
+        found = [b for b in _epmoe.menu() if all(b[k] == v for k, v in entry.items())]
+        trains = bool(found and found[0]["trains"])
+        self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
+        self.ranks, self.rank, self.group = R, rank, group
+        self.shared_experts, self.shared_ffn = shared_experts, shared_ffn or ffn
+        self.expert_kind, self.bundle = expert, entry
+        self.config = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
+                           max_tokens=max_tokens, capacity_factor=float(capacity_factor),
+                           shared_experts=shared_experts, shared_ffn=shared_ffn,
+                           shared_gate=bool(shared_gate), output_bias=bool(output_bias),
+                           aux_loss_coef=float(aux_loss_coef), seq_len=seq_len, chunks=chunks,
+                           training=trains, recompute=bool(recompute))
+        self.router_args = dict(groups=groups, top_groups=top_groups, norm_p=float(norm_p),
+                                scaling=float(scaling), group_by_max=group_by == "max",
+                                normalize=bool(normalize), group_mask_zero=group_mask == "zero",
+                                gamma=float(bias_update),
+                                bias=None if router_bias is None else [float(b) for b in router_bias],
+                                jitter_eps=float(jitter_eps))
+        self.phy_to_log = _placement_table(placement, experts, R)
+        L = experts // R
+        held = self.phy_to_log if group is None else self.phy_to_log[rank * L:(rank + 1) * L]
+        self.register_buffer("expert_ids", torch.tensor(held, dtype=torch.long), persistent=False)
+
+        n = len(held)
+        self.gate = nn.Parameter(torch.empty(experts, hidden))
+        for name in EXPERT_TENSORS[expert]:
+            setattr(self, name, nn.Parameter(torch.empty(_shape(name, n, hidden, ffn))))
+        if shared_experts:
+            for name in EXPERT_TENSORS[expert]:
+                setattr(self, "shared_" + name, nn.Parameter(
+                    torch.empty(_shape(name, shared_experts, hidden, self.shared_ffn))))
+        if shared_gate:
+            self.shared_gate = nn.Parameter(torch.empty(shared_experts, hidden))
+        if output_bias:
+            self.output_bias = nn.Parameter(torch.empty(hidden))
+        self._param_names = [name for name, _ in self.named_parameters(recurse=False)]
+        self.reset_parameters()
+        self._passes = 0
+        self._consumed = 0
+        self._bound = None
+        self._layer = _epmoe.Layer(entry, self.config, self.phy_to_log, self.router_args,
+                                   self._rank_weights(), group, 0 if group is not None else R)
+        self._bound = self._pointers()
+
+    # --- parameters ---------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None):
+        """nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in)); biases zero. Use one
+        generator seed on every rank (the gate is replicated) or load a state dict."""
+        for name in self._param_names:
+            p = getattr(self, name)
+            if name in ("output_bias",) or name.endswith(("b1", "b2")):
+                p.zero_()
+            else:
+                fan_in = p.shape[-1]
+                p.uniform_(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in), generator=generator)
+
+    @torch.no_grad()
+    def load_logical(self, tensors: dict, *, source: str = "tensors"):
+        """Copies full, logical-order tensors into this module's parameters: gate [E, H];
+        w1, w3 [E, F, H], w2 [E, H, F], b1 [E, 1, F], b2 [E, 1, H] (every expert: this
+        module keeps the slots it holds, expert_ids); shared_w1 ... [N, ...]; shared_gate
+        [N, H]; output_bias [H]. Every parameter must be given; a missing key raises KeyError
+        and a wrong shape ValueError, each naming the key, before anything is copied."""
+        planned = []
+        for name in self._param_names:
+            if name not in tensors:
+                raise KeyError(f"epmoe: {source}: no tensor for {name!r} (this MoE needs "
+                               f"{', '.join(self._param_names)})")
+            t = torch.as_tensor(tensors[name])
+            p = getattr(self, name)
+            routed = name in EXPERT_TENSORS[self.expert_kind]
+            want = (self.experts,) + tuple(p.shape[1:]) if routed else tuple(p.shape)
+            if tuple(t.shape) != want:
+                raise ValueError(f"epmoe: {source}[{name!r}] has shape {tuple(t.shape)}: must be "
+                                 f"{want}")
+            planned.append((p, t[self.expert_ids] if routed else t))
+        for p, t in planned:
+            p.copy_(t)
+
+    def _experts(self, prefix: str, first: int, n: int):
+        return [getattr(self, prefix + name)[first:first + n] for name in EXPERT_TENSORS[self.expert_kind]]
+
+    def _rank_weights(self):
+        """One dict of views per local rank (thread ranks: each rank's slots of the tensors)."""
+        local = self._layer_ranks()
+        L = self.experts // self.ranks
+        out = []
+        for r in range(local):
+            w = {"gate": self.gate, "experts": self._experts("", r * L, L)}
+            if self.shared_experts:
+                w["shared"] = self._experts("shared_", 0, self.shared_experts)
+            if self.config["shared_gate"]:
+                w["shared_gate"] = self.shared_gate
+            if self.config["output_bias"]:
+                w["output_bias"] = self.output_bias
+            out.append({k: (v.detach() if isinstance(v, torch.Tensor) else [t.detach() for t in v])
+                        for k, v in w.items()})
+        return out
+
+    def _layer_ranks(self):
+        return 1 if self.group is not None else self.ranks
+
+    def _pointers(self):
+        return tuple(getattr(self, n).data_ptr() for n in self._param_names)
+
+    def _new_grads(self):
+        """Gradient tensors (one per parameter) and each local rank's views into them; the
+        replicated ones (gate, shared) get a tensor per thread rank, summed afterwards."""
+        grads = {n: torch.empty_like(getattr(self, n)) for n in self._param_names}
+        local = self._layer_ranks()
+        L = self.experts // self.ranks
+        kinds = EXPERT_TENSORS[self.expert_kind]
+        per_rank = []
+        for r in range(local):
+            def own(name):
+                return grads[name] if r == 0 else torch.empty_like(grads[name])
+            g = {"gate": own("gate"), "experts": [grads[k][r * L:(r + 1) * L] for k in kinds]}
+            if self.shared_experts:
+                g["shared"] = [own("shared_" + k) for k in kinds]
+            if self.config["shared_gate"]:
+                g["shared_gate"] = own("shared_gate")
+            if self.config["output_bias"]:
+                g["output_bias"] = own("output_bias")
+            per_rank.append(g)
+        return grads, per_rank
+
+    def _sum_replicated(self, grads, per_rank):
+        kinds = EXPERT_TENSORS[self.expert_kind]
+        for g in per_rank[1:]:
+            grads["gate"] += g["gate"]
+            for i, k in enumerate(kinds):
+                if self.shared_experts:
+                    grads["shared_" + k] += g["shared"][i]
+            for k in ("shared_gate", "output_bias"):
+                if k in g:
+                    grads[k] += g[k]
+
+    def _mean_losses(self):
+        rows = self._layer.losses()
+        n = len(rows)
+        return tuple(sum(r[i] for r in rows) / n for i in range(3))
+
+    # --- forward ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor):
+        """y, losses = moe(x): x [..., hidden] float32 on the CPU, contiguous; y the same shape;
+        losses a RouterLosses of torch scalars. Collective over the ranks."""
+        if self._pointers() != self._bound:  # a parameter was replaced (load_state_dict(assign), .to())
+            self._layer.rebind(self._rank_weights())
+            self._bound = self._pointers()
+        shape = x.shape
+        flat = x.view(-1, shape[-1]) if x.dim() != 2 and x.is_contiguous() else x
+        params = [getattr(self, n) for n in self._param_names]
+        y, aux, seq, z = _MoEFunction.apply(self, flat, *params)
+        return y.view(shape) if flat is not x else y, RouterLosses(aux, seq, z)
+
+    def stats(self, rank: int = 0):
+        """What the last pass did on a local rank (thread ranks: which one; a process group:
+        this process's): rows per expert and rank, drops, bytes, FLOPs, stage times (s)."""
+        return self._layer.stats()[rank]
+
+    def all_stats(self):
+        """stats() of every local rank."""
+        return self._layer.stats()
+
+    def extra_repr(self):
+        b = self.bundle
+        return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, top_k={self.top_k}, "
+                f"router={b['router']}, expert={b['expert']}, capacity={b['capacity']}, "
+                f"schedule={b['schedule']}, ranks={self.ranks}")

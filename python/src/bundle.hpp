@@ -1,0 +1,132 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// One menu entry: moe_layer over a policy bundle, behind any_layer. Included by the
+// bundles_*.cpp files only (each instantiates a share of the menu).
+
+#include <algorithm>
+#include <array>
+#include <string>
+#include <utility>
+
+#include "epmoe/epmoe.hpp"
+#include "layers.hpp"
+
+namespace epmoe::py {
+
+template <class Router, class Expert, class Capacity, class Schedule>
+struct policies : default_policies {
+  using router = Router;
+  using expert = Expert;
+  using capacity = Capacity;
+  using schedule = Schedule;
+  using placement = epmoe::placement::table;
+  using comm = epmoe::comm::any;
+};
+
+/// The router with the fields it has set from the menu's run-time arguments.
+template <class Router>
+Router make_router(const router_args& a) {
+  Router r{};
+  if constexpr (requires { r.groups; }) r.groups = a.groups, r.top_groups = a.top_groups;
+  if constexpr (requires { r.norm_p; }) r.norm_p = a.norm_p;
+  if constexpr (requires { r.scaling; }) r.scaling = a.scaling;
+  if constexpr (requires { r.group_by; })
+    r.group_by = a.group_by_max ? router::group_score::max : router::group_score::top2_sum;
+  if constexpr (requires { r.normalize; }) r.normalize = a.normalize;
+  if constexpr (requires { r.group_mask; })
+    r.group_mask = a.group_mask_zero ? router::group_mask_mode::zero : router::group_mask_mode::minus_inf;
+  if constexpr (requires { r.gamma; }) r.gamma = a.gamma;
+  if constexpr (requires { r.bias; }) r.bias = a.bias.empty() ? nullptr : a.bias.data();
+  if constexpr (requires { r.jitter_eps; }) r.jitter_eps = a.jitter_eps;
+  return r;
+}
+
+/// Whether moe_layer::backward compiles for the pair (docs/training.md).
+template <class Router, class Expert>
+inline constexpr bool trains = requires { Expert::backward_scratch_per_row(index_t{}); } &&
+                               (!Router::uses_gate || router_with_backward<Router>);
+
+template <class Router, class Expert, class Capacity, class Schedule>
+class layer_of final : public any_layer {
+  using P = policies<Router, Expert, Capacity, Schedule>;
+  using layer = moe_layer<P>;
+
+ public:
+  layer_of(const layer_args& a, comm::any comm, const rank_weights& w)
+      : args_(a),
+        layer_(a.cfg, std::move(comm), views(w), make_router<Router>(args_.router), Capacity{},
+               placement::table(a.cfg.experts, a.cfg.ranks, a.phy_to_log)) {}
+
+  void forward(matrix_view<const float> x, matrix_view<float> y) override { layer_.forward(x, y); }
+
+  void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
+                const loss_scales& losses) override {
+    if constexpr (trains<Router, Expert>) {
+      typename layer::gradients grads{};
+      grads.gate = g.gate;
+      grads.experts = expert_bundle<typename layer::expert_grads>(g.experts, "grads.experts");
+      grads.shared = expert_bundle<typename layer::expert_grads>(g.shared, "grads.shared");
+      grads.shared_gate = g.shared_gate;
+      grads.output_bias = g.output_bias;
+      grads.noise_gate = g.noise_gate;
+      layer_.backward(dy, dx, grads, {.losses = losses});
+    } else {
+      throw config_error("router", "this bundle", "has no backward (its router or expert does not "
+                                                  "train yet; docs/training.md)");
+    }
+  }
+
+  const pass_stats& stats() const override { return layer_.stats(); }
+  void rebind(const rank_weights& w) override { layer_.set_weights(views(w)); }
+  int rank() const override { return layer_.rank(); }
+  int local_slots() const override { return layer_.placement().slots_per_rank(); }
+
+ private:
+  // A bundle of the expert's views (weights or gradients) from the list, in tensors() order.
+  template <class Bundle, class View>
+  static Bundle expert_bundle(const std::vector<View>& list, const char* field) {
+    Bundle b{};
+    if (list.empty()) return b;  // unused (no shared experts)
+    auto ts = Expert::tensors(b);
+    detail::require(list.size() == ts.size(), field, list.size(),
+                    ("must hold " + std::to_string(ts.size()) + " tensors for this expert").c_str());
+    for (std::size_t i = 0; i < ts.size(); ++i) *ts[i] = list[i];
+    return b;
+  }
+  static typename layer::weights views(const rank_weights& w) {
+    typename layer::weights v{};
+    v.gate = w.gate;
+    v.experts = expert_bundle<typename layer::expert_weights>(w.experts, "weights.experts");
+    v.shared = expert_bundle<typename layer::expert_weights>(w.shared, "weights.shared");
+    v.noise_gate = w.noise_gate;
+    v.shared_gate = w.shared_gate;
+    v.output_bias = w.output_bias;
+    return v;
+  }
+
+  layer_args args_;  // the router's bias points into it
+  layer layer_;
+};
+
+/// The menu entry of one bundle.
+template <class Router, class Expert, class Capacity, class Schedule>
+bundle entry(std::string router, std::string expert, std::string capacity, std::string schedule,
+             std::vector<std::string> tensors) {
+  using L = layer_of<Router, Expert, Capacity, Schedule>;
+  bundle b;
+  b.router = std::move(router);
+  b.top_k = Router::top_k;
+  b.expert = std::move(expert);
+  b.capacity = std::move(capacity);
+  b.schedule = std::move(schedule);
+  b.expert_tensors = std::move(tensors);
+  b.trains = trains<Router, Expert>;
+  b.make = [](const layer_args& a, comm::any c, const rank_weights& w) -> std::unique_ptr<any_layer> {
+    return std::make_unique<L>(a, std::move(c), w);
+  };
+  return b;
+}
+
+}  // namespace epmoe::py

@@ -1,0 +1,109 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The layer behind epmoe.torch.MoE, without torch: one moe_layer per precompiled policy
+// bundle, over comm::any, behind one virtual interface. The torch side (module.cpp) turns
+// tensors into the views here; the bundle files (bundles_*.cpp) instantiate the layers, each
+// in its own translation unit so that two cores build them side by side.
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "epmoe/comm/any.hpp"
+#include "epmoe/core/config.hpp"
+#include "epmoe/core/losses.hpp"
+#include "epmoe/core/stats.hpp"
+#include "epmoe/core/view.hpp"
+
+namespace epmoe::py {
+
+/// The run-time fields of every router in the menu; a bundle takes the ones its router has.
+struct router_args {
+  int groups = 1;
+  int top_groups = 1;
+  float norm_p = 1.f;
+  float scaling = 1.f;
+  bool group_by_max = false;      // topk_softmax: a group scored by its best expert
+  bool normalize = true;          // sigmoid_bias
+  bool group_mask_zero = false;   // sigmoid_bias: Hugging Face's 0.0 for dropped groups
+  float gamma = 0.f;              // sigmoid_bias: bias update speed (0: the bias stays)
+  std::vector<float> bias;        // sigmoid_bias: [E] or empty
+  float jitter_eps = 0.01f;       // sparsemixer
+};
+
+/// Everything a bundle needs to build its layer on one rank.
+struct layer_args {
+  layer_config cfg;
+  std::vector<int> phy_to_log;  // placement::table: logical expert of each physical slot
+  router_args router;
+};
+
+/// One rank's weights (views into the framework's tensors). Expert tensors in the expert
+/// policy's tensors() order (swiglu: w1, w3, w2; mlp: w1, w2 and, with biases, b1, b2).
+struct rank_weights {
+  matrix_view<const float> gate;
+  std::vector<stacked_view<const float>> experts;
+  std::vector<stacked_view<const float>> shared;
+  matrix_view<const float> noise_gate{};
+  matrix_view<const float> shared_gate{};
+  matrix_view<const float> output_bias{};
+};
+
+/// The same shapes, writable: the gradients of one backward.
+struct rank_grads {
+  matrix_view<float> gate{};
+  std::vector<stacked_view<float>> experts;
+  std::vector<stacked_view<float>> shared;
+  matrix_view<float> noise_gate{};
+  matrix_view<float> shared_gate{};
+  matrix_view<float> output_bias{};
+};
+
+/// A layer of some bundle on one rank. Collective calls as moe_layer's.
+class any_layer {
+ public:
+  virtual ~any_layer() = default;
+  virtual void forward(matrix_view<const float> x, matrix_view<float> y) = 0;
+  virtual void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
+                        const loss_scales& losses) = 0;
+  virtual const pass_stats& stats() const = 0;
+  /// Points the layer at new tensors of the same shapes (a framework replaced a parameter).
+  virtual void rebind(const rank_weights& w) = 0;
+  virtual int rank() const = 0;
+  virtual int local_slots() const = 0;
+};
+
+/// One entry of the menu.
+struct bundle {
+  std::string router;    // softmax, softmax_raw, sigmoid_bias, sparsemixer, ...
+  int top_k = 0;
+  std::string expert;    // swiglu, mlp_relu, mlp_relu_bias, mlp_gelu, ...
+  std::string capacity;  // dropless, factor, padded
+  std::string schedule;  // sequential, pipelined
+  std::vector<std::string> expert_tensors;  // names, in rank_weights order
+  bool trains = true;                       // has a backward
+  std::function<std::unique_ptr<any_layer>(const layer_args&, comm::any, const rank_weights&)>
+      make;
+
+  std::string key() const {
+    return "router=" + router + " top_k=" + std::to_string(top_k) + " expert=" + expert +
+           " capacity=" + capacity + " schedule=" + schedule;
+  }
+};
+
+// Each bundles_*.cpp adds its entries.
+void add_softmax_bundles(std::vector<bundle>& menu);
+void add_other_bundles(std::vector<bundle>& menu);
+
+inline std::vector<bundle> menu() {
+  std::vector<bundle> m;
+  add_softmax_bundles(m);
+  add_other_bundles(m);
+  return m;
+}
+
+}  // namespace epmoe::py

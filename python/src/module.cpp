@@ -1,0 +1,446 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+// epmoe._epmoe: the layer as torch sees it. Tensors become views (no copy); the ranks are a
+// torch.distributed process group (comm over its all-to-all) or threads of this process.
+// The Python side (epmoe/torch.py) owns the parameters and autograd; this file checks what
+// it is handed and runs collective calls with the GIL released.
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "epmoe/comm/threads.hpp"
+#include "layers.hpp"
+
+namespace py = pybind11;
+
+namespace epmoe::py {
+namespace {
+
+/// A torch.distributed process group as the layer's endpoint: each exchange is one
+/// alltoall_base of bytes on the group (gloo on CPU); views of the layer's buffers, no copy
+/// when the blocks lie back to back (the layer's usual case), else staged through buffers
+/// owned here (grown once). Several may be in flight (a pipelined schedule).
+class c10d_endpoint final : public comm::endpoint {
+ public:
+  explicit c10d_endpoint(c10::intrusive_ptr<c10d::ProcessGroup> pg)
+      : pg_(std::move(pg)), rank_(pg_->getRank()), size_(pg_->getSize()), slots_(8) {}
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void alltoallv(const std::byte* send, const index_t* sc, const index_t* sd, std::byte* recv,
+                 const index_t* rc, const index_t* rd) override {
+    wait(start(send, sc, sd, recv, rc, rd));
+  }
+
+  int start(const std::byte* send, const index_t* sc, const index_t* sd, std::byte* recv,
+            const index_t* rc, const index_t* rd) override {
+    std::size_t k = 0;
+    while (k < slots_.size() && slots_[k].work) ++k;
+    if (k == slots_.size())
+      throw comm_error("epmoe: torch.distributed endpoint: more than " +
+                       std::to_string(slots_.size()) + " exchanges in flight");
+    slot& s = slots_[k];
+    const auto R = static_cast<std::size_t>(size_);
+    s.send_split.assign(sc, sc + R);
+    s.recv_split.assign(rc, rc + R);
+    const index_t sn = total(sc), rn = total(rc);
+    const std::byte* in = send + (R ? sd[0] : 0);
+    if (!back_to_back(sc, sd)) {  // pack the blocks in rank order
+      s.send_stage.resize(static_cast<std::size_t>(sn));
+      index_t at = 0;
+      for (std::size_t r = 0; r < R; ++r)
+        std::copy_n(send + sd[r], sc[r], s.send_stage.data() + at), at += sc[r];
+      in = s.send_stage.data();
+    }
+    s.unpack = !back_to_back(rc, rd);
+    std::byte* out = recv + (R ? rd[0] : 0);
+    if (s.unpack) {
+      s.recv_stage.resize(static_cast<std::size_t>(rn));
+      out = s.recv_stage.data();
+      s.recv = recv, s.rc = rc, s.rd = rd;
+    }
+    const auto bytes = at::TensorOptions().dtype(at::kByte);
+    at::Tensor tin = at::from_blob(const_cast<std::byte*>(in), {sn}, bytes);
+    at::Tensor tout = at::from_blob(out, {rn}, bytes);
+    try {
+      s.work = pg_->alltoall_base(tout, tin, s.recv_split, s.send_split);
+    } catch (const std::exception& e) {
+      throw comm_error(std::string("epmoe: torch.distributed alltoall_base failed: ") + e.what());
+    }
+    return static_cast<int>(k);
+  }
+
+  void wait(int ticket) override {
+    slot& s = slots_[static_cast<std::size_t>(ticket)];
+    c10::intrusive_ptr<c10d::Work> work = std::move(s.work);
+    s.work.reset();
+    try {
+      work->wait();
+    } catch (const std::exception& e) {
+      throw comm_error(std::string("epmoe: torch.distributed all-to-all failed: ") + e.what());
+    }
+    if (s.unpack) {
+      index_t at = 0;
+      for (int r = 0; r < size_; ++r)
+        std::copy_n(s.recv_stage.data() + at, s.rc[r], s.recv + s.rd[r]), at += s.rc[r];
+    }
+  }
+
+  bool test(int ticket) override {
+    return slots_[static_cast<std::size_t>(ticket)].work->isCompleted();
+  }
+
+ private:
+  struct slot {
+    c10::intrusive_ptr<c10d::Work> work;
+    std::vector<std::int64_t> send_split, recv_split;
+    std::vector<std::byte> send_stage, recv_stage;
+    bool unpack = false;
+    std::byte* recv = nullptr;
+    const index_t *rc = nullptr, *rd = nullptr;
+  };
+  index_t total(const index_t* n) const {
+    index_t t = 0;
+    for (int r = 0; r < size_; ++r) t += n[r];
+    return t;
+  }
+  bool back_to_back(const index_t* n, const index_t* d) const {
+    for (int r = 1; r < size_; ++r)
+      if (d[r] != d[r - 1] + n[r - 1]) return false;
+    return true;
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int rank_, size_;
+  std::vector<slot> slots_;
+};
+
+// --- tensors to views -----------------------------------------------------------------------
+
+[[noreturn]] void type_error(const std::string& msg) { throw ::py::type_error("epmoe: " + msg); }
+[[noreturn]] void value_error(const std::string& msg) { throw ::py::value_error("epmoe: " + msg); }
+
+/// Why t cannot be viewed as a float32 CPU matrix, or "" when it can.
+std::string unviewable(const at::Tensor& t, int dims) {
+  if (!t.defined()) return "is undefined";
+  if (t.scalar_type() != at::kFloat)
+    return std::string("has dtype ") + c10::toString(t.scalar_type()) + ": must be torch.float32";
+  if (!t.device().is_cpu()) return "is on " + t.device().str() + ": must be on the CPU";
+  if (!t.is_contiguous()) return "is not contiguous: pass .contiguous()";
+  if (t.dim() != dims)
+    return "has " + std::to_string(t.dim()) + " dimensions: must have " + std::to_string(dims);
+  return "";
+}
+
+template <class T>
+matrix_view<T> matrix_of(const at::Tensor& t, const std::string& name) {
+  if (const std::string why = unviewable(t, 2); !why.empty()) type_error(name + " " + why);
+  return {const_cast<float*>(t.data_ptr<float>()), t.size(0), t.size(1)};
+}
+template <class T>
+matrix_view<T> optional_matrix(const ::py::dict& d, const char* key, const std::string& who) {
+  if (!d.contains(key) || d[key].is_none()) return {};
+  at::Tensor t = d[key].cast<at::Tensor>();
+  if (t.dim() == 1) t = t.view({1, t.size(0)});  // output bias [H]
+  return matrix_of<T>(t, who + "." + key);
+}
+template <class T>
+std::vector<stacked_view<T>> stacked_list(const ::py::dict& d, const char* key,
+                                          const std::string& who) {
+  std::vector<stacked_view<T>> out;
+  if (!d.contains(key) || d[key].is_none()) return out;
+  int i = 0;
+  for (const ::py::handle h : d[key]) {
+    const at::Tensor t = h.cast<at::Tensor>();
+    const std::string name = who + "." + key + "[" + std::to_string(i++) + "]";
+    if (const std::string why = unviewable(t, 3); !why.empty()) type_error(name + " " + why);
+    out.emplace_back(const_cast<float*>(t.data_ptr<float>()), t.size(0), t.size(1), t.size(2));
+  }
+  return out;
+}
+
+rank_weights weights_of(const ::py::dict& d, const std::string& who) {
+  rank_weights w;
+  w.gate = optional_matrix<const float>(d, "gate", who);
+  w.experts = stacked_list<const float>(d, "experts", who);
+  w.shared = stacked_list<const float>(d, "shared", who);
+  w.noise_gate = optional_matrix<const float>(d, "noise_gate", who);
+  w.shared_gate = optional_matrix<const float>(d, "shared_gate", who);
+  w.output_bias = optional_matrix<const float>(d, "output_bias", who);
+  return w;
+}
+rank_grads grads_of(const ::py::dict& d, const std::string& who) {
+  rank_grads g;
+  g.gate = optional_matrix<float>(d, "gate", who);
+  g.experts = stacked_list<float>(d, "experts", who);
+  g.shared = stacked_list<float>(d, "shared", who);
+  g.noise_gate = optional_matrix<float>(d, "noise_gate", who);
+  g.shared_gate = optional_matrix<float>(d, "shared_gate", who);
+  g.output_bias = optional_matrix<float>(d, "output_bias", who);
+  return g;
+}
+
+::py::dict stats_dict(const pass_stats& s) {
+  ::py::dict d;
+  d["tokens"] = s.tokens;
+  d["assignments"] = s.assignments;
+  d["dropped"] = s.dropped;
+  d["capacity"] = s.capacity ? ::py::cast(*s.capacity) : ::py::none();
+  d["padding_rows"] = s.padding_rows;
+  d["routed_per_expert"] = s.routed_per_expert;
+  d["rows_per_local_expert"] = s.rows_per_local_expert;
+  d["padded_rows_per_local_expert"] = s.padded_rows_per_local_expert;
+  d["rows_sent"] = s.rows_sent;
+  d["rows_received"] = s.rows_received;
+  d["dispatch_bytes_sent"] = s.dispatch_bytes_sent;
+  d["dispatch_bytes_received"] = s.dispatch_bytes_received;
+  d["combine_bytes_sent"] = s.combine_bytes_sent;
+  d["combine_bytes_received"] = s.combine_bytes_received;
+  d["expert_flops"] = s.expert_flops;
+  d["shared_flops"] = s.shared_flops;
+  d["expert_imbalance"] = s.expert_imbalance.max_over_mean;
+  d["rank_imbalance"] = s.rank_imbalance.max_over_mean;
+  d["chunks"] = s.chunks;
+  d["rounds"] = s.rounds;
+  d["comm_seconds"] = s.comm_seconds;
+  d["exposed_comm_seconds"] = s.exposed_comm_seconds;
+  d["overlap"] = s.overlap;
+  d["backward"] = s.backward;
+  ::py::dict t;
+  const stage_times& st = s.time;
+  t["route"] = st.route, t["plan"] = st.plan, t["permute"] = st.permute;
+  t["dispatch"] = st.dispatch, t["experts"] = st.experts, t["combine"] = st.combine;
+  t["shared"] = st.shared, t["reduce"] = st.reduce, t["total"] = st.total;
+  d["time"] = t;
+  return d;
+}
+
+// --- the layer ------------------------------------------------------------------------------
+
+layer_config config_of(const ::py::dict& c) {
+  layer_config cfg;
+  cfg.hidden = c["hidden"].cast<int>();
+  cfg.ffn = c["ffn"].cast<int>();
+  cfg.experts = c["experts"].cast<int>();
+  cfg.top_k = c["top_k"].cast<int>();
+  cfg.max_tokens = c["max_tokens"].cast<int>();
+  cfg.capacity_factor = c["capacity_factor"].cast<double>();
+  cfg.shared_experts = c["shared_experts"].cast<int>();
+  cfg.shared_ffn = c["shared_ffn"].cast<int>();
+  cfg.shared_gate = c["shared_gate"].cast<bool>();
+  cfg.output_bias = c["output_bias"].cast<bool>();
+  cfg.aux_loss_coef = c["aux_loss_coef"].cast<double>();
+  cfg.seq_len = c["seq_len"].cast<int>();
+  cfg.chunks = c["chunks"].cast<int>();
+  cfg.training = c["training"].cast<bool>();
+  cfg.recompute = c["recompute"].cast<bool>();
+  return cfg;
+}
+
+router_args router_of(const ::py::dict& r) {
+  router_args a;
+  a.groups = r["groups"].cast<int>();
+  a.top_groups = r["top_groups"].cast<int>();
+  a.norm_p = r["norm_p"].cast<float>();
+  a.scaling = r["scaling"].cast<float>();
+  a.group_by_max = r["group_by_max"].cast<bool>();
+  a.normalize = r["normalize"].cast<bool>();
+  a.group_mask_zero = r["group_mask_zero"].cast<bool>();
+  a.gamma = r["gamma"].cast<float>();
+  if (!r["bias"].is_none()) a.bias = r["bias"].cast<std::vector<float>>();
+  a.jitter_eps = r["jitter_eps"].cast<float>();
+  return a;
+}
+
+/// The menu entry named by (router, top_k, expert, capacity, schedule), or a ValueError
+/// listing the entries there are.
+const bundle& find_bundle(const std::vector<bundle>& m, const ::py::dict& b) {
+  const auto router = b["router"].cast<std::string>(), expert = b["expert"].cast<std::string>();
+  const auto capacity = b["capacity"].cast<std::string>();
+  const auto schedule = b["schedule"].cast<std::string>();
+  const int k = b["top_k"].cast<int>();
+  for (const bundle& e : m)
+    if (e.router == router && e.top_k == k && e.expert == expert && e.capacity == capacity &&
+        e.schedule == schedule)
+      return e;
+  std::string list;
+  for (const bundle& e : m) list += "\n  " + e.key();
+  value_error("no precompiled bundle router=" + router + " top_k=" + std::to_string(k) +
+              " expert=" + expert + " capacity=" + capacity + " schedule=" + schedule +
+              "; the menu has:" + list);
+}
+
+/// The layer of one process: one rank on a process group, or `ranks` ranks on threads.
+class layer {
+ public:
+  layer(const ::py::dict& bundle_spec, const ::py::dict& config, std::vector<int> phy_to_log,
+        const ::py::dict& router, const ::py::list& weights, const ::py::object& group,
+        int ranks)
+      : menu_(menu()), bundle_(&find_bundle(menu_, bundle_spec)) {
+    args_.cfg = config_of(config);
+    args_.phy_to_log = std::move(phy_to_log);
+    args_.router = router_of(router);
+    if (!group.is_none()) {
+      auto pg = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+      args_.cfg.ranks = pg->getSize();
+      endpoints_.push_back(std::make_unique<c10d_endpoint>(std::move(pg)));
+    } else {
+      if (ranks < 1) value_error("ranks = " + std::to_string(ranks) + ": must be >= 1");
+      args_.cfg.ranks = ranks;
+      world_ = std::make_unique<comm::threads_world>(ranks);
+    }
+    const int R = local_ranks();
+    if (static_cast<int>(weights.size()) != R)
+      value_error("weights: " + std::to_string(weights.size()) + " entries, must be one per "
+                  "local rank (" + std::to_string(R) + ")");
+    std::vector<rank_weights> w;
+    for (int r = 0; r < R; ++r)
+      w.push_back(weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
+    layers_.resize(static_cast<std::size_t>(R));
+    ::py::gil_scoped_release free;
+    if (world_) {
+      endpoints_.resize(static_cast<std::size_t>(R));
+      world_->run([&](comm::threads c) {
+        const int r = c.rank();
+        endpoints_[r] = std::make_unique<comm::endpoint_of<comm::threads>>(std::move(c));
+        layers_[r] = bundle_->make(args_, comm::any(*endpoints_[r]), w[r]);
+      });
+    } else {
+      layers_[0] = bundle_->make(args_, comm::any(*endpoints_[0]), w[0]);
+    }
+  }
+
+  int local_ranks() const { return world_ ? world_->size() : 1; }
+  int rank() const { return world_ ? 0 : endpoints_[0]->rank(); }
+  int ranks() const { return args_.cfg.ranks; }
+  bool trains() const { return bundle_->trains; }
+  std::string key() const { return bundle_->key(); }
+
+  /// y = MoE(x): this process's tokens; with thread ranks, contiguous shards, one per rank.
+  /// A tensor that cannot be viewed still enters the collective call (with an empty view the
+  /// layer rejects), so the peers learn of it and nobody waits; then it raises here.
+  void forward(const at::Tensor& x, const at::Tensor& y) {
+    const std::string bad = first_bad({{x, "x"}, {y, "y"}});
+    run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
+      layers_[r]->forward(rows<const float>(x, a, n, !bad.empty()), rows<float>(y, a, n, !bad.empty()));
+    });
+  }
+
+  void backward(const at::Tensor& dy, const at::Tensor& dx, const ::py::list& grads, double aux,
+                double seq_aux, double z) {
+    std::vector<rank_grads> g;
+    for (int r = 0; r < local_ranks(); ++r)
+      g.push_back(grads_of(grads[r].cast<::py::dict>(), "grads[" + std::to_string(r) + "]"));
+    const loss_scales scales{aux, seq_aux, z};
+    const std::string bad = first_bad({{dy, "dy"}, {dx, "dx"}});
+    run_shards(dy.defined() && bad.empty() ? dy.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
+      layers_[r]->backward(rows<const float>(dy, a, n, !bad.empty()),
+                           rows<float>(dx, a, n, !bad.empty()), g[r], scales);
+    });
+  }
+
+  void rebind(const ::py::list& weights) {
+    for (int r = 0; r < local_ranks(); ++r)
+      layers_[r]->rebind(weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
+  }
+
+  ::py::list stats() const {
+    ::py::list out;
+    for (const auto& l : layers_) out.append(stats_dict(l->stats()));
+    return out;
+  }
+  /// Each local rank's router losses (aux, seq_aux, z) of the last pass.
+  std::vector<std::vector<double>> losses() const {
+    std::vector<std::vector<double>> out;
+    for (const auto& l : layers_) {
+      const router_losses& s = l->stats().losses;
+      out.push_back({s.aux, s.seq_aux, s.z, s.valid ? 1.0 : 0.0});
+    }
+    return out;
+  }
+
+ private:
+  static std::string first_bad(std::initializer_list<std::pair<at::Tensor, const char*>> ts) {
+    for (const auto& [t, name] : ts)
+      if (const std::string why = unviewable(t, 2); !why.empty()) return std::string(name) + " " + why;
+    return "";
+  }
+  // Rows [a, a + n) of a [T, H] tensor; an empty view of the wrong width when it is bad.
+  template <class T>
+  static matrix_view<T> rows(const at::Tensor& t, index_t a, index_t n, bool bad) {
+    if (bad) return {nullptr, 0, 0};
+    const index_t H = t.size(1);
+    return {const_cast<float*>(t.data_ptr<float>()) + a * H, n, H};
+  }
+  // f(rank, first row, rows) on every local rank with the GIL released; a bad tensor raises
+  // TypeError here after the layer told the peers.
+  template <class F>
+  void run_shards(index_t T, const std::string& bad, F&& f) {
+    {
+      ::py::gil_scoped_release free;
+      try {
+        if (world_) {
+          const int R = world_->size();
+          world_->run([&](comm::threads c) {
+            const int r = c.rank();
+            const index_t a = T * r / R, b = T * (r + 1) / R;
+            f(r, a, b - a);
+          });
+        } else {
+          f(0, 0, T);
+        }
+      } catch (const std::exception&) {
+        if (world_) world_->reset();  // every rank has left: the next pass may run
+        if (bad.empty()) throw;
+      }
+    }
+    if (!bad.empty()) type_error(bad);
+  }
+
+  std::vector<bundle> menu_;
+  const bundle* bundle_;
+  layer_args args_;
+  std::unique_ptr<comm::threads_world> world_;
+  std::vector<std::unique_ptr<comm::endpoint>> endpoints_;
+  std::vector<std::unique_ptr<any_layer>> layers_;
+};
+
+}  // namespace
+}  // namespace epmoe::py
+
+PYBIND11_MODULE(_epmoe, m) {
+  namespace ep = epmoe::py;
+  m.doc() = "epmoe's layer for PyTorch (use epmoe.torch.MoE)";
+  m.def("menu", [] {
+    ::py::list out;
+    for (const ep::bundle& b : ep::menu()) {
+      ::py::dict d;
+      d["router"] = b.router, d["top_k"] = b.top_k, d["expert"] = b.expert;
+      d["capacity"] = b.capacity, d["schedule"] = b.schedule;
+      d["expert_tensors"] = b.expert_tensors, d["trains"] = b.trains;
+      out.append(d);
+    }
+    return out;
+  });
+  ::py::class_<ep::layer>(m, "Layer")
+      .def(::py::init<const ::py::dict&, const ::py::dict&, std::vector<int>, const ::py::dict&,
+                      const ::py::list&, const ::py::object&, int>(),
+           ::py::arg("bundle"), ::py::arg("config"), ::py::arg("phy_to_log"), ::py::arg("router"),
+           ::py::arg("weights"), ::py::arg("group"), ::py::arg("ranks"))
+      .def("forward", &ep::layer::forward)
+      .def("backward", &ep::layer::backward)
+      .def("rebind", &ep::layer::rebind)
+      .def("stats", &ep::layer::stats)
+      .def("losses", &ep::layer::losses)
+      .def_property_readonly("local_ranks", &ep::layer::local_ranks)
+      .def_property_readonly("rank", &ep::layer::rank)
+      .def_property_readonly("ranks", &ep::layer::ranks)
+      .def_property_readonly("trains", &ep::layer::trains)
+      .def_property_readonly("key", &ep::layer::key);
+}
