@@ -302,6 +302,29 @@ class MoE(nn.Module):
         y, aux, seq, z = _MoEFunction.apply(self, flat, *params)
         return y.view(shape) if flat is not x else y, RouterLosses(aux, seq, z)
 
+    # --- training on a process group -----------------------------------------------------
+    def expert_parameters(self):
+        """The routed experts' parameters: each process holds its own, and their gradients
+        are complete there (every token routed to them arrived)."""
+        kinds = EXPERT_TENSORS[self.expert_kind]
+        return [getattr(self, n) for n in self._param_names if n in kinds]
+
+    def replicated_parameters(self):
+        """The parameters every process holds a copy of (gate, shared experts, shared gate,
+        output bias): each process's gradient covers its own tokens, so sum them over the
+        group before a step (allreduce_replicated_grads, or the framework's data parallelism)."""
+        kinds = EXPERT_TENSORS[self.expert_kind]
+        return [getattr(self, n) for n in self._param_names if n not in kinds]
+
+    def allreduce_replicated_grads(self):
+        """Sums the replicated parameters' gradients over the group (one all_reduce each).
+        Nothing to do with thread ranks: the module already summed them."""
+        if self.group is None:
+            return
+        for p in self.replicated_parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=self.group)
+
     def stats(self, rank: int = 0):
         """What the last pass did on a local rank (thread ranks: which one; a process group:
         this process's): rows per expert and rank, drops, bytes, FLOPs, stage times (s)."""

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "epmoe/epmoe.hpp"
+#include "epmoe/reference/forward.hpp"
 #include "layers.hpp"
 
 namespace epmoe::py {
@@ -125,6 +126,30 @@ bundle entry(std::string router, std::string expert, std::string capacity, std::
   b.trains = trains<Router, Expert>;
   b.make = [](const layer_args& a, comm::any c, const rank_weights& w) -> std::unique_ptr<any_layer> {
     return std::make_unique<L>(a, std::move(c), w);
+  };
+  b.reference = [](const layer_args& a, const reference::full_weights& w,
+                   matrix_view<const float> x, std::span<const index_t> tokens_per_rank,
+                   matrix_view<const float> dy, const loss_scales& scales) {
+    const Router router = make_router<Router>(a.router);
+    const placement::table where(a.cfg.experts, a.cfg.ranks, a.phy_to_log);
+    reference_result out;
+    out.y.resize(static_cast<std::size_t>(x.rows * x.cols));
+    reference::forward<Expert>(w, router, Capacity{}, where, x, tokens_per_rank,
+                               matrix_view<float>{out.y.data(), x.rows, x.cols});
+    if constexpr (reference::router_with_losses<Router>)
+      out.losses = reference::losses(w, router, x, tokens_per_rank);
+    if constexpr (trains<Router, Expert> && reference::router_with_gradient<Router>) {
+      if (dy.data) {
+        out.grads = reference::backward<Expert>(w, router, Capacity{}, where, x, tokens_per_rank, dy);
+        if constexpr (reference::router_with_losses<Router>) {
+          const reference::gradients l = reference::loss_backward(w, router, x, tokens_per_rank, scales);
+          reference::gradients& g = *out.grads;
+          for (std::size_t i = 0; i < g.dgate.size(); ++i) g.dgate[i] += l.dgate[i];
+          for (std::size_t i = 0; i < g.dx.size(); ++i) g.dx[i] += l.dx[i];
+        }
+      }
+    }
+    return out;
   };
   return b;
 }

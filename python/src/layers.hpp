@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,7 @@
 #include "epmoe/core/losses.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/reference/backward.hpp"
 
 namespace epmoe::py {
 
@@ -77,6 +80,17 @@ class any_layer {
   virtual int local_slots() const = 0;
 };
 
+/// The float64 reference's answer for a bundle (tests): y, each rank's losses and, for a
+/// bundle that trains, the gradients (the losses' scaled gradient included).
+struct reference_result {
+  std::vector<float> y;
+  std::vector<router_losses> losses;
+  std::optional<reference::gradients> grads;
+};
+using reference_fn = std::function<reference_result(
+    const layer_args&, const reference::full_weights&, matrix_view<const float> x,
+    std::span<const index_t> tokens_per_rank, matrix_view<const float> dy, const loss_scales&)>;
+
 /// One entry of the menu.
 struct bundle {
   std::string router;    // softmax, softmax_raw, sigmoid_bias, sparsemixer, ...
@@ -88,6 +102,7 @@ struct bundle {
   bool trains = true;                       // has a backward
   std::function<std::unique_ptr<any_layer>(const layer_args&, comm::any, const rank_weights&)>
       make;
+  reference_fn reference;
 
   std::string key() const {
     return "router=" + router + " top_k=" + std::to_string(top_k) + " expert=" + expert +

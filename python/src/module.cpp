@@ -378,6 +378,20 @@ class layer {
     const index_t H = t.size(1);
     return {const_cast<float*>(t.data_ptr<float>()) + a * H, n, H};
   }
+  // Of the thread ranks' errors, the one that says why (a rank's own config_error) over the
+  // peers' "rank N rejected its inputs" (input_error) and aborted exchanges.
+  static void rethrow_reason(const std::vector<std::exception_ptr>& errors) {
+    for (const std::exception_ptr& e : errors) {
+      if (!e) continue;
+      try {
+        std::rethrow_exception(e);
+      } catch (const input_error&) {
+      } catch (const config_error&) {
+        throw;
+      } catch (...) {
+      }
+    }
+  }
   // f(rank, first row, rows) on every local rank with the GIL released; a bad tensor raises
   // TypeError here after the layer told the peers.
   template <class F>
@@ -387,11 +401,22 @@ class layer {
       try {
         if (world_) {
           const int R = world_->size();
-          world_->run([&](comm::threads c) {
-            const int r = c.rank();
-            const index_t a = T * r / R, b = T * (r + 1) / R;
-            f(r, a, b - a);
-          });
+          std::vector<std::exception_ptr> errors(static_cast<std::size_t>(R));
+          try {
+            world_->run([&](comm::threads c) {
+              const int r = c.rank();
+              const index_t a = T * r / R, b = T * (r + 1) / R;
+              try {
+                f(r, a, b - a);
+              } catch (...) {
+                errors[r] = std::current_exception();
+                throw;  // the world releases the other ranks
+              }
+            });
+          } catch (...) {
+            rethrow_reason(errors);
+            throw;
+          }
         } else {
           f(0, 0, T);
         }
@@ -411,6 +436,67 @@ class layer {
   std::vector<std::unique_ptr<any_layer>> layers_;
 };
 
+// --- the float64 reference (tests) ----------------------------------------------------------
+
+std::vector<float> floats_of(const ::py::dict& d, const char* key) {
+  if (!d.contains(key) || d[key].is_none()) return {};
+  const at::Tensor t = d[key].cast<at::Tensor>().contiguous().to(at::kFloat);
+  return {t.data_ptr<float>(), t.data_ptr<float>() + t.numel()};
+}
+at::Tensor doubles(const std::vector<double>& v) {
+  return torch::tensor(at::ArrayRef<double>(v), at::TensorOptions().dtype(at::kDouble));
+}
+
+/// reference.hpp's forward (and backward) of a menu entry on full logical weights: x holds
+/// every rank's tokens, rank after rank (tokens_per_rank).
+::py::dict run_reference(const ::py::dict& bundle_spec, const ::py::dict& config,
+                         std::vector<int> phy_to_log, const ::py::dict& router, int ranks,
+                         const ::py::dict& weights, const at::Tensor& x,
+                         std::vector<index_t> tokens_per_rank, const std::optional<at::Tensor>& dy,
+                         double aux, double seq_aux, double z) {
+  const std::vector<bundle> m = menu();
+  const bundle& b = find_bundle(m, bundle_spec);
+  layer_args a;
+  a.cfg = config_of(config);
+  a.cfg.ranks = ranks;
+  a.phy_to_log = std::move(phy_to_log);
+  a.router = router_of(router);
+  reference::full_weights w;
+  w.cfg = a.cfg;
+  w.gate = floats_of(weights, "gate");
+  w.w1 = floats_of(weights, "w1"), w.w3 = floats_of(weights, "w3"), w.w2 = floats_of(weights, "w2");
+  w.b1 = floats_of(weights, "b1"), w.b2 = floats_of(weights, "b2");
+  w.shared_w1 = floats_of(weights, "shared_w1"), w.shared_w3 = floats_of(weights, "shared_w3");
+  w.shared_w2 = floats_of(weights, "shared_w2");
+  w.shared_b1 = floats_of(weights, "shared_b1"), w.shared_b2 = floats_of(weights, "shared_b2");
+  w.shared_gate = floats_of(weights, "shared_gate");
+  w.output_bias = floats_of(weights, "output_bias");
+  const matrix_view<const float> xv = matrix_of<const float>(x, "x");
+  const matrix_view<const float> dyv = dy ? matrix_of<const float>(*dy, "dy") : matrix_view<const float>{};
+  reference_result r;
+  {
+    ::py::gil_scoped_release free;
+    r = b.reference(a, w, xv, tokens_per_rank, dyv, {aux, seq_aux, z});
+  }
+  ::py::dict out;
+  out["y"] = torch::tensor(at::ArrayRef<float>(r.y)).view({x.size(0), x.size(1)});
+  ::py::list losses;
+  for (const router_losses& l : r.losses) losses.append(::py::make_tuple(l.aux, l.seq_aux, l.z));
+  out["losses"] = losses;
+  if (r.grads) {
+    const reference::gradients& g = *r.grads;
+    ::py::dict d;
+    d["gate"] = doubles(g.dgate), d["w1"] = doubles(g.dw1), d["w3"] = doubles(g.dw3);
+    d["w2"] = doubles(g.dw2), d["b1"] = doubles(g.db1), d["b2"] = doubles(g.db2);
+    d["shared_w1"] = doubles(g.dshared_w1), d["shared_w3"] = doubles(g.dshared_w3);
+    d["shared_w2"] = doubles(g.dshared_w2), d["shared_b1"] = doubles(g.dshared_b1);
+    d["shared_b2"] = doubles(g.dshared_b2), d["shared_gate"] = doubles(g.dshared_gate);
+    d["output_bias"] = doubles(g.doutput_bias), d["x"] = doubles(g.dx);
+    out["grads"] = d;
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace epmoe::py
 
@@ -428,6 +514,11 @@ PYBIND11_MODULE(_epmoe, m) {
     }
     return out;
   });
+  m.def("reference", &ep::run_reference, "The float64 reference of a menu entry (tests)",
+        ::py::arg("bundle"), ::py::arg("config"), ::py::arg("phy_to_log"), ::py::arg("router"),
+        ::py::arg("ranks"), ::py::arg("weights"), ::py::arg("x"), ::py::arg("tokens_per_rank"),
+        ::py::arg("dy") = ::py::none(), ::py::arg("aux") = 0.0, ::py::arg("seq_aux") = 0.0,
+        ::py::arg("z") = 0.0);
   ::py::class_<ep::layer>(m, "Layer")
       .def(::py::init<const ::py::dict&, const ::py::dict&, std::vector<int>, const ::py::dict&,
                       const ::py::list&, const ::py::object&, int>(),

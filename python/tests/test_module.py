@@ -1,0 +1,239 @@
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""epmoe.torch.MoE against the repository's float64 reference (include/epmoe/reference),
+forward and backward, on thread ranks and on 2 gloo processes; bad inputs; the stats dict."""
+import pytest
+import torch
+
+from epmoe import _epmoe
+from epmoe.torch import EXPERT_TENSORS, MoE
+from ranks import RankFailed, run_ranks
+
+H, F = 16, 24
+
+
+def logical(moe: MoE) -> dict:
+    """The module's parameters in the reference's (logical expert) order."""
+    out = {}
+    for name in moe._param_names:
+        p = getattr(moe, name).detach()
+        if name in EXPERT_TENSORS[moe.expert_kind]:
+            full = torch.full((moe.experts,) + tuple(p.shape[1:]), float("nan"))
+            full[moe.expert_ids] = p
+            p = full
+        out[name] = p
+    return out
+
+
+def reference(moe: MoE, weights: dict, x, tokens_per_rank, dy=None, scales=(0.0, 0.0, 0.0)):
+    return _epmoe.reference(moe.bundle, moe.config, moe.phy_to_log, moe.router_args, moe.ranks,
+                            weights, x, list(tokens_per_rank), dy, *scales)
+
+
+def shards(T, R):
+    return [T * (r + 1) // R - T * r // R for r in range(R)]
+
+
+def close(got, want, what, scale=None):
+    """Every element within fp32 tolerance of the float64 value; NaN or Inf fails."""
+    got, want = got.double(), want.double().reshape(got.shape)
+    assert torch.isfinite(got).all(), f"{what}: not finite"
+    scale = scale or max(1.0, want.abs().max().item())
+    err = (got - want).abs().max().item() / scale
+    assert err < 2e-5, f"{what}: max error {err:.3g} (relative to {scale:.3g})"
+
+
+CASES = {
+    "mixtral": dict(experts=8, top_k=2),
+    "qwen2 shared, gate, bias": dict(experts=8, top_k=4, router="softmax_raw", shared_experts=2,
+                                     shared_ffn=20, shared_gate=True, output_bias=True),
+    "deepseek sigmoid groups": dict(experts=8, top_k=4, router="sigmoid_bias", groups=4,
+                                    top_groups=2, scaling=2.5, shared_experts=1,
+                                    router_bias=[0.1 * (e % 3) - 0.1 for e in range(8)]),
+    "capacity factor drops": dict(experts=8, top_k=2, capacity="factor", capacity_factor=0.5),
+    "padded capacity": dict(experts=8, top_k=2, capacity="padded", capacity_factor=1.5),
+    "pipelined": dict(experts=8, top_k=2, schedule="pipelined", chunks=3),
+    "mlp with biases": dict(experts=8, top_k=2, expert="mlp_relu_bias"),
+    "switch top-1": dict(experts=8, top_k=1, router="softmax_raw", expert="mlp_relu",
+                         capacity="factor", capacity_factor=1.0),
+    "round robin": dict(experts=8, top_k=2, placement="round_robin"),
+    "permuted table": dict(experts=8, top_k=2, placement=[3, 1, 7, 5, 0, 2, 6, 4]),
+}
+
+
+def build(case, ranks, seed=0, **kw):
+    torch.manual_seed(seed)
+    moe = MoE(H, F, **{**CASES[case], **kw}, ranks=ranks, max_tokens=64)
+    g = torch.Generator().manual_seed(seed + 1)
+    moe.reset_parameters(generator=g)
+    with torch.no_grad():  # nonzero biases, so their gradients and values are checked
+        for name in ("b1", "b2", "shared_b1", "shared_b2", "output_bias"):
+            if hasattr(moe, name):
+                getattr(moe, name).uniform_(-0.5, 0.5, generator=g)
+    return moe
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_forward_backward_equal_the_reference(case, ranks):
+    moe = build(case, ranks)
+    T = 23
+    torch.manual_seed(5)
+    x = torch.randn(T, H, requires_grad=True)
+    dy = torch.randn(T, H)
+    y, losses = moe(x)
+    scales = (0.7, 0.0, 0.05)  # dL/d aux, seq_aux, z
+    loss = (y * dy).sum() + scales[0] * losses.aux + scales[2] * losses.z
+    loss.backward()
+    ref = reference(moe, logical(moe), x.detach(), shards(T, ranks), dy,
+                    tuple(s / ranks for s in scales))  # the module's losses: the ranks' mean
+    close(y.detach(), ref["y"], "y")
+    got_losses = torch.tensor([losses.aux.item(), losses.seq_aux.item(), losses.z.item()])
+    want_losses = torch.tensor(ref["losses"]).mean(0)
+    close(got_losses, want_losses, "losses")
+    close(x.grad, ref["grads"]["x"], "dx")
+    checked = 0
+    for name in moe._param_names:
+        p = getattr(moe, name)
+        want = ref["grads"][name].reshape((-1,) + tuple(p.shape[1:]) if name in
+                                          EXPERT_TENSORS[moe.expert_kind] else p.shape)
+        if name in EXPERT_TENSORS[moe.expert_kind]:
+            want = want[moe.expert_ids]
+        close(p.grad, want, f"d{name}", scale=max(1.0, want.abs().max().item()))
+        checked += 1
+    assert checked == len(moe._param_names) >= 3
+
+
+def test_every_row_is_written():
+    """The raw layer call writes every row of y (NaN before the call fails)."""
+    moe = build("mixtral", 2)
+    x = torch.randn(17, H)
+    y = torch.full((17, H), float("nan"))
+    moe._layer.forward(x, y)
+    assert torch.isfinite(y).all()
+    close(y, reference(moe, logical(moe), x, shards(17, 2))["y"], "y")
+
+
+def test_sparsemixer_forward_only():
+    moe = build("mixtral", 2, router="sparsemixer", jitter_eps=0.05)
+    x = torch.randn(11, H)
+    with torch.no_grad():
+        y, _ = moe(x)
+    close(y, reference(moe, logical(moe), x, shards(11, 2))["y"], "y")
+    y, _ = moe(x.requires_grad_())
+    with pytest.raises(ValueError, match="no backward"):
+        y.sum().backward()
+
+
+def test_backward_of_an_older_forward_raises():
+    moe = build("mixtral", 1)
+    x = torch.randn(5, H, requires_grad=True)
+    y1, _ = moe(x)
+    y2, _ = moe(x)
+    with pytest.raises(RuntimeError, match="not the layer's last"):
+        y1.sum().backward(retain_graph=True)
+    y2.sum().backward()
+    assert torch.isfinite(x.grad).all()
+
+
+def test_a_replaced_parameter_is_used():
+    moe = build("mixtral", 2)
+    x = torch.randn(9, H)
+    moe.w1 = torch.nn.Parameter(moe.w1.detach() * 2)  # a new tensor, not an in-place update
+    with torch.no_grad():
+        y, _ = moe(x)
+    close(y, reference(moe, logical(moe), x, shards(9, 2))["y"], "y after the swap")
+
+
+def test_unknown_choices_list_the_menu():
+    with pytest.raises(ValueError, match="the menu has:(.|\n)*router=softmax top_k=2"):
+        MoE(H, F, 8, 3)
+    with pytest.raises(ValueError, match="expert = 'geglu'"):
+        MoE(H, F, 8, 2, expert="geglu")
+    with pytest.raises(ValueError, match="experts = 6: must be a multiple"):
+        MoE(H, F, 6, 2, ranks=4)
+
+
+@pytest.mark.parametrize("bad,why", [
+    (lambda x: x.double(), "x has dtype Double: must be torch.float32"),
+    (lambda x: x.t(), "x is not contiguous"),
+    (lambda x: x[:, :-1].contiguous(), "x"),
+    (lambda x: x.to("meta"), "must be on the CPU"),
+    (lambda x: torch.zeros(129, H), "max_tokens"),  # 2 ranks of at most 64
+])
+def test_bad_inputs_raise_and_the_layer_goes_on(bad, why):
+    moe = build("mixtral", 2)
+    x = torch.randn(16, H)
+    with pytest.raises((TypeError, ValueError), match=why):
+        moe(bad(x))
+    y, _ = moe(x)  # nothing was lost: the next pass runs
+    assert torch.isfinite(y).all()
+
+
+def test_stats_dict():
+    moe = build("capacity factor drops", 2)
+    moe(torch.randn(30, H))
+    s = moe.stats()
+    assert s["tokens"] == 15 and s["assignments"] == 30
+    assert len(s["routed_per_expert"]) == 8 and sum(s["routed_per_expert"]) == 30
+    assert len(s["rows_sent"]) == 2 and len(s["rows_per_local_expert"]) == 4
+    assert s["dropped"] > 0 and s["capacity"] is not None
+    assert set(s["time"]) >= {"route", "dispatch", "experts", "combine", "total"}
+    assert len(moe.all_stats()) == 2
+
+
+# --- two processes (gloo) ----------------------------------------------------------------
+
+def _two_ranks(rank, world, group, case, tokens):
+    import torch
+    from epmoe.torch import MoE
+    torch.manual_seed(0)
+    full = build(case, 1)  # every rank builds the same full module, then keeps its slots
+    moe = MoE(H, F, **CASES[case], group=group, max_tokens=64)
+    moe.load_logical(logical(full))
+    torch.manual_seed(7)
+    x_all = torch.randn(sum(tokens), H)
+    dy_all = torch.randn(sum(tokens), H)
+    a = sum(tokens[:rank])
+    x = x_all[a:a + tokens[rank]].clone().requires_grad_()
+    y, losses = moe(x)
+    ((y * dy_all[a:a + tokens[rank]]).sum() + 0.5 * losses.aux).backward()
+    ref = reference(moe, logical(full), x_all, tokens, dy_all, (0.5, 0.0, 0.0))
+    close(y.detach(), ref["y"][a:a + tokens[rank]], "y")
+    close(x.grad, ref["grads"]["x"].reshape(-1, H)[a:a + tokens[rank]], "dx")
+    for name in EXPERT_TENSORS[moe.expert_kind]:
+        want = ref["grads"][name].reshape((full.experts,) + tuple(getattr(moe, name).shape[1:]))
+        close(getattr(moe, name).grad, want[moe.expert_ids], f"d{name}")
+    moe.allreduce_replicated_grads()  # replicated: the ranks' shares summed
+    for p in moe.replicated_parameters():
+        name = next(n for n in moe._param_names if getattr(moe, n) is p)
+        close(p.grad, ref["grads"][name], f"d{name} (summed)")
+    return moe.stats()["rows_sent"]
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2 shared, gate, bias", "pipelined"])
+def test_two_processes_equal_the_reference(case):
+    rows = run_ranks(_two_ranks, 2, args=(case, [7, 12]))
+    assert sum(rows[0]) == 7 * CASES[case]["top_k"] and sum(rows[1]) == 12 * CASES[case]["top_k"]
+
+
+def _bad_on_one_rank(rank, world, group):
+    import torch
+    from epmoe.torch import MoE
+    moe = MoE(H, F, 8, 2, group=group)
+    x = torch.randn(6, H)
+    try:
+        moe(x.t() if rank == 0 else x)  # only rank 0's input is bad
+    except (TypeError, ValueError) as e:
+        message = str(e)
+    else:
+        message = None
+    y, _ = moe(x)  # both ranks go on
+    return message, bool(torch.isfinite(y).all())
+
+
+def test_bad_input_on_one_process_raises_on_both():
+    (m0, ok0), (m1, ok1) = run_ranks(_bad_on_one_rank, 2, timeout=90)
+    assert m0 and "x is not contiguous" in m0
+    assert m1 and "rank 0" in m1
+    assert ok0 and ok1
