@@ -1,0 +1,23 @@
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""pip install --no-build-isolation ./python into a fresh folder, then import it from there
+and run a pass: the install path users take works. Exits 77 (skip) without pip."""
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+source, target = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+if importlib.util.find_spec("pip") is None:
+    print("no pip in this Python: skipped")
+    sys.exit(77)
+shutil.rmtree(target, ignore_errors=True)
+subprocess.check_call([sys.executable, "-m", "pip", "install", "--quiet", "--no-build-isolation",
+                       "--no-deps", "--target", target, source])
+check = ("import sys, torch; from epmoe.torch import MoE; import epmoe; "
+         "assert epmoe.__file__.startswith(sys.argv[1]), epmoe.__file__; "
+         "m = MoE(8, 16, 4, 2, ranks=2); y, l = m(torch.randn(6, 8)); "
+         "assert y.shape == (6, 8) and bool(torch.isfinite(y).all()); print('installed:', epmoe.__file__)")
+env = dict(os.environ, PYTHONPATH=target)
+subprocess.check_call([sys.executable, "-c", check, target], env=env, cwd=target)
