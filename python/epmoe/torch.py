@@ -190,6 +190,25 @@ class MoE(nn.Module):
                                    self._rank_weights(), group, 0 if group is not None else R)
         self._bound = self._pointers()
 
+    # --- Hugging Face blocks (epmoe/hf.py, docs/pytorch.md) --------------------------------
+    @classmethod
+    def from_hf(cls, block, *, shared_mlp=None, **kw) -> "MoE":
+        """The MoE computing what a transformers MoE block computes, with its weights; kw (any
+        MoE argument: group or ranks, schedule, capacity, ...) adds to or overrides what the
+        block implies. shared_mlp: GraniteMoE-shared's decoder-layer shared MLP."""
+        from .hf import from_hf
+
+        return from_hf(block, shared_mlp=shared_mlp, **kw)
+
+    @classmethod
+    def from_hf_state_dict(cls, state_dict, hf_config, family: str, prefix: str = "",
+                           **kw) -> "MoE":
+        """The same from a model's state dict: the block's tensors under `prefix`, the model's
+        config, and the family (transformers' model_type, e.g. "mixtral")."""
+        from .hf import from_hf_state_dict
+
+        return from_hf_state_dict(state_dict, hf_config, family, prefix, **kw)
+
     # --- parameters ---------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self, generator: Optional[torch.Generator] = None):

@@ -37,7 +37,8 @@ Router make_router(const router_args& a) {
     r.group_by = a.group_by_max ? router::group_score::max : router::group_score::top2_sum;
   if constexpr (requires { r.normalize; }) r.normalize = a.normalize;
   if constexpr (requires { r.group_mask; })
-    r.group_mask = a.group_mask_zero ? router::group_mask_mode::zero : router::group_mask_mode::minus_inf;
+    r.group_mask =
+        a.group_mask_zero ? router::group_mask_mode::zero : router::group_mask_mode::minus_inf;
   if constexpr (requires { r.gamma; }) r.gamma = a.gamma;
   if constexpr (requires { r.bias; }) r.bias = a.bias.empty() ? nullptr : a.bias.data();
   if constexpr (requires { r.jitter_eps; }) r.jitter_eps = a.jitter_eps;
@@ -46,8 +47,10 @@ Router make_router(const router_args& a) {
 
 /// Whether moe_layer::backward compiles for the pair (docs/training.md).
 template <class Router, class Expert>
-inline constexpr bool trains = requires { Expert::backward_scratch_per_row(index_t{}); } &&
-                               (!Router::uses_gate || router_with_backward<Router>);
+inline constexpr bool trains = requires {
+  Expert::backward_scratch_per_row(index_t{});
+}
+&&(!Router::uses_gate || router_with_backward<Router>);
 
 template <class Router, class Expert, class Capacity, class Schedule>
 class layer_of final : public any_layer {
@@ -74,8 +77,9 @@ class layer_of final : public any_layer {
       grads.noise_gate = g.noise_gate;
       layer_.backward(dy, dx, grads, {.losses = losses});
     } else {
-      throw config_error("router", "this bundle", "has no backward (its router or expert does not "
-                                                  "train yet; docs/training.md)");
+      throw config_error("router", "this bundle",
+                         "has no backward (its router or expert does not "
+                         "train yet; docs/training.md)");
     }
   }
 
@@ -91,8 +95,9 @@ class layer_of final : public any_layer {
     Bundle b{};
     if (list.empty()) return b;  // unused (no shared experts)
     auto ts = Expert::tensors(b);
-    detail::require(list.size() == ts.size(), field, list.size(),
-                    ("must hold " + std::to_string(ts.size()) + " tensors for this expert").c_str());
+    detail::require(
+        list.size() == ts.size(), field, list.size(),
+        ("must hold " + std::to_string(ts.size()) + " tensors for this expert").c_str());
     for (std::size_t i = 0; i < ts.size(); ++i) *ts[i] = list[i];
     return b;
   }
@@ -124,7 +129,8 @@ bundle entry(std::string router, std::string expert, std::string capacity, std::
   b.schedule = std::move(schedule);
   b.expert_tensors = std::move(tensors);
   b.trains = trains<Router, Expert>;
-  b.make = [](const layer_args& a, comm::any c, const rank_weights& w) -> std::unique_ptr<any_layer> {
+  b.make = [](const layer_args& a, comm::any c,
+              const rank_weights& w) -> std::unique_ptr<any_layer> {
     return std::make_unique<L>(a, std::move(c), w);
   };
   b.reference = [](const layer_args& a, const reference::full_weights& w,
@@ -140,9 +146,11 @@ bundle entry(std::string router, std::string expert, std::string capacity, std::
       out.losses = reference::losses(w, router, x, tokens_per_rank);
     if constexpr (trains<Router, Expert> && reference::router_with_gradient<Router>) {
       if (dy.data) {
-        out.grads = reference::backward<Expert>(w, router, Capacity{}, where, x, tokens_per_rank, dy);
+        out.grads =
+            reference::backward<Expert>(w, router, Capacity{}, where, x, tokens_per_rank, dy);
         if constexpr (reference::router_with_losses<Router>) {
-          const reference::gradients l = reference::loss_backward(w, router, x, tokens_per_rank, scales);
+          const reference::gradients l =
+              reference::loss_backward(w, router, x, tokens_per_rank, scales);
           reference::gradients& g = *out.grads;
           for (std::size_t i = 0; i < g.dgate.size(); ++i) g.dgate[i] += l.dgate[i];
           for (std::size_t i = 0; i < g.dx.size(); ++i) g.dx[i] += l.dx[i];

@@ -32,25 +32,44 @@ void add(std::vector<bundle>& m, const char* router, const char* expert, const c
 
 void add_softmax_bundles(std::vector<bundle>& m) {
   // The models' choices: swiglu, dropless, sequential.
-  add<softmax<1>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax<2>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax<4>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax<8>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax_raw<2>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax_raw<4>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax_raw<6>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless", "sequential", glu_tensors);
-  add<softmax_raw<8>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless", "sequential", glu_tensors);
+  add<softmax<1>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
+                                                glu_tensors);
+  add<softmax<2>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
+                                                glu_tensors);
+  add<softmax<4>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
+                                                glu_tensors);
+  add<softmax<6>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
+                                                glu_tensors);  // Aria
+  add<softmax<8>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
+                                                glu_tensors);
+  add<softmax_raw<2>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless",
+                                                    "sequential", glu_tensors);
+  add<softmax_raw<4>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless",
+                                                    "sequential", glu_tensors);
+  add<softmax_raw<6>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless",
+                                                    "sequential", glu_tensors);
+  add<softmax_raw<8>, swiglu, dropless, sequential>(m, "softmax_raw", "swiglu", "dropless",
+                                                    "sequential", glu_tensors);
   // The strategies, on Mixtral's router: capacity and schedule.
-  add<softmax<2>, swiglu, dropless, pipelined<>>(m, "softmax", "swiglu", "dropless", "pipelined", glu_tensors);
-  add<softmax<2>, swiglu, factor<false>, sequential>(m, "softmax", "swiglu", "factor", "sequential", glu_tensors);
-  add<softmax<2>, swiglu, factor<false>, pipelined<>>(m, "softmax", "swiglu", "factor", "pipelined", glu_tensors);
-  add<softmax<2>, swiglu, factor<true>, sequential>(m, "softmax", "swiglu", "padded", "sequential", glu_tensors);
-  add<softmax<2>, swiglu, factor<true>, pipelined<>>(m, "softmax", "swiglu", "padded", "pipelined", glu_tensors);
+  add<softmax<2>, swiglu, dropless, pipelined<>>(m, "softmax", "swiglu", "dropless", "pipelined",
+                                                 glu_tensors);
+  add<softmax<2>, swiglu, factor<false>, sequential>(m, "softmax", "swiglu", "factor", "sequential",
+                                                     glu_tensors);
+  add<softmax<2>, swiglu, factor<false>, pipelined<>>(m, "softmax", "swiglu", "factor", "pipelined",
+                                                      glu_tensors);
+  add<softmax<2>, swiglu, factor<true>, sequential>(m, "softmax", "swiglu", "padded", "sequential",
+                                                    glu_tensors);
+  add<softmax<2>, swiglu, factor<true>, pipelined<>>(m, "softmax", "swiglu", "padded", "pipelined",
+                                                     glu_tensors);
   // Switch (top-1, ReLU MLP, capacity) and GShard / NLLB-MoE (top-2, MLP with biases).
-  add<softmax_raw<1>, relu, dropless, sequential>(m, "softmax_raw", "mlp_relu", "dropless", "sequential", mlp_tensors);
-  add<softmax_raw<1>, relu, factor<false>, sequential>(m, "softmax_raw", "mlp_relu", "factor", "sequential", mlp_tensors);
-  add<softmax<2>, relu_bias, dropless, sequential>(m, "softmax", "mlp_relu_bias", "dropless", "sequential", mlp_bias_tensors);
-  add<softmax<2>, relu_bias, factor<false>, sequential>(m, "softmax", "mlp_relu_bias", "factor", "sequential", mlp_bias_tensors);
+  add<softmax_raw<1>, relu, dropless, sequential>(m, "softmax_raw", "mlp_relu", "dropless",
+                                                  "sequential", mlp_tensors);
+  add<softmax_raw<1>, relu, factor<false>, sequential>(m, "softmax_raw", "mlp_relu", "factor",
+                                                       "sequential", mlp_tensors);
+  add<softmax<2>, relu_bias, dropless, sequential>(m, "softmax", "mlp_relu_bias", "dropless",
+                                                   "sequential", mlp_bias_tensors);
+  add<softmax<2>, relu_bias, factor<false>, sequential>(m, "softmax", "mlp_relu_bias", "factor",
+                                                        "sequential", mlp_bias_tensors);
 }
 
 }  // namespace epmoe::py

@@ -30,12 +30,12 @@ struct router_args {
   int top_groups = 1;
   float norm_p = 1.f;
   float scaling = 1.f;
-  bool group_by_max = false;      // topk_softmax: a group scored by its best expert
-  bool normalize = true;          // sigmoid_bias
-  bool group_mask_zero = false;   // sigmoid_bias: Hugging Face's 0.0 for dropped groups
-  float gamma = 0.f;              // sigmoid_bias: bias update speed (0: the bias stays)
-  std::vector<float> bias;        // sigmoid_bias: [E] or empty
-  float jitter_eps = 0.01f;       // sparsemixer
+  bool group_by_max = false;     // topk_softmax: a group scored by its best expert
+  bool normalize = true;         // sigmoid_bias
+  bool group_mask_zero = false;  // sigmoid_bias: Hugging Face's 0.0 for dropped groups
+  float gamma = 0.f;             // sigmoid_bias: bias update speed (0: the bias stays)
+  std::vector<float> bias;       // sigmoid_bias: [E] or empty
+  float jitter_eps = 0.01f;      // sparsemixer
 };
 
 /// Everything a bundle needs to build its layer on one rank.
@@ -93,15 +93,14 @@ using reference_fn = std::function<reference_result(
 
 /// One entry of the menu.
 struct bundle {
-  std::string router;    // softmax, softmax_raw, sigmoid_bias, sparsemixer, ...
+  std::string router;  // softmax, softmax_raw, sigmoid_bias, sparsemixer, ...
   int top_k = 0;
-  std::string expert;    // swiglu, mlp_relu, mlp_relu_bias, mlp_gelu, ...
-  std::string capacity;  // dropless, factor, padded
-  std::string schedule;  // sequential, pipelined
+  std::string expert;                       // swiglu, mlp_relu, mlp_relu_bias, mlp_gelu, ...
+  std::string capacity;                     // dropless, factor, padded
+  std::string schedule;                     // sequential, pipelined
   std::vector<std::string> expert_tensors;  // names, in rank_weights order
   bool trains = true;                       // has a backward
-  std::function<std::unique_ptr<any_layer>(const layer_args&, comm::any, const rank_weights&)>
-      make;
+  std::function<std::unique_ptr<any_layer>(const layer_args&, comm::any, const rank_weights&)> make;
   reference_fn reference;
 
   std::string key() const {

@@ -5,12 +5,12 @@
 // The Python side (epmoe/torch.py) owns the parameters and autograd; this file checks what
 // it is handed and runs collective calls with the GIL released.
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/extension.h>
 
 #include <memory>
 #include <string>
 #include <thread>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
 #include "epmoe/comm/threads.hpp"
@@ -280,8 +280,7 @@ const bundle& find_bundle(const std::vector<bundle>& m, const ::py::dict& b) {
 class layer {
  public:
   layer(const ::py::dict& bundle_spec, const ::py::dict& config, std::vector<int> phy_to_log,
-        const ::py::dict& router, const ::py::list& weights, const ::py::object& group,
-        int ranks)
+        const ::py::dict& router, const ::py::list& weights, const ::py::object& group, int ranks)
       : menu_(menu()), bundle_(&find_bundle(menu_, bundle_spec)) {
     args_.cfg = config_of(config);
     args_.phy_to_log = std::move(phy_to_log);
@@ -297,8 +296,10 @@ class layer {
     }
     const int R = local_ranks();
     if (static_cast<int>(weights.size()) != R)
-      value_error("weights: " + std::to_string(weights.size()) + " entries, must be one per "
-                  "local rank (" + std::to_string(R) + ")");
+      value_error("weights: " + std::to_string(weights.size()) +
+                  " entries, must be one per "
+                  "local rank (" +
+                  std::to_string(R) + ")");
     std::vector<rank_weights> w;
     for (int r = 0; r < R; ++r)
       w.push_back(weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
@@ -328,7 +329,8 @@ class layer {
   void forward(const at::Tensor& x, const at::Tensor& y) {
     const std::string bad = first_bad({{x, "x"}, {y, "y"}});
     run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
-      layers_[r]->forward(rows<const float>(x, a, n, !bad.empty()), rows<float>(y, a, n, !bad.empty()));
+      layers_[r]->forward(rows<const float>(x, a, n, !bad.empty()),
+                          rows<float>(y, a, n, !bad.empty()));
     });
   }
 
@@ -347,7 +349,8 @@ class layer {
 
   void rebind(const ::py::list& weights) {
     for (int r = 0; r < local_ranks(); ++r)
-      layers_[r]->rebind(weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
+      layers_[r]->rebind(
+          weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
   }
 
   ::py::list stats() const {
@@ -368,7 +371,8 @@ class layer {
  private:
   static std::string first_bad(std::initializer_list<std::pair<at::Tensor, const char*>> ts) {
     for (const auto& [t, name] : ts)
-      if (const std::string why = unviewable(t, 2); !why.empty()) return std::string(name) + " " + why;
+      if (const std::string why = unviewable(t, 2); !why.empty())
+        return std::string(name) + " " + why;
     return "";
   }
   // Rows [a, a + n) of a [T, H] tensor; an empty view of the wrong width when it is bad.
@@ -472,7 +476,8 @@ at::Tensor doubles(const std::vector<double>& v) {
   w.shared_gate = floats_of(weights, "shared_gate");
   w.output_bias = floats_of(weights, "output_bias");
   const matrix_view<const float> xv = matrix_of<const float>(x, "x");
-  const matrix_view<const float> dyv = dy ? matrix_of<const float>(*dy, "dy") : matrix_view<const float>{};
+  const matrix_view<const float> dyv =
+      dy ? matrix_of<const float>(*dy, "dy") : matrix_view<const float>{};
   reference_result r;
   {
     ::py::gil_scoped_release free;

@@ -6,7 +6,10 @@
 
 Each process gets its own rank; what fn returns (or raises) comes back in rank order. A
 process that has not finished by `timeout` seconds fails the call (and is killed): nothing
-waits forever. fn must be a module-level function (it is pickled).
+waits forever. fn must be a module-level function (it is pickled), and should return plain
+values (numbers, strings, lists), not tensors: a tensor's storage is shared through the
+process that made it, which may have exited by the time the caller reads it. Compare inside
+the ranks.
 """
 import datetime
 import os
@@ -44,9 +47,11 @@ def _main(rank, world, path, fn, args, results, pg_timeout):
         results.put((rank, False, (type(e).__name__, str(e), traceback.format_exc())))
 
 
-def run_ranks(fn, world, args=(), timeout=120.0, pg_timeout=60.0, raise_errors=True):
+def run_ranks(fn, world, args=(), timeout=300.0, pg_timeout=240.0, raise_errors=True):
     """fn(rank, world, group, *args) on `world` processes; its results in rank order. With
-    raise_errors=False a rank's exception comes back as a RankFailed in its place."""
+    raise_errors=False a rank's exception comes back as a RankFailed in its place. The
+    deadlines catch hangs, not slowness: a loaded 2-core machine takes tens of seconds to
+    start two processes that import torch."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,8 @@
 # SPDX-FileCopyrightText: 2026 The epmoe authors
 # SPDX-License-Identifier: Apache-2.0
-"""CTest's entry to pytest: exits 77 (CTest's skip code) when pytest is not installed, else
-pytest's own code (5, no test collected, is a failure)."""
+"""CTest's entry to pytest: exits 77 (CTest's skip code) when pytest is not installed or the
+file skipped itself whole (pytest.importorskip of a missing package), else pytest's own code
+(5, no test collected for another reason, is a failure)."""
 import importlib.util
 import sys
 
@@ -10,4 +11,17 @@ if importlib.util.find_spec("pytest") is None:
     sys.exit(77)
 import pytest  # noqa: E402
 
-sys.exit(pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]]))
+
+
+class Skips:
+    """Counts what was skipped at collection (a module-level skip)."""
+
+    skipped = 0
+
+    def pytest_collectreport(self, report):
+        if report.skipped:
+            Skips.skipped += 1
+
+
+code = pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Skips()])
+sys.exit(77 if code == pytest.ExitCode.NO_TESTS_COLLECTED and Skips.skipped else code)

@@ -59,7 +59,8 @@ class any {
   void alltoall(const T* send, T* recv, index_t n) {
     index_t* b = bytes_.data();
     const index_t s = n * static_cast<index_t>(sizeof(T));
-    for (int r = 0; r < ranks_; ++r) b[r] = b[2 * ranks_ + r] = s, b[ranks_ + r] = b[3 * ranks_ + r] = r * s;
+    for (int r = 0; r < ranks_; ++r)
+      b[r] = b[2 * ranks_ + r] = s, b[ranks_ + r] = b[3 * ranks_ + r] = r * s;
     ep_->alltoallv(bytes_of(send), b, b + ranks_, bytes_of(recv), b + 2 * ranks_, b + 3 * ranks_);
   }
 
@@ -107,7 +108,9 @@ class any::request {
  public:
   request() = default;
   request(request&& o) noexcept
-      : ep_(std::exchange(o.ep_, nullptr)), ticket_(o.ticket_), busy_(std::exchange(o.busy_, nullptr)) {}
+      : ep_(std::exchange(o.ep_, nullptr)),
+        ticket_(o.ticket_),
+        busy_(std::exchange(o.busy_, nullptr)) {}
   request& operator=(request&& o) noexcept {
     if (this != &o) {
       finish_quietly();
@@ -168,8 +171,10 @@ any::request any::ialltoallv(const T* send, const index_t* sc, const index_t* sd
 /// ranks behind comm::any, and the tests of comm::any itself.
 template <class Comm>
 class endpoint_of final : public endpoint {
-  static constexpr bool async = requires(Comm & c, const std::byte* s, std::byte* r,
-                                         const index_t* n) { c.ialltoallv(s, n, n, r, n, n).wait(); };
+  static constexpr bool async =
+      requires(Comm & c, const std::byte* s, std::byte* r, const index_t* n) {
+    c.ialltoallv(s, n, n, r, n, n).wait();
+  };
   template <bool Async, class = void>
   struct request_of {
     using type = int;  // unused
@@ -178,8 +183,8 @@ class endpoint_of final : public endpoint {
   struct request_of<true, V> {
     using type = decltype(std::declval<Comm&>().ialltoallv(
         std::declval<const std::byte*>(), std::declval<const index_t*>(),
-        std::declval<const index_t*>(), std::declval<std::byte*>(),
-        std::declval<const index_t*>(), std::declval<const index_t*>()));
+        std::declval<const index_t*>(), std::declval<std::byte*>(), std::declval<const index_t*>(),
+        std::declval<const index_t*>()));
   };
   using request_type = typename request_of<async>::type;
 

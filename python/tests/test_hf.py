@@ -1,0 +1,378 @@
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""epmoe.hf: every transformers MoE block family loaded into epmoe.torch.MoE, against the
+block itself: outputs, dx and every parameter's gradient (in Hugging Face's names and
+layouts) on one process, on 2 thread ranks and on 2 gloo processes; bad state dicts and
+configs. The blocks run in eval mode (no jitter, dropout or random routing: the regime in
+which HF and epmoe compute the same function, docs/pytorch.md)."""
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from epmoe import hf  # noqa: E402
+from epmoe.torch import EXPERT_TENSORS, MoE  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+B, S, H = 2, 12, 32  # 24 tokens
+RTOL, ATOL = 1e-5, 1e-5  # fp32; ATOL is relative to the compared tensor's largest element
+
+# Qwen2-MoE's block calls F.sigmoid (deprecated in torch): its warning, not ours.
+pytestmark = pytest.mark.filterwarnings("ignore:nn.functional.sigmoid is deprecated")
+
+
+def close(got, want, what):
+    """Every element within fp32 tolerance; NaN/Inf anywhere fails, and so does an all-zero
+    reference (the comparison would prove nothing)."""
+    want = want.detach()
+    assert torch.isfinite(want).all(), f"{what}: the HF reference is not finite"
+    scale = want.abs().max().item()
+    assert scale > 0, f"{what}: the HF reference is all zero"
+    torch.testing.assert_close(got.detach(), want, rtol=RTOL, atol=ATOL * scale,
+                               msg=lambda m: f"{what}: {m}")
+
+
+# --- the families: a tiny seeded config and block each ------------------------------------
+
+def _mod(family):
+    import importlib
+
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def _make(family, variant=None):
+    """(config, block, shared_mlp or None) of a family, weights drawn from a fixed seed
+    (several blocks leave theirs uninitialised: torch.empty)."""
+    T = transformers
+    torch.manual_seed(1234)
+    shared_mlp = None
+    if family == "mixtral":
+        c = T.MixtralConfig(hidden_size=H, intermediate_size=24, num_local_experts=4,
+                            num_experts_per_tok=2)
+        b = _mod(family).MixtralSparseMoeBlock(c)
+    elif family == "qwen2_moe":
+        c = T.Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=16, num_experts=4,
+                             num_experts_per_tok=2, shared_expert_intermediate_size=40,
+                             norm_topk_prob=False)
+        b = _mod(family).Qwen2MoeSparseMoeBlock(c)
+    elif family == "olmoe":  # norm_topk_prob = True: the renormalised router
+        c = T.OlmoeConfig(hidden_size=H, intermediate_size=16, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True)
+        b = _mod(family).OlmoeSparseMoeBlock(c)
+    elif family == "jamba":
+        c = T.JambaConfig(hidden_size=H, intermediate_size=16, num_experts=4,
+                          num_experts_per_tok=2)
+        b = _mod(family).JambaSparseMoeBlock(c)
+    elif family == "dbrx":  # variant: moe_normalize_expert_weights (1: DBRX's, 2: a p-norm)
+        c = T.DbrxConfig(d_model=H, ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4,
+                                                   moe_top_k=2,
+                                                   moe_normalize_expert_weights=variant))
+        b = _mod(family).DbrxFFN(c)
+    elif family in ("granitemoe", "granitemoeshared"):
+        if family == "granitemoe":
+            c = T.GraniteMoeConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
+                                   num_experts_per_tok=2)
+            b = _mod(family).GraniteMoeMoE(c)
+        else:
+            c = T.GraniteMoeSharedConfig(hidden_size=H, intermediate_size=16,
+                                         num_local_experts=4, num_experts_per_tok=2,
+                                         shared_intermediate_size=24)
+            b = _mod(family).GraniteMoeSharedMoE(c)
+            shared_mlp = _mod(family).GraniteMoeSharedMLP(c)
+    elif family == "jetmoe":
+        c = T.JetMoeConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
+                           num_experts_per_tok=2)
+        b = _mod(family).JetMoeMoE(c)
+    elif family == "aria":  # Aria's own K = 6 (of 64); 2 shared experts
+        c = T.AriaTextConfig(hidden_size=H, intermediate_size=16, moe_num_experts=8,
+                             moe_topk=6, moe_num_shared_experts=2)
+        b = _mod(family).AriaTextMoELayer(c)
+    elif family == "phimoe":
+        c = T.PhimoeConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
+                           num_experts_per_tok=2, router_jitter_noise=0.01)
+        b = _mod(family).PhimoeSparseMoeBlock(c)
+    elif family == "switch_transformers":  # expert_capacity >= S: HF drops nothing
+        c = T.SwitchTransformersConfig(d_model=H, d_ff=16, num_experts=4, expert_capacity=S)
+        b = _mod(family).SwitchTransformersSparseMLP(c)
+    elif family == "nllb_moe":  # moe_token_dropout = 0.2: eval scales expert outputs by 0.8
+        c = T.NllbMoeConfig(d_model=H, encoder_ffn_dim=16, decoder_ffn_dim=16, num_experts=4,
+                            moe_token_dropout=0.2)
+        b = _mod(family).NllbMoeSparseMLP(c, ffn_dim=16)
+    else:
+        raise AssertionError(family)
+    modules = [b] + ([shared_mlp] if shared_mlp is not None else [])
+    with torch.no_grad():
+        for m in modules:
+            for _, p in sorted(m.named_parameters()):
+                p.normal_(0.0, 0.3)
+            m.eval()
+    return c, b, shared_mlp
+
+
+def _hf_params(block, shared_mlp):
+    """The block's parameters by state-dict name (the shared MLP under shared_mlp.)."""
+    out = dict(block.named_parameters())
+    if shared_mlp is not None:
+        out.update({"shared_mlp." + k: p for k, p in shared_mlp.named_parameters()})
+    return out
+
+
+def _hf_forward(family, block, shared_mlp, x3):
+    out = block(x3, padding_mask=None) if family == "nllb_moe" else block(x3)
+    y = out[0] if isinstance(out, tuple) else out  # Aria returns the tensor alone
+    if shared_mlp is not None:  # GraniteMoE-shared's decoder layer adds its shared MLP
+        y = y + shared_mlp(x3)
+    return y
+
+
+def _hf_run(family, block, shared_mlp, x, dy, train):
+    """HF's y, dx and parameter gradients (by state-dict name) of (y * dy).sum()."""
+    x3 = x.view(B, S, H).clone().requires_grad_(train)
+    y = _hf_forward(family, block, shared_mlp, x3)
+    if not train:
+        return y.detach().reshape(-1, H), None, None
+    params = _hf_params(block, shared_mlp)
+    for p in params.values():
+        p.grad = None
+    (y * dy.view(B, S, H)).sum().backward()
+    return (y.detach().reshape(-1, H), x3.grad.reshape(-1, H),
+            {k: p.grad.clone() for k, p in params.items()})
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(99)
+    return torch.randn(B * S, H, generator=g), torch.randn(B * S, H, generator=g)
+
+
+def _all_experts_chosen(family, config, sd, x):
+    """Every expert is some token's choice (else its weights would be untested)."""
+    gate = hf.logical_tensors(family, sd, config)["gate"]
+    k = hf.options(family, config)["top_k"]
+    chosen = set((x @ gate.t()).topk(k, dim=-1).indices.flatten().tolist())
+    assert chosen == set(range(gate.shape[0])), f"{family}: experts {chosen} chosen: pick a seed"
+
+
+# (family, variant, trains): every family of hf.FAMILIES; PhiMoE's sparsemixer is forward only.
+FAMILY_CASES = [
+    ("mixtral", None, True), ("qwen2_moe", None, True), ("olmoe", None, True),
+    ("jamba", None, True), ("dbrx", 1.0, True), ("dbrx", 2.0, True), ("granitemoe", None, True),
+    ("granitemoeshared", None, True), ("jetmoe", None, True), ("aria", None, True),
+    ("phimoe", None, False), ("switch_transformers", None, True), ("nllb_moe", None, True),
+]
+
+
+def test_every_family_has_a_case():
+    assert {f for f, _, _ in FAMILY_CASES} == set(hf.FAMILIES.values())
+
+
+@pytest.mark.parametrize("family,variant,train", FAMILY_CASES,
+                         ids=[f + ("" if v is None else f"-p{v:g}") for f, v, _ in FAMILY_CASES])
+def test_family_equals_hf(family, variant, train):
+    config, block, shared_mlp = _make(family, variant)
+    assert hf.family_of(block) == family
+    x, dy = _inputs()
+    sd = {k: p.detach() for k, p in _hf_params(block, shared_mlp).items()}
+    _all_experts_chosen(family, config, sd, x)
+
+    # The state dict survives logical_tensors -> hf_state_dict unchanged (NLLB's folded
+    # scale is a multiply then a divide: within an ulp).
+    back = hf.hf_state_dict(family, hf.logical_tensors(family, sd, config), config)
+    assert set(back) == set(sd)
+    for k in sd:
+        torch.testing.assert_close(back[k], sd[k], rtol=1e-6 if family == "nllb_moe" else 0,
+                                   atol=0, msg=lambda m: f"{family} round trip {k}: {m}")
+
+    moe = MoE.from_hf(block, shared_mlp=shared_mlp)
+    assert moe.bundle["top_k"] == hf.options(family, config)["top_k"]
+    want_y, want_dx, want_grads = _hf_run(family, block, shared_mlp, x, dy, train)
+    xe = x.clone().requires_grad_(train)
+    y, _ = moe(xe)
+    close(y, want_y, f"{family}: y")
+    if not train:
+        return
+    (y * dy).sum().backward()
+    close(xe.grad, want_dx, f"{family}: dx")
+    got = hf.hf_state_dict(family, hf.module_tensors(moe, grad=True), config, gradients=True)
+    assert set(got) == set(want_grads), f"{family}: gradient names differ"
+    for k in want_grads:
+        close(got[k], want_grads[k], f"{family}: d {k}")
+
+
+def test_state_dict_path_with_prefix_equals_from_hf():
+    """from_hf_state_dict on a model-style state dict (keys under a prefix, with or without
+    its final dot; the real config) builds the same module as from_hf."""
+    config, block, _ = _make("qwen2_moe")
+    sd = {"model.layers.3.mlp." + k: v for k, v in block.state_dict().items()}
+    sd["model.layers.3.input_layernorm.weight"] = torch.ones(H)  # other keys are ignored
+    x, _ = _inputs()
+    yb = hf.from_hf(block)(x)[0]
+    for prefix in ("model.layers.3.mlp.", "model.layers.3.mlp"):
+        ya = MoE.from_hf_state_dict(sd, config, "qwen2_moe", prefix=prefix)(x)[0]
+        assert torch.isfinite(ya).all() and torch.equal(ya, yb), prefix
+
+
+def test_nllb_block_width_from_its_weights():
+    """An NLLB-MoE config whose encoder and decoder widths differ: the state-dict path takes
+    the block's width from its fc1 rows (options alone asks for ffn=)."""
+    config, block, _ = _make("nllb_moe")
+    config.decoder_ffn_dim = 8  # the block is an encoder block (16)
+    x, _ = _inputs()
+    moe = hf.from_hf_state_dict(block.state_dict(), config, "nllb_moe")
+    assert moe.ffn == 16
+    close(moe(x)[0], _hf_run("nllb_moe", block, None, x, None, False)[0], "nllb width: y")
+
+
+def test_thread_ranks():
+    """from_hf(ranks=2): two thread ranks (12 tokens each), experts placed round robin (the
+    slots are not in logical order), equal HF's block."""
+    family = "qwen2_moe"
+    config, block, _ = _make(family)
+    x, dy = _inputs()
+    moe = hf.from_hf(block, ranks=2, placement="round_robin")
+    assert moe.ranks == 2 and moe.expert_ids.tolist() == [0, 2, 1, 3]
+    want_y, want_dx, want_grads = _hf_run(family, block, None, x, dy, True)
+    xe = x.clone().requires_grad_()
+    y, _ = moe(xe)
+    (y * dy).sum().backward()
+    close(y, want_y, "ranks=2: y")
+    close(xe.grad, want_dx, "ranks=2: dx")
+    got = hf.hf_state_dict(family, hf.module_tensors(moe, grad=True), config, gradients=True)
+    assert set(got) == set(want_grads)
+    for k in want_grads:
+        close(got[k], want_grads[k], f"ranks=2: d {k}")
+
+
+# --- 2 processes ----------------------------------------------------------------------------
+
+def _two_ranks(rank, world, group, cases):
+    """Each family's module on the group, this rank's slice of the batch, against HF's
+    results (compared here: tensors sent back from a process that has exited cannot be
+    received). Returns the HF parameter names compared."""
+    checked = {}
+    for family, sd, config, x, dy, (want_y, want_dx, want_grads) in cases:
+        n = x.shape[0] // world
+        rows = slice(rank * n, (rank + 1) * n)
+        moe = hf.from_hf_state_dict(sd, config, family, group=group)
+        held = moe.expert_ids.tolist()
+        assert len(held) == moe.experts // world
+        xr = x[rows].clone().requires_grad_()
+        y, _ = moe(xr)
+        (y * dy[rows]).sum().backward()
+        what = f"{family} rank {rank}"
+        close(y, want_y[rows], f"{what}: y")
+        close(xr.grad, want_dx[rows], f"{what}: dx")
+        # Logical-order gradients: the experts this rank does not hold are NaN (a gradient
+        # read from one would fail); the replicated ones (gate, shared) cover this rank's
+        # tokens: summed over the ranks.
+        logical = {}
+        for name, p in moe.named_parameters():
+            g = p.grad.clone()
+            if name in EXPERT_TENSORS[moe.expert_kind]:
+                full = torch.full((moe.experts,) + tuple(g.shape[1:]), float("nan"))
+                full[held] = g
+                g = full
+            else:
+                dist.all_reduce(g, group=group)
+            logical[name] = g
+        got = hf.hf_state_dict(family, logical, config, gradients=True)
+        checked[family] = []
+        for k, w in want_grads.items():
+            if k.startswith("experts.") and int(k.split(".")[1]) not in held:
+                continue
+            close(got[k], w, f"{what}: d {k}")
+            checked[family].append(k)
+    return checked
+
+
+def test_two_processes():
+    """Mixtral and Qwen2-MoE on 2 gloo processes, experts split: each rank's y and dx equal
+    HF's rows, its experts' gradients HF's, the gate's (and shared) summed over ranks HF's."""
+    families = ["mixtral", "qwen2_moe"]
+    x, dy = _inputs()
+    cases = []
+    for family in families:
+        config, block, _ = _make(family)
+        sd = {k: v.clone() for k, v in block.state_dict().items()}
+        cases.append((family, sd, config, x, dy, _hf_run(family, block, None, x, dy, True)))
+    results = run_ranks(_two_ranks, 2, args=(cases,))
+    for family, *_, (_, _, want_grads) in cases:
+        per_rank = [set(r[family]) for r in results]
+        assert set.union(*per_rank) == set(want_grads), f"{family}: not every parameter compared"
+        experts = [{k for k in keys if k.startswith("experts.")} for keys in per_rank]
+        assert experts[0] and experts[1] and not experts[0] & experts[1], f"{family}: split"
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+def test_missing_key_names_it():
+    config, block, _ = _make("mixtral")
+    prefix = "model.layers.0.block_sparse_moe."
+    sd = {prefix + k: v for k, v in block.state_dict().items()}
+    del sd[prefix + "experts.1.w3.weight"]
+    with pytest.raises(KeyError, match=r"'model\.layers\.0\.block_sparse_moe\.experts\.1\.w3\."):
+        hf.from_hf_state_dict(sd, config, "mixtral", prefix=prefix)
+    # GraniteMoE-shared's shared MLP is the block's sibling: its full key is named.
+    config, block, _ = _make("granitemoeshared")
+    prefix = "model.layers.2.block_sparse_moe."
+    sd = {prefix + k: v for k, v in block.state_dict().items()}
+    with pytest.raises(KeyError, match=r"'model\.layers\.2\.shared_mlp\.input_linear\.weight'"):
+        hf.from_hf_state_dict(sd, config, "granitemoeshared", prefix=prefix)
+
+
+@pytest.mark.parametrize("family,key,shape", [
+    ("mixtral", "experts.2.w2.weight", (24, H)),           # transposed
+    ("dbrx", "experts.mlp.w2", (4 * 16, H + 1)),
+    ("jetmoe", "input_linear.weight", (4, 16, H)),       # not fused [E, 2F, H]
+    ("aria", "experts.fc1.weight", (8, H, 16)),           # fc1 holds 2F columns
+    ("qwen2_moe", "shared_expert_gate.weight", (H,)),
+])
+def test_wrong_shape_names_key_and_shapes(family, key, shape):
+    config, block, _ = _make(family, 1.0 if family == "dbrx" else None)
+    sd = dict(block.state_dict())
+    want = tuple(sd[key].shape)
+    sd[key] = torch.zeros(shape)
+    with pytest.raises(ValueError) as e:
+        hf.from_hf_state_dict(sd, config, family)
+    msg = str(e.value)
+    assert repr(key) in msg and str(tuple(shape)) in msg and str(want) in msg, msg
+
+
+def test_unknown_block_and_family():
+    with pytest.raises(TypeError, match="MixtralSparseMoeBlock.*Qwen2MoeSparseMoeBlock"):
+        hf.family_of(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="Linear"):
+        hf.from_hf(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="family = 'deepseek_v3'"):
+        hf.from_hf_state_dict({}, {}, "deepseek_v3")
+
+
+@pytest.mark.parametrize("family,change,field", [
+    ("nllb_moe", dict(second_expert_policy="random"), "second_expert_policy"),
+    ("switch_transformers", dict(dense_act_fn="gelu"), "dense_act_fn"),
+    ("switch_transformers", dict(router_bias=True), "router_bias"),
+    ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
+    ("aria", dict(mlp_bias=True), "mlp_bias"),
+    ("nllb_moe", dict(decoder_ffn_dim=8), "decoder_ffn_dim"),
+])
+def test_unsupported_config_names_field(family, change, field):
+    config, _, _ = _make(family)
+    for k, v in change.items():
+        setattr(config, k, v)
+    with pytest.raises(ValueError, match=field):
+        hf.options(family, config)
+
+
+def test_missing_config_field_names_it():
+    with pytest.raises(ValueError, match="'num_local_experts'"):
+        hf.options("mixtral", dict(hidden_size=H, intermediate_size=8, num_experts_per_tok=2,
+                                   hidden_act="silu"))
+
+
+def test_overrides_reach_the_module():
+    config, block, _ = _make("mixtral")
+    moe = hf.from_hf(block, capacity="factor", capacity_factor=8.0, schedule="pipelined")
+    assert moe.bundle["capacity"] == "factor" and moe.bundle["schedule"] == "pipelined"
+    x, _ = _inputs()
+    close(moe(x)[0], _hf_run("mixtral", block, None, x, None, False)[0], "factor 8: y")
