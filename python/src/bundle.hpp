@@ -60,7 +60,7 @@ class layer_of final : public any_layer {
  public:
   layer_of(const layer_args& a, comm::any comm, const rank_weights& w)
       : args_(a),
-        layer_(a.cfg, std::move(comm), views(w), make_router<Router>(args_.router), Capacity{},
+        layer_(a.cfg, std::move(comm), weights_of(w), make_router<Router>(args_.router), Capacity{},
                placement::table(a.cfg.experts, a.cfg.ranks, a.phy_to_log)) {}
 
   void forward(matrix_view<const float> x, matrix_view<float> y) override { layer_.forward(x, y); }
@@ -68,13 +68,7 @@ class layer_of final : public any_layer {
   void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
                 const loss_scales& losses) override {
     if constexpr (trains<Router, Expert>) {
-      typename layer::gradients grads{};
-      grads.gate = g.gate;
-      grads.experts = expert_bundle<typename layer::expert_grads>(g.experts, "grads.experts");
-      grads.shared = expert_bundle<typename layer::expert_grads>(g.shared, "grads.shared");
-      grads.shared_gate = g.shared_gate;
-      grads.output_bias = g.output_bias;
-      grads.noise_gate = g.noise_gate;
+      const auto grads = views<typename layer::gradients, typename layer::expert_grads>(g, "grads");
       layer_.backward(dy, dx, grads, {.losses = losses});
     } else {
       throw config_error("router", "this bundle",
@@ -84,7 +78,7 @@ class layer_of final : public any_layer {
   }
 
   const pass_stats& stats() const override { return layer_.stats(); }
-  void rebind(const rank_weights& w) override { layer_.set_weights(views(w)); }
+  void rebind(const rank_weights& w) override { layer_.set_weights(weights_of(w)); }
   int rank() const override { return layer_.rank(); }
   int local_slots() const override { return layer_.placement().slots_per_rank(); }
 
@@ -101,15 +95,20 @@ class layer_of final : public any_layer {
     for (std::size_t i = 0; i < ts.size(); ++i) *ts[i] = list[i];
     return b;
   }
-  static typename layer::weights views(const rank_weights& w) {
-    typename layer::weights v{};
+  // The layer's weights or gradients (the same field names) from one rank's tensors.
+  template <class Out, class ExpertBundle, class T>
+  static Out views(const rank_tensors<T>& w, const std::string& name) {
+    Out v{};
     v.gate = w.gate;
-    v.experts = expert_bundle<typename layer::expert_weights>(w.experts, "weights.experts");
-    v.shared = expert_bundle<typename layer::expert_weights>(w.shared, "weights.shared");
+    v.experts = expert_bundle<ExpertBundle>(w.experts, (name + ".experts").c_str());
+    v.shared = expert_bundle<ExpertBundle>(w.shared, (name + ".shared").c_str());
     v.noise_gate = w.noise_gate;
     v.shared_gate = w.shared_gate;
     v.output_bias = w.output_bias;
     return v;
+  }
+  static typename layer::weights weights_of(const rank_weights& w) {
+    return views<typename layer::weights, typename layer::expert_weights>(w, "weights");
   }
 
   layer_args args_;  // the router's bias points into it

@@ -45,26 +45,20 @@ struct layer_args {
   router_args router;
 };
 
-/// One rank's weights (views into the framework's tensors). Expert tensors in the expert
-/// policy's tensors() order (swiglu: w1, w3, w2; mlp: w1, w2 and, with biases, b1, b2).
-struct rank_weights {
-  matrix_view<const float> gate;
-  std::vector<stacked_view<const float>> experts;
-  std::vector<stacked_view<const float>> shared;
-  matrix_view<const float> noise_gate{};
-  matrix_view<const float> shared_gate{};
-  matrix_view<const float> output_bias{};
+/// One rank's weights (T = const float: views into the framework's tensors) or gradients
+/// (T = float), shaped as moe_layer's weights. Expert tensors in the expert policy's
+/// tensors() order (swiglu: w1, w3, w2; mlp: w1, w2 and, with biases, b1, b2).
+template <class T>
+struct rank_tensors {
+  matrix_view<T> gate{};
+  std::vector<stacked_view<T>> experts;
+  std::vector<stacked_view<T>> shared;
+  matrix_view<T> noise_gate{};
+  matrix_view<T> shared_gate{};
+  matrix_view<T> output_bias{};
 };
-
-/// The same shapes, writable: the gradients of one backward.
-struct rank_grads {
-  matrix_view<float> gate{};
-  std::vector<stacked_view<float>> experts;
-  std::vector<stacked_view<float>> shared;
-  matrix_view<float> noise_gate{};
-  matrix_view<float> shared_gate{};
-  matrix_view<float> output_bias{};
-};
+using rank_weights = rank_tensors<const float>;
+using rank_grads = rank_tensors<float>;
 
 /// A layer of some bundle on one rank. Collective calls as moe_layer's.
 class any_layer {

@@ -165,25 +165,22 @@ std::vector<stacked_view<T>> stacked_list(const ::py::dict& d, const char* key,
   return out;
 }
 
-rank_weights weights_of(const ::py::dict& d, const std::string& who) {
-  rank_weights w;
-  w.gate = optional_matrix<const float>(d, "gate", who);
-  w.experts = stacked_list<const float>(d, "experts", who);
-  w.shared = stacked_list<const float>(d, "shared", who);
-  w.noise_gate = optional_matrix<const float>(d, "noise_gate", who);
-  w.shared_gate = optional_matrix<const float>(d, "shared_gate", who);
-  w.output_bias = optional_matrix<const float>(d, "output_bias", who);
+template <class T>
+rank_tensors<T> tensors_of(const ::py::dict& d, const std::string& who) {
+  rank_tensors<T> w;
+  w.gate = optional_matrix<T>(d, "gate", who);
+  w.experts = stacked_list<T>(d, "experts", who);
+  w.shared = stacked_list<T>(d, "shared", who);
+  w.noise_gate = optional_matrix<T>(d, "noise_gate", who);
+  w.shared_gate = optional_matrix<T>(d, "shared_gate", who);
+  w.output_bias = optional_matrix<T>(d, "output_bias", who);
   return w;
 }
+rank_weights weights_of(const ::py::dict& d, const std::string& who) {
+  return tensors_of<const float>(d, who);
+}
 rank_grads grads_of(const ::py::dict& d, const std::string& who) {
-  rank_grads g;
-  g.gate = optional_matrix<float>(d, "gate", who);
-  g.experts = stacked_list<float>(d, "experts", who);
-  g.shared = stacked_list<float>(d, "shared", who);
-  g.noise_gate = optional_matrix<float>(d, "noise_gate", who);
-  g.shared_gate = optional_matrix<float>(d, "shared_gate", who);
-  g.output_bias = optional_matrix<float>(d, "output_bias", who);
-  return g;
+  return tensors_of<float>(d, who);
 }
 
 ::py::dict stats_dict(const pass_stats& s) {

@@ -6,22 +6,26 @@ file skipped itself whole (pytest.importorskip of a missing package), else pytes
 import importlib.util
 import sys
 
-if importlib.util.find_spec("pytest") is None:
-    print("pytest is not installed: apt install python3-pytest (scripts/install-deps does)")
-    sys.exit(77)
-import pytest  # noqa: E402
+
+def main():
+    if importlib.util.find_spec("pytest") is None:
+        print("pytest is not installed: apt install python3-pytest (scripts/install-deps does)")
+        return 77
+    import pytest
+
+    class Skips:
+        """Counts what was skipped at collection (a module-level skip)."""
+
+        skipped = 0
+
+        def pytest_collectreport(self, report):
+            if report.skipped:
+                Skips.skipped += 1
+
+    code = pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Skips()])
+    return 77 if code == pytest.ExitCode.NO_TESTS_COLLECTED and Skips.skipped else int(code)
 
 
-
-class Skips:
-    """Counts what was skipped at collection (a module-level skip)."""
-
-    skipped = 0
-
-    def pytest_collectreport(self, report):
-        if report.skipped:
-            Skips.skipped += 1
-
-
-code = pytest.main(["-q", "-p", "no:cacheprovider", *sys.argv[1:]], plugins=[Skips()])
-sys.exit(77 if code == pytest.ExitCode.NO_TESTS_COLLECTED and Skips.skipped else code)
+# Guarded: the tests' worker processes start by "spawn", which imports this main module again.
+if __name__ == "__main__":
+    sys.exit(main())
