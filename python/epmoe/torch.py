@@ -71,6 +71,7 @@ class _MoEFunction(torch.autograd.Function):
     def forward(ctx, module: "MoE", x: torch.Tensor, *params: torch.Tensor):
         y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
         module._layer.forward(x, y)
+        ctx.save_for_backward(x)  # the layer's backward reads x again (the gate's dW = dlᵀ x)
         module._passes += 1
         ctx.module, ctx.pass_id = module, module._passes
         aux, seq, z = module._mean_losses()
@@ -84,13 +85,18 @@ class _MoEFunction(torch.autograd.Function):
                 "epmoe: backward of a forward that is not the layer's last: the layer keeps one "
                 "forward's state (call backward before the next forward of this module)")
         module._consumed = ctx.pass_id
+        ctx.saved_tensors  # x is alive; raises if it was modified in place since forward
         n = module._layer.local_ranks
-        grads, per_rank = module._new_grads()
+        fused = module.fuse_grad_accumulation
+        grads, accumulate = module._grad_targets(fused)
+        per_rank = module._rank_grads(grads, accumulate)
         dx = torch.empty_like(dy)
         scale = 1.0 / n  # the losses are the ranks' mean
         module._layer.backward(dy.contiguous(), dx, per_rank, float(daux) * scale,
-                               float(dseq) * scale, float(dz) * scale)
+                               float(dseq) * scale, float(dz) * scale, accumulate)
         module._sum_replicated(grads, per_rank)
+        if fused:  # written into p.grad already
+            return (None, dx) + (None,) * len(module._param_names)
         return (None, dx) + tuple(grads[name] for name in module._param_names)
 
 
@@ -125,7 +131,8 @@ class MoE(nn.Module):
                  group_by: str = "top2_sum", normalize: bool = True, group_mask: str = "minus_inf",
                  router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
-                 max_tokens: int = 4096, recompute: bool = False, group=None,
+                 max_tokens: int = 4096, recompute: bool = False,
+                 fuse_grad_accumulation: bool = False, group=None,
                  ranks: Optional[int] = None):
         super().__init__()
         if group is not None and ranks is not None:
@@ -183,6 +190,9 @@ class MoE(nn.Module):
             self.output_bias = nn.Parameter(torch.empty(hidden))
         self._param_names = [name for name, _ in self.named_parameters(recurse=False)]
         self.reset_parameters()
+        self.fuse_grad_accumulation = bool(fuse_grad_accumulation)
+        self._grad_cache = {}  # fused: the p.grad buffers this module lends
+        self._scratch = {}     # thread ranks 1..R-1: their shares of the replicated gradients
         self._passes = 0
         self._consumed = 0
         self._bound = None
@@ -271,17 +281,51 @@ class MoE(nn.Module):
     def _pointers(self):
         return tuple(getattr(self, n).data_ptr() for n in self._param_names)
 
-    def _new_grads(self):
-        """Gradient tensors (one per parameter) and each local rank's views into them; the
-        replicated ones (gate, shared) get a tensor per thread rank, summed afterwards."""
-        grads = {n: torch.empty_like(getattr(self, n)) for n in self._param_names}
-        local = self._layer_ranks()
+    def _grad_targets(self, fused: bool):
+        """Where each parameter's gradient is written, and whether the layer adds into it. Not
+        fused: new tensors, which autograd hands to p.grad (or adds there). Fused: p.grad
+        itself — added into when it exists; when it is None, a buffer this module keeps
+        (allocated once, so no step pays for fresh pages) becomes p.grad and is overwritten."""
+        names = self._param_names
+        if not fused:
+            return {n: torch.empty_like(getattr(self, n)) for n in names}, False
+        params = [getattr(self, n) for n in names]
+        have = [p.grad is not None for p in params]
+        for n, p, h in zip(names, params, have):
+            if h:
+                g = p.grad
+                if g.shape != p.shape or g.dtype != p.dtype or not g.is_contiguous() or g.device != p.device:
+                    raise RuntimeError(f"epmoe: {n}.grad is {tuple(g.shape)} {g.dtype}, contiguous "
+                                       f"{g.is_contiguous()}: fused gradient accumulation adds "
+                                       "into it and needs it shaped, typed and laid out as the "
+                                       "parameter")
+                continue
+            buf = self._grad_cache.get(n)
+            if buf is None:
+                buf = self._grad_cache[n] = torch.empty_like(p)
+            if any(have):
+                buf.zero_()  # the layer adds into every target this step
+            p.grad = buf
+        return {n: p.grad for n, p in zip(names, params)}, any(have)
+
+    def _rank_grads(self, grads, accumulate: bool):
+        """Each local rank's views of the gradient targets: its slots of the routed experts;
+        for the replicated ones rank 0 the target itself, the other thread ranks scratch this
+        module keeps (summed into the target afterwards)."""
         L = self.experts // self.ranks
         kinds = EXPERT_TENSORS[self.expert_kind]
         per_rank = []
-        for r in range(local):
+        for r in range(self._layer_ranks()):
             def own(name):
-                return grads[name] if r == 0 else torch.empty_like(grads[name])
+                if r == 0:
+                    return grads[name]
+                key = (r, name)
+                buf = self._scratch.get(key)
+                if buf is None:
+                    buf = self._scratch[key] = torch.empty_like(grads[name])
+                if accumulate:
+                    buf.zero_()
+                return buf
             g = {"gate": own("gate"), "experts": [grads[k][r * L:(r + 1) * L] for k in kinds]}
             if self.shared_experts:
                 g["shared"] = [own("shared_" + k) for k in kinds]
@@ -290,7 +334,7 @@ class MoE(nn.Module):
             if self.config["output_bias"]:
                 g["output_bias"] = own("output_bias")
             per_rank.append(g)
-        return grads, per_rank
+        return per_rank
 
     def _sum_replicated(self, grads, per_rank):
         kinds = EXPERT_TENSORS[self.expert_kind]

@@ -66,10 +66,10 @@ class layer_of final : public any_layer {
   void forward(matrix_view<const float> x, matrix_view<float> y) override { layer_.forward(x, y); }
 
   void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
-                const loss_scales& losses) override {
+                const loss_scales& losses, bool accumulate) override {
     if constexpr (trains<Router, Expert>) {
       const auto grads = views<typename layer::gradients, typename layer::expert_grads>(g, "grads");
-      layer_.backward(dy, dx, grads, {.losses = losses});
+      layer_.backward(dy, dx, grads, {.losses = losses, .accumulate = accumulate});
     } else {
       throw config_error("router", "this bundle",
                          "has no backward (its router or expert does not "

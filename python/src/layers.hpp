@@ -66,7 +66,7 @@ class any_layer {
   virtual ~any_layer() = default;
   virtual void forward(matrix_view<const float> x, matrix_view<float> y) = 0;
   virtual void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
-                        const loss_scales& losses) = 0;
+                        const loss_scales& losses, bool accumulate) = 0;
   virtual const pass_stats& stats() const = 0;
   /// Points the layer at new tensors of the same shapes (a framework replaced a parameter).
   virtual void rebind(const rank_weights& w) = 0;

@@ -332,7 +332,7 @@ class layer {
   }
 
   void backward(const at::Tensor& dy, const at::Tensor& dx, const ::py::list& grads, double aux,
-                double seq_aux, double z) {
+                double seq_aux, double z, bool accumulate) {
     std::vector<rank_grads> g;
     for (int r = 0; r < local_ranks(); ++r)
       g.push_back(grads_of(grads[r].cast<::py::dict>(), "grads[" + std::to_string(r) + "]"));
@@ -340,7 +340,7 @@ class layer {
     const std::string bad = first_bad({{dy, "dy"}, {dx, "dx"}});
     run_shards(dy.defined() && bad.empty() ? dy.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
       layers_[r]->backward(rows<const float>(dy, a, n, !bad.empty()),
-                           rows<float>(dx, a, n, !bad.empty()), g[r], scales);
+                           rows<float>(dx, a, n, !bad.empty()), g[r], scales, accumulate);
     });
   }
 

@@ -125,6 +125,56 @@ def test_sparsemixer_forward_only():
         y.sum().backward()
 
 
+def test_a_temporary_input_stays_alive_for_backward():
+    """The layer's backward reads x again (the gate's dW); a temporary x (moe(norm(x))) freed
+    after forward, its memory reused, must not change the gradients."""
+    moe = build("mixtral", 2)
+    x = torch.randn(40, H, requires_grad=True)
+    dy = torch.randn(40, H)
+    y, _ = moe(x * 1.0)  # the layer's input is a temporary
+    clobber = [torch.full((40, H), 7.0) for _ in range(8)]  # reuse freed memory
+    (y * dy).sum().backward()
+    ref = reference(moe, logical(moe), x.detach(), shards(40, 2), dy)
+    close(moe.gate.grad, ref["grads"]["gate"], "dgate")
+    close(x.grad, ref["grads"]["x"], "dx")
+    assert len(clobber) == 8
+
+
+def test_x_changed_in_place_after_forward_raises():
+    moe = build("mixtral", 1)
+    x = torch.randn(5, H, requires_grad=True)
+    xin = x * 1.0
+    y, _ = moe(xin)
+    xin.add_(1.0)  # the layer's backward would read the changed rows
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_fused_grad_accumulation_equals_autograds(ranks):
+    """Gradients written into p.grad (added when it exists, a kept buffer when None) equal
+    autograd's own accumulation over steps, with and without zero_grad in between."""
+    a = build("qwen2 shared, gate, bias", ranks)
+    b = build("qwen2 shared, gate, bias", ranks, fuse_grad_accumulation=True)
+    checked = 0
+    for step, reset in enumerate([None, None, "none", "zero", None]):
+        for m in (a, b):
+            if reset:
+                m.zero_grad(set_to_none=reset == "none")
+        torch.manual_seed(step)
+        x = torch.randn(19, H)
+        dy = torch.randn(19, H)
+        for m in (a, b):
+            y, losses = m(x)
+            ((y * dy).sum() + 0.3 * losses.aux).backward()
+        for name in a._param_names:
+            ga, gb = getattr(a, name).grad, getattr(b, name).grad
+            assert torch.isfinite(gb).all()
+            assert torch.allclose(ga, gb, rtol=1e-5, atol=1e-6), (step, name)
+            checked += 1
+    assert checked == 5 * len(a._param_names)
+
+
 def test_backward_of_an_older_forward_raises():
     moe = build("mixtral", 1)
     x = torch.randn(5, H, requires_grad=True)
