@@ -63,6 +63,10 @@ def parse_args():
     p.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per rank")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads on both sides (default: all CPUs)")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "unset"],
+                   help="OMP_WAIT_POLICY for torch (default passive: with torch's default spin, "
+                        "its idle OpenMP workers take the cores from its BLAS threads, which "
+                        "made PyTorch up to 2x slower on 2 cores; unset keeps the environment's)")
     p.add_argument("--coretype", default="auto",
                    help="OPENBLAS_CORETYPE for both sides: auto (SkylakeX when the CPU has "
                         "AVX-512, else OpenBLAS's own choice), none, or a name")
@@ -152,7 +156,17 @@ def set_environment(args):
         os.environ.pop("OPENBLAS_CORETYPE", None)
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.threads)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    # PyTorch at its best: an idle OpenMP worker that spins (libgomp's default) holds a core
+    # its OpenBLAS threads need (measured on 2 cores: HF's Mixtral block 2x slower at
+    # T = 128 and 1024). epmoe runs no OpenMP, so the setting is PyTorch's alone.
+    if args.omp_wait_policy != "unset":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     return coretype
+
+
+def omp_wait_policy():
+    """The OMP_WAIT_POLICY torch runs with, for reports."""
+    return os.environ.get("OMP_WAIT_POLICY", "(unset: libgomp spins)")
 
 
 def openblas_in_process():
@@ -474,7 +488,8 @@ def main():
     torch_blas = openblas_in_process()
     print(f"machine: {cpu_model()}, {os.cpu_count()} logical CPUs, AVX-512 "
           f"{'yes' if 'avx512f' in cpu_flags() else 'no'}; {args.threads} threads on "
-          f"both sides; OPENBLAS_CORETYPE={coretype or '(unset: OpenBLAS picks)'}")
+          f"both sides; OPENBLAS_CORETYPE={coretype or '(unset: OpenBLAS picks)'}; "
+          f"torch OMP_WAIT_POLICY={omp_wait_policy()}")
     print(f"epmoe: {machine['gemm']}; BLAS core {machine['blas_core']}, "
           f"{machine['blas_threads']} BLAS threads")
     print(f"torch {torch.__version__}: {torch.get_num_threads()} threads; BLAS "
@@ -606,7 +621,7 @@ def main():
             "machine": dict(machine, cpu_model=cpu_model(), logical_cpus=os.cpu_count()),
             "threads": args.threads,
             "mode": "train" if args.train else "forward",
-            "openblas_coretype": coretype,
+            "openblas_coretype": coretype, "torch_omp_wait_policy": omp_wait_policy(),
             "torch": {"version": torch.__version__, "threads": torch.get_num_threads(),
                       "blas": torch_blas},
             "points": points,

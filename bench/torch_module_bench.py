@@ -61,6 +61,10 @@ def parse_args():
     p.add_argument("--modes", default="forward,train", help="forward, train or both")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="threads of every side (default: all CPUs)")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "unset"],
+                   help="OMP_WAIT_POLICY for torch (default passive: with torch's default spin, "
+                        "its idle OpenMP workers take the cores from its BLAS threads, which "
+                        "made PyTorch up to 2x slower on 2 cores; unset keeps the environment's)")
     p.add_argument("--coretype", default="auto",
                    help="OPENBLAS_CORETYPE: auto (SkylakeX where the CPU has AVX-512), none, "
                         "or a name")
@@ -249,7 +253,8 @@ def main():
     avx512 = "avx512f" in ct.cpu_flags()
     print(f"machine: {cpu}, {os.cpu_count()} logical CPUs, AVX-512 {'yes' if avx512 else 'no'}; "
           f"{args.threads} threads (torch {torch.get_num_threads()}); "
-          f"OPENBLAS_CORETYPE={coretype or '(unset: OpenBLAS picks)'}")
+          f"OPENBLAS_CORETYPE={coretype or '(unset: OpenBLAS picks)'}; "
+          f"OMP_WAIT_POLICY={ct.omp_wait_policy()}")
     cores = sorted({f"{b['core']} ({b['threads']} threads)" for b in blas})  # one per library
     print(f"torch {torch.__version__}, transformers {transformers_version()}; BLAS "
           f"{', '.join(cores) or 'unknown'}")
@@ -295,6 +300,7 @@ def main():
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": {"cpu_model": cpu, "logical_cpus": os.cpu_count(), "avx512": avx512},
             "threads": args.threads, "openblas_coretype": coretype, "allocator": allocator,
+            "omp_wait_policy": ct.omp_wait_policy(),
             "fuse_grad_accumulation": args.fused,
             "torch": {"version": torch.__version__, "threads": torch.get_num_threads(),
                       "blas": blas},

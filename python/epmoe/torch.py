@@ -388,6 +388,24 @@ class MoE(nn.Module):
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad, group=self.group)
 
+    # --- load and balancing -------------------------------------------------------------
+    def global_load(self):
+        """Collective: the last pass's assignments per logical expert [E] and rows computed
+        per rank [R], summed over every rank (one small all-to-all)."""
+        per_expert, per_rank = self._layer.global_load()
+        return torch.tensor(per_expert), torch.tensor(per_rank)
+
+    def update_router_bias(self):
+        """Collective, between passes: DeepSeek-V3's aux-loss-free balancing step for
+        router="sigmoid_bias": bias_i += bias_update * sign(mean load - load_i) from the last
+        pass's global load. Other routers raise ValueError."""
+        self._layer.update_router()
+
+    @property
+    def router_bias(self) -> torch.Tensor:
+        """The selection bias [E] the layer routes with (sigmoid_bias; empty otherwise)."""
+        return torch.tensor(self._layer.router_bias())
+
     def stats(self, rank: int = 0):
         """What the last pass did on a local rank (thread ranks: which one; a process group:
         this process's): rows per expert and rank, drops, bytes, FLOPs, stage times (s)."""

@@ -79,6 +79,24 @@ class layer_of final : public any_layer {
 
   const pass_stats& stats() const override { return layer_.stats(); }
   void rebind(const rank_weights& w) override { layer_.set_weights(weights_of(w)); }
+  moe_load global_load() override {
+    auto g = layer_.gather_load();
+    return {std::move(g.per_expert), std::move(g.per_rank)};
+  }
+  void update_router() override {
+    if constexpr (router_with_bias<Router>)
+      layer_.update_router();
+    else
+      throw config_error("router", "this bundle's", "has no bias to update (sigmoid_bias has)");
+  }
+  std::vector<float> router_bias() override {
+    if constexpr (router_with_bias<Router>) {
+      const std::span<float> b = layer_.router_bias();
+      return {b.begin(), b.end()};
+    } else {
+      return {};
+    }
+  }
   int rank() const override { return layer_.rank(); }
   int local_slots() const override { return layer_.placement().slots_per_rank(); }
 

@@ -60,6 +60,12 @@ struct rank_tensors {
 using rank_weights = rank_tensors<const float>;
 using rank_grads = rank_tensors<float>;
 
+/// What gather_load returns, without the layer's type.
+struct moe_load {
+  std::vector<index_t> per_expert;  // [E]
+  std::vector<index_t> per_rank;    // [R]
+};
+
 /// A layer of some bundle on one rank. Collective calls as moe_layer's.
 class any_layer {
  public:
@@ -70,6 +76,14 @@ class any_layer {
   virtual const pass_stats& stats() const = 0;
   /// Points the layer at new tensors of the same shapes (a framework replaced a parameter).
   virtual void rebind(const rank_weights& w) = 0;
+  /// Collective: the last pass's rows per logical expert [E] and rows computed per rank [R],
+  /// summed over the ranks (moe_layer::gather_load).
+  virtual moe_load global_load() = 0;
+  /// Collective: the bias update of a router with a bias (DeepSeek-V3's aux-loss-free
+  /// balancing) from the last pass's global load; config_error for other routers.
+  virtual void update_router() = 0;
+  /// The router's selection bias [E] (empty for a router without one).
+  virtual std::vector<float> router_bias() = 0;
   virtual int rank() const = 0;
   virtual int local_slots() const = 0;
 };

@@ -350,6 +350,22 @@ class layer {
           weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
   }
 
+  /// Each local rank's (rows per logical expert, rows computed per rank) of the last pass,
+  /// summed over all ranks (collective; every rank gets the same).
+  std::pair<std::vector<index_t>, std::vector<index_t>> global_load() {
+    moe_load out;
+    each_rank([&](int r) {
+      moe_load g = layers_[r]->global_load();
+      if (r == 0) out = std::move(g);
+    });
+    return {out.per_expert, out.per_rank};
+  }
+  /// Collective: the router's bias update from the last pass's global load.
+  void update_router() {
+    each_rank([&](int r) { layers_[r]->update_router(); });
+  }
+  std::vector<float> router_bias() { return layers_[0]->router_bias(); }
+
   ::py::list stats() const {
     ::py::list out;
     for (const auto& l : layers_) out.append(stats_dict(l->stats()));
@@ -378,6 +394,11 @@ class layer {
     if (bad) return {nullptr, 0, 0};
     const index_t H = t.size(1);
     return {const_cast<float*>(t.data_ptr<float>()) + a * H, n, H};
+  }
+  // f(rank) on every local rank with the GIL released (a collective call).
+  template <class F>
+  void each_rank(F&& f) {
+    run_shards(0, "", [&](int r, index_t, index_t) { f(r); });
   }
   // Of the thread ranks' errors, the one that says why (a rank's own config_error) over the
   // peers' "rank N rejected its inputs" (input_error) and aborted exchanges.
@@ -530,6 +551,9 @@ PYBIND11_MODULE(_epmoe, m) {
       .def("backward", &ep::layer::backward)
       .def("rebind", &ep::layer::rebind)
       .def("stats", &ep::layer::stats)
+      .def("global_load", &ep::layer::global_load)
+      .def("update_router", &ep::layer::update_router)
+      .def("router_bias", &ep::layer::router_bias)
       .def("losses", &ep::layer::losses)
       .def_property_readonly("local_ranks", &ep::layer::local_ranks)
       .def_property_readonly("rank", &ep::layer::rank)

@@ -220,6 +220,27 @@ def test_bad_inputs_raise_and_the_layer_goes_on(bad, why):
     assert torch.isfinite(y).all()
 
 
+def test_global_load_and_the_bias_update():
+    moe = build("deepseek sigmoid groups", 2, bias_update=0.01)
+    x = torch.randn(30, H)
+    moe(x)
+    per_expert, per_rank = moe.global_load()
+    routed = sum(torch.tensor(s["routed_per_expert"]) for s in moe.all_stats())
+    assert torch.equal(per_expert, routed) and int(per_expert.sum()) == 30 * 4
+    computed = [sum(s["rows_per_local_expert"]) for s in moe.all_stats()]
+    assert per_rank.tolist() == computed
+    before = moe.router_bias.clone()
+    moe.update_router_bias()
+    step = 0.01 * torch.sign(per_expert.double().mean() - per_expert.double()).float()
+    assert torch.allclose(moe.router_bias, before + step, atol=1e-7)
+    with torch.no_grad():  # the next pass routes with the new bias
+        y, _ = moe(x)
+    moe.router_args["bias"] = moe.router_bias.tolist()
+    close(y, reference(moe, logical(moe), x, shards(30, 2))["y"], "y with the updated bias")
+    with pytest.raises(ValueError, match="no bias to update"):
+        build("mixtral", 1).update_router_bias()
+
+
 def test_stats_dict():
     moe = build("capacity factor drops", 2)
     moe(torch.randn(30, H))
