@@ -131,7 +131,7 @@ class MoE(nn.Module):
                  group_by: str = "top2_sum", normalize: bool = True, group_mask: str = "minus_inf",
                  router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
-                 max_tokens: int = 4096, recompute: bool = False,
+                 max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
                  fuse_grad_accumulation: bool = False, group=None,
                  ranks: Optional[int] = None):
         super().__init__()
@@ -164,6 +164,7 @@ class MoE(nn.Module):
                            shared_experts=shared_experts, shared_ffn=shared_ffn,
                            shared_gate=bool(shared_gate), output_bias=bool(output_bias),
                            aux_loss_coef=float(aux_loss_coef), seq_len=seq_len, chunks=chunks,
+                           max_recv_rows=int(max_recv_rows),
                            training=trains, recompute=bool(recompute))
         self.router_args = dict(groups=groups, top_groups=top_groups, norm_p=float(norm_p),
                                 scaling=float(scaling), group_by_max=group_by == "max",

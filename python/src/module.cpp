@@ -235,6 +235,7 @@ layer_config config_of(const ::py::dict& c) {
   cfg.aux_loss_coef = c["aux_loss_coef"].cast<double>();
   cfg.seq_len = c["seq_len"].cast<int>();
   cfg.chunks = c["chunks"].cast<int>();
+  cfg.max_recv_rows = c["max_recv_rows"].cast<int>();
   cfg.training = c["training"].cast<bool>();
   cfg.recompute = c["recompute"].cast<bool>();
   return cfg;

@@ -53,6 +53,7 @@ CASES = {
     "capacity factor drops": dict(experts=8, top_k=2, capacity="factor", capacity_factor=0.5),
     "padded capacity": dict(experts=8, top_k=2, capacity="padded", capacity_factor=1.5),
     "pipelined": dict(experts=8, top_k=2, schedule="pipelined", chunks=3),
+    "receive rounds": dict(experts=8, top_k=2, max_recv_rows=6),  # exchanges in rounds
     "mlp with biases": dict(experts=8, top_k=2, expert="mlp_relu_bias"),
     "switch top-1": dict(experts=8, top_k=1, router="softmax_raw", expert="mlp_relu",
                          capacity="factor", capacity_factor=1.0),
@@ -282,7 +283,8 @@ def _two_ranks(rank, world, group, case, tokens):
     return moe.stats()["rows_sent"]
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2 shared, gate, bias", "pipelined"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen2 shared, gate, bias", "pipelined",
+                                  "receive rounds"])
 def test_two_processes_equal_the_reference(case):
     rows = run_ranks(_two_ranks, 2, args=(case, [7, 12]))
     assert sum(rows[0]) == 7 * CASES[case]["top_k"] and sum(rows[1]) == 12 * CASES[case]["top_k"]
