@@ -294,10 +294,8 @@ class layer {
     }
     const int R = local_ranks();
     if (static_cast<int>(weights.size()) != R)
-      value_error("weights: " + std::to_string(weights.size()) +
-                  " entries, must be one per "
-                  "local rank (" +
-                  std::to_string(R) + ")");
+      value_error("weights: " + std::to_string(weights.size()) + " entries: must be one per " +
+                  "local rank (" + std::to_string(R) + ")");
     std::vector<rank_weights> w;
     for (int r = 0; r < R; ++r)
       w.push_back(weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
