@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "uniform.hpp"
 #include <epmoe/core/concepts.hpp>
 #include <epmoe/expert/mlp.hpp>
 #include <epmoe/expert/swiglu.hpp>
@@ -27,14 +28,6 @@ namespace {
 
 constexpr float nan = std::numeric_limits<float>::quiet_NaN();
 
-std::vector<float> uniform(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> u(-1.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
-
 // Groups of rows: offsets from counts (starting at `first`, as a unit's slice would).
 std::vector<index_t> offsets_of(const std::vector<index_t>& counts, index_t first = 0) {
   std::vector<index_t> o{first};
@@ -52,8 +45,8 @@ int check_nn(const std::vector<index_t>& counts, index_t K, index_t N, index_t l
   const auto off = offsets_of(counts, 3);
   const int G = static_cast<int>(counts.size());
   const index_t rows = off.back() - off.front();
-  const std::vector<float> a = uniform(static_cast<std::size_t>(rows * lda), 1);
-  const std::vector<float> b = uniform(static_cast<std::size_t>(G * K * N), 2);
+  const std::vector<float> a = test::uniform(static_cast<std::size_t>(rows * lda), 1);
+  const std::vector<float> b = test::uniform(static_cast<std::size_t>(G * K * N), 2);
   const grouped_rows<const float> ag{a.data(), K, lda, G, off.data(), off.data(), align};
   std::vector<float> c(static_cast<std::size_t>(ag.elements(N)), accumulate ? 1.f : nan);
   const grouped_rows<float> cg = ag.over(c.data(), N);
@@ -80,9 +73,9 @@ int check_tn(const std::vector<index_t>& counts, index_t M, index_t N, index_t l
   const auto off = offsets_of(counts, 2);
   const int G = static_cast<int>(counts.size());
   const index_t rows = off.back() - off.front();
-  const std::vector<float> a = uniform(static_cast<std::size_t>(rows * lda), 3);
+  const std::vector<float> a = test::uniform(static_cast<std::size_t>(rows * lda), 3);
   const grouped_rows<const float> ag{a.data(), M, lda, G, off.data(), off.data(), align};
-  const std::vector<float> b = uniform(static_cast<std::size_t>(ag.elements(N)), 4);
+  const std::vector<float> b = test::uniform(static_cast<std::size_t>(ag.elements(N)), 4);
   const grouped_rows<const float> bg = ag.over(b.data(), N);
   const index_t ldc = N + 2;  // a strided stack
   std::vector<float> c(static_cast<std::size_t>(G * M * ldc), accumulate ? 1.f : nan);
@@ -188,9 +181,9 @@ int check_expert(const expert_case& k, std::uint64_t seed) {
 
   const auto off = offsets_of(k.counts);
   const index_t rows = off.back(), ld = H + k.x_stride_pad;
-  std::vector<float> x = uniform(static_cast<std::size_t>(rows * ld), seed + 1);
+  std::vector<float> x = test::uniform(static_cast<std::size_t>(rows * ld), seed + 1);
   const std::vector<float> x0 = x;
-  std::vector<float> dy = uniform(static_cast<std::size_t>(rows * ld), seed + 2);
+  std::vector<float> dy = test::uniform(static_cast<std::size_t>(rows * ld), seed + 2);
   const std::vector<float> dy0 = dy;
   std::vector<float> dx_own(static_cast<std::size_t>(rows * ld), nan);
   std::vector<float>& dx = k.dx_in_dy ? dy : k.dx_in_x ? x : dx_own;

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "uniform.hpp"
 #include <epmoe/expert/swiglu.hpp>
 #include <epmoe/space/host.hpp>
 
@@ -18,14 +19,6 @@ using epmoe::matrix_view;
 
 namespace {
 
-std::vector<float> random_vector(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> d(-1.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
-
 // c = a b^T on (M, N, K) with padded strides and data starting `shift` floats into its
 // buffer (so rows are not 32-byte aligned), by `gemm`; checked against a double loop, with the
 // padding untouched.
@@ -33,8 +26,8 @@ template <class Gemm>
 void check_gemm(index_t M, index_t N, index_t K, index_t shift, Gemm&& gemm) {
   CAPTURE(M, N, K, shift);
   const index_t lda = K + 3, ldb = K + 1, ldc = N + 2;
-  const auto a = random_vector(static_cast<std::size_t>(M * lda + shift), 1);
-  const auto b = random_vector(static_cast<std::size_t>(N * ldb + shift), 2);
+  const auto a = test::uniform(static_cast<std::size_t>(M * lda + shift), 1);
+  const auto b = test::uniform(static_cast<std::size_t>(N * ldb + shift), 2);
   constexpr float sentinel = -777.f;
   std::vector<float> c(static_cast<std::size_t>(M * ldc), sentinel);
   gemm(matrix_view<const float>(a.data() + shift, M, K, lda),
@@ -80,7 +73,7 @@ TEST_CASE("host: the streaming GEMM split over helper threads matches", "[expert
 TEST_CASE("host: two threads streaming at once both get the right answer", "[expert][gemm]") {
   // One finds the helpers busy and runs its GEMM alone; neither waits on the other forever.
   const index_t M = 6, N = 96, K = 150;
-  const auto a = random_vector(M * K, 3), b = random_vector(N * K, 4);
+  const auto a = test::uniform(M * K, 3), b = test::uniform(N * K, 4);
   std::vector<double> want(M * N);
   for (index_t i = 0; i < M; ++i)
     for (index_t j = 0; j < N; ++j)

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "uniform.hpp"
 #include <epmoe/space/host_packed.hpp>
 
 using epmoe::index_t;
@@ -16,14 +17,6 @@ using epmoe::matrix_view;
 using epmoe::space::cpu_path;
 
 namespace {
-
-std::vector<float> random_vector(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> d(-1.f, 1.f);
-  std::vector<float> v(n);
-  for (float& x : v) x = d(rng);
-  return v;
-}
 
 std::vector<cpu_path> paths_here() {
   std::vector<cpu_path> out;
@@ -38,8 +31,8 @@ std::vector<cpu_path> paths_here() {
 index_t check(cpu_path path, index_t M, index_t N, index_t K, index_t p0 = 0, index_t p1 = -1) {
   CAPTURE(epmoe::space::name_of(path), M, N, K, p0, p1);
   const index_t lda = K + 3, ldb = K + 1, ldc = N + 2;
-  const auto a = random_vector(static_cast<std::size_t>(M * lda), 1 + M);
-  const auto b = random_vector(static_cast<std::size_t>(N * ldb), 2 + N);
+  const auto a = test::uniform(static_cast<std::size_t>(M * lda), 1 + M);
+  const auto b = test::uniform(static_cast<std::size_t>(N * ldb), 2 + N);
   const epmoe::space::packed_nt packed(matrix_view<const float>(b.data(), N, K, ldb));
   if (p1 < 0) p1 = packed.panels();
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -93,13 +86,13 @@ TEST_CASE("packed gemm: a range of panels writes only its columns") {
 
 TEST_CASE("packed gemm: repack refills in place, a new shape reallocates") {
   const index_t N = 40, K = 9;
-  auto b = random_vector(static_cast<std::size_t>(N * K), 7);
+  auto b = test::uniform(static_cast<std::size_t>(N * K), 7);
   epmoe::space::packed_nt p(matrix_view<const float>(b.data(), N, K));
   const float* first = p.panel(0);
   for (float& v : b) v = -v;  // a training step changed the weights
   p.repack(matrix_view<const float>(b.data(), N, K));
   CHECK(p.panel(0) == first);
-  const auto x = random_vector(static_cast<std::size_t>(K), 8);
+  const auto x = test::uniform(static_cast<std::size_t>(K), 8);
   std::vector<float> y(static_cast<std::size_t>(N));
   epmoe::space::gemm_nt_packed(matrix_view<const float>(x.data(), 1, K), p,
                                matrix_view<float>(y.data(), 1, N));
