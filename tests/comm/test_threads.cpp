@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include <epmoe/comm/any.hpp>
 #include <epmoe/comm/local.hpp>
 #include <epmoe/comm/threads.hpp>
 #include <epmoe/core/concepts.hpp>
@@ -53,7 +54,8 @@ int tag(int s, int r, index_t i, int round = 0) {
 // One alltoallv with counts uneven(., ., round) on rank `me` of R; checks what arrives.
 // The receive buffer leaves a one-element gap before every block, set to -1 and checked, so
 // displacements are exercised on both sides.
-void uneven_exchange(threads& c, int round) {
+template <class Comm>
+void uneven_exchange(Comm& c, int round) {
   const int R = c.size(), me = c.rank();
   std::vector<index_t> sc(R), sd(R), rc(R), rd(R);
   index_t sn = 0, rn = 0;
@@ -395,4 +397,68 @@ TEST_CASE("local: alltoallv with mismatched counts throws comm_error", "[comm][e
   std::vector<float> recv(4, 0.f);
   const index_t sc[] = {3}, rc[] = {4}, d[] = {0};
   CHECK_THROWS_AS(c.alltoallv(send.data(), sc, d, recv.data(), rc, d), epmoe::comm_error);
+}
+
+// comm::any: a comm known at run time (a framework's process group) behind one endpoint;
+// endpoint_of<threads> stands in for it here.
+TEST_CASE("any: over endpoint_of<threads>, exchanges deliver exactly what threads does", "[comm]") {
+  static_assert(epmoe::host_communicator<epmoe::comm::any>);
+  const int R = GENERATE(1, 2, 3, 4);
+  CAPTURE(R);
+  threads_world world(R);
+  std::vector<int> checked(static_cast<std::size_t>(R), 0);
+  finishes_within(kLimit, [&] {
+    world.run([&](threads c) {
+      const int me = c.rank();
+      epmoe::comm::endpoint_of<threads> ep(std::move(c));
+      epmoe::comm::any a(ep);
+      // (no Catch assertions on the rank threads: Catch2 v2 is not thread-safe)
+      if (a.rank() != me || a.size() != R) throw std::logic_error("comm::any: rank or size");
+      uneven_exchange(a, 0);
+      uneven_exchange(a, 1);
+      // Fixed-size, 8-byte elements: byte counts scale with the element.
+      constexpr index_t n = 3;
+      std::vector<std::int64_t> send(static_cast<std::size_t>(R * n)), recv(send.size(), -1);
+      for (int r = 0; r < R; ++r)
+        for (index_t i = 0; i < n; ++i) send[r * n + i] = tag(me, r, i);
+      a.alltoall(send.data(), recv.data(), n);
+      for (int s = 0; s < R; ++s)
+        for (index_t i = 0; i < n; ++i) checked[me] += recv[s * n + i] == tag(s, me, i) ? 1 : -1000;
+      // Two started, waited in order (a pipelined schedule's pattern).
+      std::vector<index_t> cnt(static_cast<std::size_t>(R), 1), dis(static_cast<std::size_t>(R));
+      for (int r = 0; r < R; ++r) dis[r] = r;
+      std::vector<float> s1(static_cast<std::size_t>(R)), s2(s1.size()), r1(s1.size(), -1.f),
+          r2(s1.size(), -1.f);
+      for (int r = 0; r < R; ++r) s1[r] = static_cast<float>(tag(me, r, 0)), s2[r] = -s1[r];
+      auto q1 = a.ialltoallv(s1.data(), cnt.data(), dis.data(), r1.data(), cnt.data(), dis.data());
+      auto q2 = a.ialltoallv(s2.data(), cnt.data(), dis.data(), r2.data(), cnt.data(), dis.data());
+      q1.wait();
+      q2.wait();
+      for (int s = 0; s < R; ++s) {
+        checked[me] += r1[s] == static_cast<float>(tag(s, me, 0)) ? 1 : -1000;
+        checked[me] += r2[s] == -static_cast<float>(tag(s, me, 0)) ? 1 : -1000;
+      }
+    });
+  });
+  for (int r = 0; r < R; ++r) CHECK(checked[r] == 3 * R + 2 * R);
+}
+
+TEST_CASE("any: more exchanges pending than its slots is a comm_error, not a hang", "[comm]") {
+  threads_world world(1);
+  finishes_within(kLimit, [&] {
+    world.run([&](threads c) {
+      epmoe::comm::endpoint_of<threads> ep(std::move(c));
+      epmoe::comm::any a(ep, 1);
+      index_t n = 1, d = 0;
+      float s = 1.f, r = 0.f, r2 = 0.f;
+      auto q = a.ialltoallv(&s, &n, &d, &r, &n, &d);
+      CHECK_THROWS_WITH(a.ialltoallv(&s, &n, &d, &r2, &n, &d),
+                        Catch::Contains("more than 1 exchanges pending"));
+      q.wait();
+      CHECK(r == 1.f);
+      auto again = a.ialltoallv(&s, &n, &d, &r2, &n, &d);  // the slot is free again
+      again.wait();
+      CHECK(r2 == 1.f);
+    });
+  });
 }
