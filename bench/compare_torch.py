@@ -54,6 +54,29 @@ TARGETS = {
 TRAIN_TARGETS = {"backward_over_forward_max_at_T_ge_1024": 2.3, "speedup_vs_torch_min": 1.5}
 
 
+def add_fairness_args(p):
+    """The arguments every side-by-side run shares (torch_module_bench.py too): threads, BLAS
+    kernels, torch's OpenMP wait policy, repetitions, and waiting for a quiet machine."""
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads on every side (default: all CPUs)")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "unset"],
+                   help="OMP_WAIT_POLICY for torch (default passive: with torch's default spin, "
+                        "its idle OpenMP workers take the cores from its BLAS threads, which "
+                        "made PyTorch up to 2x slower on 2 cores; unset keeps the environment's)")
+    p.add_argument("--coretype", default="auto",
+                   help="OPENBLAS_CORETYPE for every side: auto (SkylakeX when the CPU has "
+                        "AVX-512, else OpenBLAS's own choice), none, or a name")
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=40)
+    p.add_argument("--min-seconds", type=float, default=2.0)
+    p.add_argument("--wait-idle", type=float, default=300.0,
+                   help="before each point, wait up to this many seconds for the machine to be "
+                        "idle (other jobs skew a side-by-side run); 0: do not wait")
+    p.add_argument("--busy-retries", type=int, default=1,
+                   help="measure a point again, up to this many times, when other processes "
+                        "used over 5%% of the CPUs while it ran; the least disturbed is kept")
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--bench", help="the epmoe_bench binary, epmoe_bench_train with --train "
@@ -61,28 +84,11 @@ def parse_args():
     p.add_argument("--mpi-bench", help="the epmoe_bench_mpi binary (default: next to --bench)")
     p.add_argument("--shapes", default="all", help="all, tiny, or names: mixtral,deepseek,...")
     p.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per rank")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="threads on both sides (default: all CPUs)")
-    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "unset"],
-                   help="OMP_WAIT_POLICY for torch (default passive: with torch's default spin, "
-                        "its idle OpenMP workers take the cores from its BLAS threads, which "
-                        "made PyTorch up to 2x slower on 2 cores; unset keeps the environment's)")
-    p.add_argument("--coretype", default="auto",
-                   help="OPENBLAS_CORETYPE for both sides: auto (SkylakeX when the CPU has "
-                        "AVX-512, else OpenBLAS's own choice), none, or a name")
-    p.add_argument("--min-reps", type=int, default=5)
-    p.add_argument("--max-reps", type=int, default=40)
-    p.add_argument("--min-seconds", type=float, default=2.0)
+    add_fairness_args(p)
     p.add_argument("--scaling", action="store_true",
                    help="also run the expert-parallel scaling (threads, and MPI when built)")
     p.add_argument("--scaling-tokens", default="128,1024")
     p.add_argument("--scaling-reps", type=int, default=9)
-    p.add_argument("--wait-idle", type=float, default=300.0,
-                   help="before each point, wait up to this many seconds for the machine to be "
-                        "idle (other jobs skew a side-by-side run); 0: do not wait")
-    p.add_argument("--busy-retries", type=int, default=1,
-                   help="measure a point again, up to this many times, when other processes "
-                        "used over 5%% of the CPUs while it ran; the least disturbed is kept")
     p.add_argument("--out", help="write every figure as JSON here")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, few repetitions: checks that both sides run")

@@ -59,22 +59,7 @@ def parse_args():
     p.add_argument("--shape", default="mixtral", choices=sorted(SHAPES))
     p.add_argument("--tokens", default="1,16,128,1024,4096", help="tokens per pass (T)")
     p.add_argument("--modes", default="forward,train", help="forward, train or both")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="threads of every side (default: all CPUs)")
-    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "unset"],
-                   help="OMP_WAIT_POLICY for torch (default passive: with torch's default spin, "
-                        "its idle OpenMP workers take the cores from its BLAS threads, which "
-                        "made PyTorch up to 2x slower on 2 cores; unset keeps the environment's)")
-    p.add_argument("--coretype", default="auto",
-                   help="OPENBLAS_CORETYPE: auto (SkylakeX where the CPU has AVX-512), none, "
-                        "or a name")
-    p.add_argument("--min-reps", type=int, default=5)
-    p.add_argument("--max-reps", type=int, default=40)
-    p.add_argument("--min-seconds", type=float, default=2.0)
-    p.add_argument("--wait-idle", type=float, default=300.0,
-                   help="before each point, wait up to this many seconds for idle CPUs; 0: don't")
-    p.add_argument("--busy-retries", type=int, default=1,
-                   help="measure a point again when other processes used over 5%% of the CPUs")
+    ct.add_fairness_args(p)
     p.add_argument("--fused", action="store_true",
                    help="the module with fuse_grad_accumulation=True: gradients written into "
                         "p.grad, buffers the module keeps when p.grad is None (no fresh pages "
