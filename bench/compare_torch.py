@@ -54,6 +54,16 @@ TARGETS = {
 TRAIN_TARGETS = {"backward_over_forward_max_at_T_ge_1024": 2.3, "speedup_vs_torch_min": 1.5}
 
 
+def write_json(path, result):
+    """Writes a run's figures (folders made as needed), proves they read back, says where."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(path) as f:
+        json.load(f)
+    print(f"\nwrote {path}")
+
+
 def add_fairness_args(p):
     """The arguments every side-by-side run shares (torch_module_bench.py too): threads, BLAS
     kernels, torch's OpenMP wait policy, repetitions, and waiting for a quiet machine."""
@@ -635,12 +645,7 @@ def main():
             "targets": [{"shape": s, "tokens": t, "what": w, "value": v, "want": want, "met": ok}
                         for s, t, w, v, want, ok in checks],
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-        with open(args.out) as f:  # prove it reads back
-            json.load(f)
-        print(f"\nwrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

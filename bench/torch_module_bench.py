@@ -38,7 +38,6 @@ T, overhead < 5% at T >= 128. Exits 77 (CTest's skip code) without torch, transf
 epmoe package.
 """
 import argparse
-import json
 import os
 import resource
 import sys
@@ -295,10 +294,7 @@ def main():
             "goals": [{"mode": m, "tokens": t, "what": w, "value": v, "want": want, "met": ok}
                       for m, t, w, v, want, ok in checks],
         }
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-        print(f"\nwrote {args.json}")
+        ct.write_json(args.json, result)
     return 0
 
 
