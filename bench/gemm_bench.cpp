@@ -90,8 +90,14 @@ int main(int argc, char** argv) {
     index_t n, k;
   };
   std::vector<projection> shapes;
-  if (shape == "mixtral" || shape == "all") shapes.push_back({"mixtral w1", 3584, 1024});
-  if (shape == "deepseek" || shape == "all") shapes.push_back({"deepseek w1", 512, 1024});
+  if (shape == "mixtral" || shape == "all") {
+    shapes.push_back({"mixtral w1", 3584, 1024});
+    shapes.push_back({"mixtral w2", 1024, 3584});
+  }
+  if (shape == "deepseek" || shape == "all") {
+    shapes.push_back({"deepseek w1", 512, 1024});
+    shapes.push_back({"deepseek w2", 1024, 512});
+  }
   if (shape == "tiny") shapes.push_back({"tiny", 70, 37});
   sp::set_blas_threads(1);  // one thread on every side
   std::vector<sp::cpu_path> paths;

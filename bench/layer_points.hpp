@@ -15,11 +15,14 @@ struct point_options {
   rep_policy reps;
   int batches = 4;    // distinct token batches, cycled (routing differs pass to pass)
   bool flush = true;  // evict the caches before every timed call (weights come from memory)
+  bool pack = true;   // the layer packs its expert weights (moe_layer::pack_weights); --no-pack
+  bool bf16 = false;  // --bf16: packed as bf16 (half the bytes)
   std::FILE* out = stdout;
 };
 
 /// The flags every layer benchmark takes: --shapes, --tokens, --min-reps N, --max-reps N,
-/// --min-seconds S, --batches N, --no-flush, --no-layer, --quick-machine, --json FILE|-.
+/// --min-seconds S, --batches N, --no-flush, --no-pack, --bf16, --no-layer, --quick-machine,
+/// --json FILE|-.
 struct layer_bench_options {
   std::string shapes;
   std::vector<index_t> tokens;
@@ -44,6 +47,10 @@ struct layer_bench_options {
       point.batches = std::max(1, static_cast<int>(cl.integer()));
     else if (cl.is("--no-flush"))
       point.flush = false;
+    else if (cl.is("--no-pack"))
+      point.pack = false;
+    else if (cl.is("--bf16"))
+      point.bf16 = true;
     else if (cl.is("--no-layer"))
       layer = false;
     else if (cl.is("--quick-machine"))
@@ -116,11 +123,31 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
   const auto experts = w.mine.experts();
   const auto shared = w.full.shared();
   layer_t layer(cfg, epmoe::comm::local{}, w.views(), router);
-  const epmoe::space::host space{};
+  // The GEMMs alone run on the layer's kernels: over packed copies of the same weights when
+  // the layer packs.
+  epmoe::space::host space{};
+  epmoe::space::packed_weights packed;
+  const bool bf16 = o.pack && o.bf16;
+  const auto as = bf16 ? epmoe::packed_precision::bf16 : epmoe::packed_precision::fp32;
+  if (o.pack) {
+    layer.pack_weights(as);
+    for (auto v : {experts.w1, experts.w3, experts.w2}) packed.pack(v, as);
+    if (N > 0)
+      for (auto v : {shared.w1, shared.w3, shared.w2}) packed.pack(v, as);
+    space.use_packed(&packed);
+  }
+  const std::string kernel = o.pack ? std::string(bf16 ? "packed bf16 (convert) " : "packed ") +
+                                          epmoe::space::name_of(space.kernel_path())
+                                    : "sgemm/stream";
   cache_flusher flush(o.flush);
+  using v8 = float __attribute__((vector_size(32)));
+  std::vector<v8> probe;
+  epmoe::space::detail::stream_helpers readers;
+  volatile float sink = 0;
 
-  const double expert_bytes = 3.0 * H * F * sizeof(float);
-  const double shared_bytes = 3.0 * N * H * Fs * sizeof(float);
+  const double weight_size = bf16 ? 2.0 : 4.0;  // bytes per expert weight the layer reads
+  const double expert_bytes = 3.0 * H * F * weight_size;
+  const double shared_bytes = 3.0 * N * H * Fs * weight_size;
   const double gate_bytes = double(cfg.experts) * H * sizeof(float);
 
   std::vector<json> points;
@@ -158,12 +185,16 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     std::vector<float> gin(most * H, 0.01f), g1(most * Fmax), g3(most * Fmax), gout(most * H);
     const auto gemms_alone = [&](int b) {
       index_t at = 0;
+      // One group per call, as the layer's grouped GEMMs see an expert.
       const auto expert_gemms = [&](const epmoe::expert::swiglu::weights& w, index_t j, index_t n) {
-        const index_t f = w.w1.rows;
-        const epmoe::matrix_view<const float> in(gin.data() + at * H, n, H);
-        space.gemm_nt(in, w.w1[j], {g1.data(), n, f});
-        space.gemm_nt(in, w.w3[j], {g3.data(), n, f});
-        space.gemm_nt({g1.data(), n, f}, w.w2[j], {gout.data() + at * H, n, H});
+        const index_t f = w.w1.rows, rows[2] = {0, n};
+        const auto one = [&](float* d, index_t c) {
+          return epmoe::grouped_rows<float>{d, c, c, 1, rows, rows};
+        };
+        const auto ew = epmoe::expert::swiglu::slice(w, j, 1);
+        space.grouped_gemm_nt(one(gin.data() + at * H, H), ew.w1, one(g1.data(), f));
+        space.grouped_gemm_nt(one(gin.data() + at * H, H), ew.w3, one(g3.data(), f));
+        space.grouped_gemm_nt(one(g1.data(), f), ew.w2, one(gout.data() + at * H, H));
         at += n;
       };
       for (index_t j = 0; j < static_cast<index_t>(rows[b].size()); ++j)
@@ -179,7 +210,27 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     const index_t M = std::max<index_t>(1, std::llround(mean_flops / (6.0 * H * F)));
     std::vector<float> ra(M * H, 0.01f), rb(3 * F * H, 0.01f), rc(M * 3 * F);
 
-    std::vector<double> t_layer, t_alone, t_gemm;
+    // Reading the activated weights' bytes once (a buffer of that size, all cores), timed
+    // beside the layer: the memory side of the roofline, from the same minutes of the run.
+    const double weight_bytes = mean_active * expert_bytes + shared_bytes + gate_bytes;
+    const std::size_t probe_n = static_cast<std::size_t>(weight_bytes / sizeof(v8));
+    if (probe.size() < probe_n) probe.assign(probe_n, v8{} + 1.f);
+    const auto read_weights_bytes = [&] {
+      const int chunks = 8 * m.cpus;
+      v8 sums[64] = {};
+      const auto part = [&](int c) {
+        const std::size_t b = probe_n * c / chunks, e = probe_n * (c + 1) / chunks;
+        v8 s0{}, s1{}, s2{}, s3{};
+        for (std::size_t i = b; i + 4 <= e; i += 4)
+          s0 += probe[i], s1 += probe[i + 1], s2 += probe[i + 2], s3 += probe[i + 3];
+        sums[c % 64] += s0 + s1 + s2 + s3;
+      };
+      if (!readers.run(m.cpus, chunks, part))
+        for (int c = 0; c < chunks; ++c) part(c);
+      sink = sink + sums[0][0];
+    };
+
+    std::vector<double> t_layer, t_alone, t_gemm, t_read;
     std::vector<epmoe::stage_times> stages;
     const auto timed = [&](std::vector<double>* into, const auto& f) {
       if (o.flush) flush();
@@ -194,12 +245,19 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
             [&] { one_gemm(ra.data(), rb.data(), rc.data(), M, 3 * F, H); });
       timed(keep ? &t_alone : nullptr, [&] { gemms_alone((b + 2) % B); });
       timed(keep ? &t_layer : nullptr, [&] { run_layer(b); });
+      timed(keep ? &t_read : nullptr, read_weights_bytes);
       if (keep) stages.push_back(layer.stats().time);
     });
 
     const double layer_s = median(t_layer), alone_s = median(t_alone), gemm_s = median(t_gemm);
-    const double weight_bytes = mean_active * expert_bytes + shared_bytes + gate_bytes;
+    // The faster of the side-by-side read and the machine's best read rate at the start.
+    const double read_s = std::min(median(t_read), weight_bytes / (m.read_gbs() * 1e9));
     const double weight_gbs = weight_bytes / layer_s * 1e-9;
+    // The roofline bound: reading the activated weights once (timed beside the layer), or the
+    // expert FLOPs at one large sgemm's rate (the machine's, or the side-by-side one GEMM of
+    // these FLOPs when it ran faster), whichever is longer.
+    const double gemm_rate = std::max(m.sgemm_gflops * 1e9, mean_flops / gemm_s);
+    const double bound_s = std::max(read_s, mean_flops / gemm_rate);
     json p = json::object();
     p.add("shape", s.name)
         .add("tokens", static_cast<long long>(T))
@@ -216,11 +274,17 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
         .add("active_experts", mean_active)
         .add("weight_mb", weight_bytes * 1e-6)
         .add("weight_gbs", weight_gbs)
-        .add("weight_bw_fraction", weight_gbs / m.read_gbs());
-    std::fprintf(o.out, "%-14s %5lld %9.3f %9.3f %9.3f %7.1f %6.2f %6.2f %7.1f %5.0f%%  [%s]\n",
-                 s.name.c_str(), static_cast<long long>(T), layer_s * 1e3, gemm_s * 1e3,
-                 alone_s * 1e3, mean_flops / layer_s * 1e-9, gemm_s / layer_s, layer_s / alone_s,
-                 weight_gbs, 100 * weight_gbs / m.read_gbs(), stage_text(stages).c_str());
+        .add("weight_bw_fraction", read_s / layer_s)  // of the side-by-side read
+        .add("read_weights_ms", read_s * 1e3)
+        .add("roofline_ms", bound_s * 1e3)
+        .add("roofline_fraction", bound_s / layer_s)
+        .add("kernel", kernel);
+    std::fprintf(
+        o.out, "%-14s %5lld %9.3f %9.3f %9.3f %7.1f %6.2f %6.2f %7.1f %5.0f%% %5.0f%%  %s  [%s]\n",
+        s.name.c_str(), static_cast<long long>(T), layer_s * 1e3, gemm_s * 1e3, alone_s * 1e3,
+        mean_flops / layer_s * 1e-9, gemm_s / layer_s, layer_s / alone_s, weight_gbs,
+        100 * read_s / layer_s, 100 * bound_s / layer_s, kernel.c_str(),
+        stage_text(stages).c_str());
     std::fflush(o.out);
     points.push_back(p);
   }

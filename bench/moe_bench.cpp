@@ -7,13 +7,17 @@
 //
 //   epmoe_bench [--shapes all|tiny|mixtral,deepseek,...] [--tokens 1,16,128,1024,4096]
 //               [--min-reps N] [--max-reps N] [--min-seconds S] [--batches N] [--no-flush]
-//               [--scaling] [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer]
+//               [--no-pack] [--bf16] [--scaling] [--scaling-tokens 128,1024] [--scaling-reps N]
+//               [--no-layer]
 //               [--quick-machine] [--read-gbs GB/s] [--json FILE|-]
 //
 // Columns: layer ms (median); 1-GEMM ms: one [M, H] x [H, 3F] BLAS call of the same expert
 // FLOPs (M = expert rows); alone ms: the layer's expert GEMM calls alone; GFLOP/s: expert FLOPs
 // / layer time; eff = 1-GEMM / layer; ovh = layer / alone; GB/s: activated experts' weight
-// bytes / layer time, and that as % of the measured read bandwidth.
+// bytes / layer time, and that as % of the measured read bandwidth; roofl: the roofline bound
+// max(those bytes / read bandwidth, expert FLOPs / one large sgemm's rate) / layer time;
+// kernel: the expert GEMMs' kernel (packed weights and the CPU path, or sgemm/stream with
+// --no-pack).
 #include <cstring>
 
 #include "layer_points.hpp"
@@ -32,8 +36,8 @@ struct options : layer_bench_options {
 
 constexpr const char* usage_text =
     "usage: epmoe_bench [--shapes all|tiny|NAME,...] [--tokens 1,16,...] [--min-reps N]\n"
-    "  [--max-reps N] [--min-seconds S] [--batches N] [--no-flush] [--scaling]\n"
-    "  [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer] [--quick-machine]\n"
+    "  [--max-reps N] [--min-seconds S] [--batches N] [--no-flush] [--no-pack] [--bf16]\n"
+    "  [--scaling] [--scaling-tokens 128,1024] [--scaling-reps N] [--no-layer] [--quick-machine]\n"
     "  [--read-gbs GB/s] [--json FILE|-]\n"
     "  The layer forward against one BLAS GEMM of its expert FLOPs, its own GEMMs alone and\n"
     "  the read bandwidth; --scaling: 1 vs 2 in-process ranks (bench/README.md).\n";
@@ -64,19 +68,23 @@ options parse(int argc, char** argv) {
 void threads_scaling(const shape& s, const options& o, const machine& m, std::FILE* out,
                      json& arr) {
   auto full = epmoe::reference::full_weights::random(s.cfg, 1);
+  // (ranks, BLAS threads per rank): 1 x all, 2 x all / 2 (the same cores), and 1 x all / 2
+  // (the same threads per rank: what a second rank adds).
+  const int half = std::max(1, m.blas_threads / 2);
+  std::vector<std::pair<int, int>> runs_of = {{1, m.blas_threads}, {2, half}};
+  if (half != m.blas_threads) runs_of.insert(runs_of.begin() + 1, {1, half});
   for (index_t G : o.scaling_tokens)
-    for (int R : {1, 2})
+    for (const auto& [R, threads] : runs_of)
       for (bool dedup : {false, true}) {
         if (G % R != 0 || s.cfg.experts % R != 0) continue;
-        const int threads = std::max(1, m.blas_threads / R);
         set_blas_threads(threads);
         std::vector<rank_run> runs(static_cast<std::size_t>(R));
         epmoe::comm::threads_world world(R);
         const auto body = [&]<bool D>() {
           world.run([&](epmoe::comm::threads c) {
             with_policies<epmoe::comm::threads, D>(s, [&]<class P>(auto router) {
-              runs[c.rank()] =
-                  scaling_rank<P>(s, router, c, full, G, o.scaling_reps, o.point.batches);
+              runs[c.rank()] = scaling_rank<P>(s, router, c, full, G, o.scaling_reps,
+                                               o.point.batches, o.point.pack);
             });
           });
         };
@@ -103,12 +111,16 @@ int main(int argc, char** argv) {
   m.print(out);
   json root = json::object();
   root.add("program", "epmoe_bench").add("machine", m.to_json());
-  root.add("flush_caches", po.flush).add("batches", po.batches);
+  root.add("flush_caches", po.flush)
+      .add("batches", po.batches)
+      .add("packed_weights", po.pack)
+      .add("packed_bf16", po.pack && po.bf16);
 
   const auto shapes = parse_shapes(o.shapes);
   if (o.layer) {
-    std::fprintf(out, "%-14s %5s %9s %9s %9s %7s %6s %6s %7s %6s\n", "shape", "T", "layer ms",
-                 "1-GEMM ms", "alone ms", "GFLOP/s", "eff", "ovh", "GB/s", "of bw");
+    std::fprintf(out, "%-14s %5s %9s %9s %9s %7s %6s %6s %7s %6s %6s  %s\n", "shape", "T",
+                 "layer ms", "1-GEMM ms", "alone ms", "GFLOP/s", "eff", "ovh", "GB/s", "of bw",
+                 "roofl", "kernel");
     json points = json::array();
     for (const shape& s : shapes)
       with_policies<epmoe::comm::local, false>(s, [&]<class P>(auto router) {

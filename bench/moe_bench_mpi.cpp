@@ -5,10 +5,12 @@
 // ranks, without and with per-rank dedup. Run it on 1 and on 2 ranks and compare:
 //   mpiexec -n 1 epmoe_bench_mpi --json one.json
 //   mpiexec -n 2 epmoe_bench_mpi --json two.json
-// (bench/compare_torch.py --scaling does both.) Each rank's BLAS gets cpus / ranks threads.
+// (bench/compare_torch.py --scaling does both, and 1 rank with --blas-threads 1.) Each rank's
+// BLAS gets cpus / ranks threads unless --blas-threads says otherwise.
 //
 //   epmoe_bench_mpi [--shapes all|tiny|NAME,...] [--scaling-tokens 128,1024]
-//                   [--scaling-reps N] [--batches N] [--json FILE|-]
+//                   [--scaling-reps N] [--batches N] [--blas-threads N] [--no-pack]
+//                   [--json FILE|-]
 #include "scaling.hpp"
 #include <epmoe/comm/mpi.hpp>  // brings <mpi.h>
 
@@ -21,6 +23,8 @@ struct options {
   std::vector<index_t> tokens = {128, 1024};
   int reps = 5;
   int batches = 4;
+  int blas_threads = 0;  // per rank; 0: cpus / ranks
+  bool pack = true;      // the layer packs its expert weights
   std::string json_path;
 };
 
@@ -29,7 +33,8 @@ options parse(int argc, char** argv) {
   cli::command_line cl(
       argc, argv,
       "usage: mpiexec -n R epmoe_bench_mpi [--shapes all|tiny|NAME,...]\n"
-      "  [--scaling-tokens 128,1024] [--scaling-reps N] [--batches N] [--json FILE|-]\n"
+      "  [--scaling-tokens 128,1024] [--scaling-reps N] [--batches N] [--blas-threads N]\n"
+      "  [--no-pack] [--json FILE|-]\n"
       "  Expert-parallel scaling over R MPI processes, without and with per-rank dedup.\n");
   while (cl.next()) {
     if (cl.is("--shapes"))
@@ -40,6 +45,10 @@ options parse(int argc, char** argv) {
       o.reps = std::max(1, static_cast<int>(cl.integer()));
     else if (cl.is("--batches"))
       o.batches = std::max(1, static_cast<int>(cl.integer()));
+    else if (cl.is("--blas-threads"))
+      o.blas_threads = std::max(1, static_cast<int>(cl.integer()));
+    else if (cl.is("--no-pack"))
+      o.pack = false;
     else if (cl.is("--json"))
       o.json_path = cl.value();
     else
@@ -78,7 +87,7 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &me);
   // The processes share the machine's cores: each rank's BLAS gets cpus / ranks threads.
   const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  const int threads = std::max(1, cpus / R);
+  const int threads = o.blas_threads > 0 ? o.blas_threads : std::max(1, cpus / R);
   set_blas_threads(threads);
   std::FILE* out = o.json_path == "-" ? stderr : stdout;
   if (me == 0) {
@@ -97,7 +106,7 @@ int main(int argc, char** argv) {
         const auto one = [&]<bool D>() {
           with_policies<epmoe::comm::mpi, D>(s, [&]<class P>(auto router) {
             mine = scaling_rank<P>(s, router, epmoe::comm::mpi(MPI_COMM_WORLD), full, G, o.reps,
-                                   o.batches);
+                                   o.batches, o.pack);
           });
         };
         if (dedup)

@@ -25,7 +25,7 @@ struct rank_run {
 template <class P, class Router, class Comm>
 rank_run scaling_rank(const shape& s, Router router, Comm comm,
                       const epmoe::reference::full_weights& full, index_t global_tokens, int reps,
-                      int batches) {
+                      int batches, bool pack = true) {
   using layer_t = epmoe::moe_layer<P>;
   const int R = comm.size(), r = comm.rank();
   layer_config cfg = s.cfg;
@@ -34,6 +34,7 @@ rank_run scaling_rank(const shape& s, Router router, Comm comm,
   cfg.max_tokens = static_cast<int>(T);
   const auto mine = epmoe::reference::slice(full, typename layer_t::placement_type(cfg), r);
   layer_t layer(cfg, std::move(comm), {full.gate_view(), mine.experts(), full.shared()}, router);
+  if (pack) layer.pack_weights();
 
   std::vector<std::vector<float>> xs;
   for (int b = 0; b < batches; ++b) {

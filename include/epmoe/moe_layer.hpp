@@ -68,6 +68,19 @@ struct default_policies {
   static constexpr layer_options options{};
 };
 
+namespace detail {
+/// The packed copies a layer keeps for its space (space::host's packed_weights), or nothing.
+template <class S>
+struct packed_store_of {
+  struct type {};
+};
+template <class S>
+requires requires { typename S::packed_store; }
+struct packed_store_of<S> {
+  using type = typename S::packed_store;
+};
+}  // namespace detail
+
 /// One rank's share of an expert-parallel MoE layer, on any space (host threads, CUDA).
 ///
 /// Each forward pass routes the rank's T tokens, sends every (token, expert) row to the rank
@@ -166,6 +179,7 @@ class moe_layer {
     allocate_workspace();
     place_placement();
     adopt_router_bias();  // a bias given with the router starts the layer's own
+    if constexpr (options.pack_weights) pack_weights(options.pack_as);
   }
 
   moe_layer(const moe_layer&) = delete;
@@ -336,8 +350,54 @@ class moe_layer {
                     "the layer owns its experts after a live re-placement; build a new layer");
     checked(cfg_, comm_, w, router_, placement_);
     w_ = w;
+    repack();
   }
 
+  /// Packs this rank's expert weights (routed and shared) into storage the layer owns, in
+  /// the space's own layout (space::host: panels of 32 output columns that one pass reads
+  /// once whatever the rows per expert, space/host_packed.hpp); the passes then read the
+  /// packed copies. Local. Call it again after changing the weights' values in place (an
+  /// optimizer step): the copies are of the values now. set_weights and apply_placement
+  /// repack by themselves; a repack of the same tensors allocates nothing.
+  void pack_weights() { pack_weights(pack_as_); }
+  /// The same with packed copies of element type `as` (packed_precision::bf16: half the bytes
+  /// per pass, the weights rounded to bf16; the later repacks keep it).
+  void pack_weights(packed_precision as) {
+    static_assert(
+        requires { typename space_type::packed_store; },
+        "epmoe: this space has no packed weight layout (space::host has one); drop "
+        "layer_options::pack_weights or pack_weights()");
+    std::array<stacked_view<const value_type>, 8> all{};
+    std::size_t n = 0;
+    for (auto* v : expert_type::tensors(w_.experts)) all.at(n++) = *v;
+    if (cfg_.shared_experts > 0)
+      for (auto* v : expert_type::tensors(w_.shared)) all.at(n++) = *v;
+    packed_.pack_only(std::span(all.data(), n), as);
+    pack_as_ = as;
+    space_.use_packed(&packed_);
+  }
+  /// Back to reading the weights themselves; frees the packed copies.
+  void unpack_weights() {
+    if constexpr (requires { typename space_type::packed_store; }) {
+      packed_.clear();
+      space_.use_packed(nullptr);
+    }
+  }
+  bool weights_packed() const {
+    if constexpr (requires { typename space_type::packed_store; })
+      return !packed_.empty();
+    else
+      return false;
+  }
+
+ private:
+  // After the weights changed: packed again when they were packed.
+  void repack() {
+    if constexpr (requires { typename space_type::packed_store; })
+      if (weights_packed()) pack_weights();
+  }
+
+ public:
   const layer_config& config() const { return cfg_; }
   /// What the last pass did (waits for it on a device space): rows, drops, bytes, FLOPs,
   /// losses and stage times.
@@ -426,6 +486,7 @@ class moe_layer {
     space_.synchronize();
     placement_ = next;
     place_placement();
+    repack();        // the slots hold other experts now
     saved_ = false;  // another expert set: the last forward's state no longer applies
     if (cfg_.training) plan_replicas();
     return received;
@@ -1481,6 +1542,8 @@ class moe_layer {
   std::vector<index_t> load_send_, load_recv_, global_load_;
   std::vector<mirror<value_type>> owned_experts_;  // expert weights after a live re-placement
   std::vector<mirror<index_t>> owned_desc_;        // their first copy's block offsets
+  [[no_unique_address]] typename detail::packed_store_of<space_type>::type packed_;
+  packed_precision pack_as_ = options.pack_as;
   std::chrono::steady_clock::time_point built_ = std::chrono::steady_clock::now();
 
   matrix_view<const value_type> x_;

@@ -120,6 +120,14 @@ class MoE(nn.Module):
     (the module then holds every expert). Parameters: gate [E, H]; w1, w3 [L, F, H], w2
     [L, H, F] (this process's slots in slot order; `expert_ids` names each slot's expert);
     shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H].
+
+    pack_weights (default on): the layer keeps packed copies of the expert weights (a second
+    copy, laid out for its CPU kernel, which reads each weight once per pass at any batch
+    size) and packs again before a forward whenever an expert parameter changed in place
+    (an optimizer step, load_state_dict: torch's version counter) or was replaced. A change
+    that bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
+    pack_weights="bf16": the copies are rounded to bf16 (half the bytes a pass reads; the
+    parameters, activations and sums stay fp32); False: the layer reads the parameters.
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
@@ -132,7 +140,8 @@ class MoE(nn.Module):
                  router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
                  max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
-                 fuse_grad_accumulation: bool = False, group=None,
+                 fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = True,
+                 group=None,
                  ranks: Optional[int] = None):
         super().__init__()
         if group is not None and ranks is not None:
@@ -200,6 +209,23 @@ class MoE(nn.Module):
         self._layer = _epmoe.Layer(entry, self.config, self.phy_to_log, self.router_args,
                                    self._rank_weights(), group, 0 if group is not None else R)
         self._bound = self._pointers()
+        if pack_weights not in (True, False, "bf16"):
+            raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be True, False or 'bf16'")
+        self._pack = pack_weights is not False
+        self._pack_bf16 = pack_weights == "bf16"
+        self._packed_versions = None  # packed at the first forward
+
+    def pack_weights(self):
+        """Packs the expert weights again now (after writing them through `p.data`, which torch's
+        version counter does not see); a no-op with pack_weights=False."""
+        if self._pack:
+            self._layer.pack(True, self._pack_bf16)
+            self._packed_versions = self._versions()
+
+    def _versions(self):
+        kinds = EXPERT_TENSORS[self.expert_kind]
+        names = [n for n in self._param_names if n in kinds or n[len("shared_"):] in kinds]
+        return tuple(getattr(self, n)._version for n in names)
 
     # --- Hugging Face blocks (epmoe/hf.py, docs/pytorch.md) --------------------------------
     @classmethod
@@ -360,6 +386,8 @@ class MoE(nn.Module):
         if self._pointers() != self._bound:  # a parameter was replaced (load_state_dict(assign), .to())
             self._layer.rebind(self._rank_weights())
             self._bound = self._pointers()
+        if self._pack and self._versions() != self._packed_versions:
+            self.pack_weights()  # new values since the last pack
         shape = x.shape
         flat = x.view(-1, shape[-1]) if x.dim() != 2 and x.is_contiguous() else x
         params = [getattr(self, n) for n in self._param_names]

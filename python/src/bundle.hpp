@@ -79,6 +79,12 @@ class layer_of final : public any_layer {
 
   const pass_stats& stats() const override { return layer_.stats(); }
   void rebind(const rank_weights& w) override { layer_.set_weights(weights_of(w)); }
+  void pack(bool on, bool bf16) override {
+    if (on)
+      layer_.pack_weights(bf16 ? packed_precision::bf16 : packed_precision::fp32);
+    else
+      layer_.unpack_weights();
+  }
   moe_load global_load() override {
     auto g = layer_.gather_load();
     return {std::move(g.per_expert), std::move(g.per_rank)};

@@ -349,6 +349,12 @@ class layer {
           weights_of(weights[r].cast<::py::dict>(), "weights[" + std::to_string(r) + "]"));
   }
 
+  /// Local: every local rank packs its expert weights (their values now), or unpacks them.
+  void pack(bool on, bool bf16) {
+    ::py::gil_scoped_release free;
+    for (auto& l : layers_) l->pack(on, bf16);
+  }
+
   /// Each local rank's (rows per logical expert, rows computed per rank) of the last pass,
   /// summed over all ranks (collective; every rank gets the same).
   std::pair<std::vector<index_t>, std::vector<index_t>> global_load() {
@@ -549,6 +555,7 @@ PYBIND11_MODULE(_epmoe, m) {
       .def("forward", &ep::layer::forward)
       .def("backward", &ep::layer::backward)
       .def("rebind", &ep::layer::rebind)
+      .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("bf16") = false)
       .def("stats", &ep::layer::stats)
       .def("global_load", &ep::layer::global_load)
       .def("update_router", &ep::layer::update_router)

@@ -187,13 +187,62 @@ def test_backward_of_an_older_forward_raises():
     assert torch.isfinite(x.grad).all()
 
 
-def test_a_replaced_parameter_is_used():
-    moe = build("mixtral", 2)
-    x = torch.randn(9, H)
-    moe.w1 = torch.nn.Parameter(moe.w1.detach() * 2)  # a new tensor, not an in-place update
+def forward_equals_reference(moe, x, what):
+    """moe(x) (no grad) against the reference over the module's parameters now."""
     with torch.no_grad():
         y, _ = moe(x)
-    close(y, reference(moe, logical(moe), x, shards(9, 2))["y"], "y after the swap")
+    close(y, reference(moe, logical(moe), x, shards(x.shape[0], moe.ranks))["y"], what)
+    return y
+
+
+def test_a_replaced_parameter_is_used():
+    moe = build("mixtral", 2)
+    moe.w1 = torch.nn.Parameter(moe.w1.detach() * 2)  # a new tensor, not an in-place update
+    forward_equals_reference(moe, torch.randn(9, H), "y after the swap")
+
+
+def test_an_optimizer_step_is_packed_again():
+    """The packed expert copies follow an in-place update (torch's version counter)."""
+    moe = build("qwen2 shared, gate, bias", 2)
+    x = torch.randn(11, H)
+    y, _ = moe(x)
+    y.square().sum().backward()
+    torch.optim.SGD(moe.parameters(), lr=0.5).step()
+    forward_equals_reference(moe, x, "y after the step")
+
+
+def test_a_write_through_data_needs_pack_weights():
+    moe = build("mixtral", 1)
+    x = torch.randn(7, H)
+    with torch.no_grad():
+        before, _ = moe(x)
+        moe.w2.data.mul_(-1)  # bypasses the version counter: the packed copies are kept
+        stale, _ = moe(x)
+        assert torch.equal(stale, before)
+    moe.pack_weights()
+    close(forward_equals_reference(moe, x, "y after pack_weights"), -before, "y negated")
+
+
+def test_bf16_packed_copies_compute_with_rounded_experts():
+    moe = build("qwen2 shared, gate, bias", 2, pack_weights="bf16")
+    x = torch.randn(13, H)
+    with torch.no_grad():
+        y, _ = moe(x)
+    w = logical(moe)
+    kinds = EXPERT_TENSORS[moe.expert_kind]
+    rounded = {k: (v.bfloat16().float() if k in kinds or k[len("shared_"):] in kinds else v)
+               for k, v in w.items()}
+    close(y, reference(moe, rounded, x, shards(13, 2))["y"], "y (bf16 experts)")
+    err = (y - reference(moe, w, x, shards(13, 2))["y"].reshape(y.shape)).abs().max().item()
+    assert 1e-6 < err < 2e-2 * max(1.0, y.abs().max().item())  # bf16's rounding, and only it
+    with pytest.raises(ValueError, match="pack_weights = 'fp16'"):
+        build("mixtral", 1, pack_weights="fp16")
+
+
+def test_pack_weights_off_reads_the_tensors():
+    moe = build("mixtral", 2, pack_weights=False)
+    moe.w2.data.mul_(-1)
+    forward_equals_reference(moe, torch.randn(7, H), "y unpacked")
 
 
 def test_unknown_choices_list_the_menu():

@@ -28,12 +28,14 @@ std::vector<cpu_path> paths_here() {
 // c = a bᵀ on (M, N, K) with padded strides, c NaN before the call (a cell nobody wrote
 // fails), against a double loop; columns outside [first column, last) and the padding keep
 // their sentinel. Returns the cells checked.
-index_t check(cpu_path path, index_t M, index_t N, index_t K, index_t p0 = 0, index_t p1 = -1) {
-  CAPTURE(epmoe::space::name_of(path), M, N, K, p0, p1);
+index_t check(cpu_path path, index_t M, index_t N, index_t K, index_t p0 = 0, index_t p1 = -1,
+              epmoe::packed_precision as = epmoe::packed_precision::fp32) {
+  const bool bf16 = as == epmoe::packed_precision::bf16;
+  CAPTURE(epmoe::space::name_of(path), M, N, K, p0, p1, bf16);
   const index_t lda = K + 3, ldb = K + 1, ldc = N + 2;
   const auto a = test::uniform(static_cast<std::size_t>(M * lda), 1 + M);
   const auto b = test::uniform(static_cast<std::size_t>(N * ldb), 2 + N);
-  const epmoe::space::packed_nt packed(matrix_view<const float>(b.data(), N, K, ldb));
+  const epmoe::space::packed_nt packed(matrix_view<const float>(b.data(), N, K, ldb), as);
   if (p1 < 0) p1 = packed.panels();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> c(static_cast<std::size_t>(M * ldc), nan);
@@ -50,7 +52,8 @@ index_t check(cpu_path path, index_t M, index_t N, index_t K, index_t p0 = 0, in
       }
       double s = 0, mag = 0;
       for (index_t k = 0; k < K; ++k) {
-        const double p = double{a[i * lda + k]} * b[j * ldb + k];
+        const float w = b[j * ldb + k];
+        const double p = double{a[i * lda + k]} * (bf16 ? epmoe::space::bf16_rounded(w) : w);
         s += p;
         mag += std::abs(p);
       }
@@ -77,6 +80,24 @@ TEST_CASE("packed gemm: every path this CPU runs equals a double loop, odd shape
   CHECK(epmoe::space::cpu_runs(epmoe::space::best_cpu_path()));
 }
 
+TEST_CASE("packed gemm: bf16 panels, every path, equal a double loop over the rounded weights") {
+  index_t cells = 0;
+  for (cpu_path path : paths_here())
+    for (index_t M : {1, 5, 12, 13, 40})
+      for (index_t N : {1, 17, 33, 70})
+        for (index_t K : {1, 3, 16, 37})
+          cells += check(path, M, N, K, 0, -1, epmoe::packed_precision::bf16);
+  CHECK(cells > 0);
+  // Rounding: to nearest even, NaN kept, bf16 values exact.
+  using epmoe::space::bf16_rounded;
+  CHECK(bf16_rounded(1.f) == 1.f);
+  CHECK(bf16_rounded(1.f + 1.f / 256) == 1.f);               // a tie rounds to even
+  CHECK(bf16_rounded(1.f + 3.f / 256) == 1.f + 4.f / 256);   // a tie rounds to even (up)
+  CHECK(bf16_rounded(1.f + 1.5f / 256) == 1.f + 2.f / 256);  // nearest
+  CHECK(std::isnan(bf16_rounded(std::numeric_limits<float>::quiet_NaN())));
+  CHECK(std::isinf(bf16_rounded(std::numeric_limits<float>::infinity())));
+}
+
 TEST_CASE("packed gemm: a range of panels writes only its columns") {
   for (cpu_path path : paths_here()) {
     CHECK(check(path, 7, 100, 19, 1, 3) == 7 * 64);
@@ -88,10 +109,10 @@ TEST_CASE("packed gemm: repack refills in place, a new shape reallocates") {
   const index_t N = 40, K = 9;
   auto b = test::uniform(static_cast<std::size_t>(N * K), 7);
   epmoe::space::packed_nt p(matrix_view<const float>(b.data(), N, K));
-  const float* first = p.panel(0);
+  const float* first = p.panel<float>(0);
   for (float& v : b) v = -v;  // a training step changed the weights
   p.repack(matrix_view<const float>(b.data(), N, K));
-  CHECK(p.panel(0) == first);
+  CHECK(p.panel<float>(0) == first);
   const auto x = test::uniform(static_cast<std::size_t>(K), 8);
   std::vector<float> y(static_cast<std::size_t>(N));
   epmoe::space::gemm_nt_packed(matrix_view<const float>(x.data(), 1, K), p,
@@ -107,5 +128,7 @@ TEST_CASE("packed gemm: repack refills in place, a new shape reallocates") {
   p.repack(matrix_view<const float>(b.data(), N / 2, K));  // another shape
   CHECK(p.rows() == N / 2);
   CHECK(p.panels() == 1);
-  CHECK(p.packed_floats() == 32 * K);
+  CHECK(p.packed_bytes() == 32 * K * 4);
+  p.repack(matrix_view<const float>(b.data(), N / 2, K), epmoe::packed_precision::bf16);
+  CHECK(p.packed_bytes() == 32 * K * 2);  // half the bytes
 }

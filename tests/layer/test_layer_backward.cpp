@@ -364,6 +364,22 @@ TEST_CASE("layer backward: dx and every gradient equal the reference on 1, 2 and
       recompute);
 }
 
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
+namespace {
+struct packed_train : train_policies<router::topk_softmax<2>> {
+  static constexpr layer_options options{.pack_weights = true};
+};
+}  // namespace
+
+TEST_CASE("layer backward: over packed expert weights, kept or recomputed hidden layers",
+          "[layer][backward]") {
+  check_step<packed_train>(train_layer(2), {}, {}, 21);
+  layer_config recompute = train_layer(2);
+  recompute.recompute = true;  // backward recomputes a and b from the packed copies
+  check_step<packed_train>(recompute, {}, {}, 22);
+}
+#endif
+
 TEST_CASE("layer backward: capacity drops get no gradient, padded capacity the same",
           "[layer][backward]") {
   layer_config cfg = train_layer(2);

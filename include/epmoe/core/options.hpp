@@ -9,6 +9,11 @@
 //   };
 namespace epmoe {
 
+/// The element type of a layer's packed expert weights (layer_options::pack_weights): fp32,
+/// or bf16 (half the bytes a pass reads; each weight rounded to nearest even once, at pack
+/// time; activations, products and sums stay fp32).
+enum class packed_precision { fp32, bf16 };
+
 struct layer_options {
   /// Per-rank dedup: a token sends one row to each rank that holds any of its experts, and
   /// that rank returns one weighted sum (as DeepEP and Tutel do).
@@ -18,6 +23,13 @@ struct layer_options {
   /// GEMM gives up its alignment head; the other kernels already are). Across rank counts
   /// results agree within fp32 rounding (a rank count changes which rows share a GEMM).
   bool deterministic = false;
+  /// Expert weights packed at construction into storage the layer owns, in the layout of
+  /// the space's own GEMM (space::host: panels read once per pass at any row count; see
+  /// moe_layer::pack_weights). Costs a second copy of this rank's expert weights; weights
+  /// changed in place afterwards (an optimizer step) need pack_weights() again.
+  bool pack_weights = false;
+  /// The packed copies' element type (pack_weights() may choose another at run time).
+  packed_precision pack_as = packed_precision::fp32;
 };
 
 namespace detail {

@@ -13,6 +13,7 @@
 
 #include "epmoe/core/view.hpp"
 #include "epmoe/space/host_gemm.hpp"
+#include "epmoe/space/host_packed.hpp"
 
 namespace epmoe::space {
 
@@ -134,12 +135,23 @@ class host : public allocates<host> {
   void gemm_nt(matrix_view<const float> a, matrix_view<const float> b, matrix_view<float> c) const {
     host_gemm_nt(a, b, c, helpers_.get(), fixed_order_);
   }
-  /// Per group g: c's rows of g = a's rows of g x b[g]^T (the local experts' GEMMs).
+  /// Per group g: c's rows of g = a's rows of g x b[g]^T (the local experts' GEMMs). When b
+  /// is packed (use_packed), every group's panels in one job over the helper threads.
   void grouped_gemm_nt(grouped_rows<const float> a, stacked_view<const float> b,
                        grouped_rows<float> c) const {
+    if (packed_)
+      if (const packed_nt* pb = packed_->find(b)) return grouped_gemm_nt_packed(a, b, pb, c);
     for (int g = 0; g < a.groups; ++g)
       if (a.offsets[g + 1] > a.offsets[g]) gemm_nt(a.group(g), b[g], c.group(g));
   }
+
+  /// Reads the weights `p` holds packed copies of from those copies (nullptr: from the
+  /// weights). `p` belongs to the caller (the layer) and must outlive its use here.
+  void use_packed(const packed_weights* p) { packed_ = p; }
+  using packed_store = packed_weights;
+  /// The packed kernel's instructions: the best this CPU runs, or another it runs (tests).
+  void set_cpu_path(cpu_path p) { path_ = cpu_runs(p) ? p : best_cpu_path(); }
+  cpu_path kernel_path() const { return path_; }
 
   /// Per group g: c's rows of g (+)= a's rows of g x b[g] (b[g] row-major [K, N], not
   /// transposed: the backward's dX = dY W). Empty groups are skipped.
@@ -247,7 +259,55 @@ class host : public allocates<host> {
   detail::stream_helpers* helpers() const { return helpers_.get(); }
 
  private:
+  // The groups' GEMMs over packed b: chunks of (group, panels) that the caller and the
+  // helpers take in turn, so small experts share one wake-up and large ones split.
+  void grouped_gemm_nt_packed(grouped_rows<const float> a, stacked_view<const float> weights,
+                              const packed_nt* b, grouped_rows<float> c) const {
+    const index_t panels = b[0].panels(), K = b[0].cols();
+    // A group of many rows goes to sgemm (which packs b itself, and then runs a little
+    // faster than the panel kernel: epmoe_bench_gemm); the others to one packed job.
+    // (fp32 copies only: bf16 ones compute with their rounded values at every row count.)
+    const bool to_blas = has_blas && b[0].precision() == packed_precision::fp32;
+    const auto packed_rows = [&](int g) {
+      const index_t n = a.offsets[g + 1] - a.offsets[g];
+      return to_blas && n > packed_max_rows ? index_t{0} : n;
+    };
+    index_t rows = 0, active = 0;
+    for (int g = 0; g < a.groups; ++g) {
+      if (packed_rows(g) == 0 && a.offsets[g + 1] > a.offsets[g])
+        gemm_nt(a.group(g), weights[g], c.group(g));
+      const index_t n = packed_rows(g);
+      rows += n;
+      active += n > 0;
+    }
+    if (active == 0) return;
+    const int threads = detail::stream_threads(std::max<index_t>(rows, 2), b[0].rows(), K);
+    // Pieces per group: about 16 chunks per thread over the active groups, so that experts
+    // of unequal rows still share the threads evenly (4 per thread left one thread ~30% of a
+    // Mixtral-like T=128 pass alone).
+    const index_t pieces = std::clamp<index_t>((16 * threads + active - 1) / active, 1, panels);
+    const auto job = [&](int q) {
+      const int g = static_cast<int>(q / pieces);
+      const index_t piece = q % pieces;
+      if (packed_rows(g) == 0) return;
+      gemm_nt_packed(a.group(g), b[g], c.group(g), panels * piece / pieces,
+                     panels * (piece + 1) / pieces, path_);
+    };
+    const int chunks = static_cast<int>(a.groups * pieces);
+    if (threads > 1 && helpers_->run(threads, chunks, job)) return;
+    for (int q = 0; q < chunks; ++q) job(q);
+  }
+
+#if defined(EPMOE_HAS_CBLAS)
+  static constexpr bool has_blas = true;
+#else
+  static constexpr bool has_blas = false;
+#endif
+  static constexpr index_t packed_max_rows = 160;
+
   std::shared_ptr<detail::stream_helpers> helpers_;
+  const packed_weights* packed_ = nullptr;
+  cpu_path path_ = best_cpu_path();
   bool fixed_order_ = false;
 };
 
