@@ -121,13 +121,16 @@ class MoE(nn.Module):
     [L, H, F] (this process's slots in slot order; `expert_ids` names each slot's expert);
     shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H].
 
-    pack_weights (default on): the layer keeps packed copies of the expert weights (a second
-    copy, laid out for its CPU kernel, which reads each weight once per pass at any batch
-    size) and packs again before a forward whenever an expert parameter changed in place
-    (an optimizer step, load_state_dict: torch's version counter) or was replaced. A change
-    that bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
-    pack_weights="bf16": the copies are rounded to bf16 (half the bytes a pass reads; the
-    parameters, activations and sums stay fp32); False: the layer reads the parameters.
+    pack_weights: whether the layer keeps packed copies of the expert weights (a second copy,
+    laid out for its CPU kernel, which reads each weight once per pass at any batch size).
+    "auto" (the default): packed while the module is in eval mode, the parameters read
+    directly in train mode (repacking after every optimizer step costs more than it saves:
+    one read and write of every expert weight, 81 ms for 8 Mixtral experts on a 2-core EPYC).
+    True: packed in both modes; "bf16": packed, rounded to bf16 (half the bytes a pass reads;
+    the parameters, activations and sums stay fp32), in both modes; False: never. Packed
+    copies are made again before a forward whenever an expert parameter changed in place (an
+    optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
+    bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
@@ -140,7 +143,7 @@ class MoE(nn.Module):
                  router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
                  max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
-                 fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = True,
+                 fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = "auto",
                  group=None,
                  ranks: Optional[int] = None):
         super().__init__()
@@ -209,17 +212,25 @@ class MoE(nn.Module):
         self._layer = _epmoe.Layer(entry, self.config, self.phy_to_log, self.router_args,
                                    self._rank_weights(), group, 0 if group is not None else R)
         self._bound = self._pointers()
-        if pack_weights not in (True, False, "bf16"):
-            raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be True, False or 'bf16'")
-        self._pack = pack_weights is not False
-        self._pack_bf16 = pack_weights == "bf16"
-        self._packed_versions = None  # packed at the first forward
+        if pack_weights not in ("auto", True, False, "bf16"):
+            raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
+                             "False or 'bf16'")
+        self._pack = pack_weights
+        self._packed_versions = None  # packed at the first forward that packs
+
+    @property
+    def packed(self) -> bool:
+        """Whether the last forward read packed copies of the expert weights."""
+        return self._packed_versions is not None
+
+    def _wants_packing(self) -> bool:
+        return self._pack in (True, "bf16") or (self._pack == "auto" and not self.training)
 
     def pack_weights(self):
         """Packs the expert weights again now (after writing them through `p.data`, which torch's
-        version counter does not see); a no-op with pack_weights=False."""
-        if self._pack:
-            self._layer.pack(True, self._pack_bf16)
+        version counter does not see); a no-op when this mode reads the parameters."""
+        if self._wants_packing():
+            self._layer.pack(True, self._pack == "bf16")
             self._packed_versions = self._versions()
 
     def _versions(self):
@@ -386,7 +397,11 @@ class MoE(nn.Module):
         if self._pointers() != self._bound:  # a parameter was replaced (load_state_dict(assign), .to())
             self._layer.rebind(self._rank_weights())
             self._bound = self._pointers()
-        if self._pack and self._versions() != self._packed_versions:
+        if not self._wants_packing():
+            if self._packed_versions is not None:  # back to reading the parameters
+                self._layer.pack(False)
+                self._packed_versions = None
+        elif self._versions() != self._packed_versions:
             self.pack_weights()  # new values since the last pack
         shape = x.shape
         flat = x.view(-1, shape[-1]) if x.dim() != 2 and x.is_contiguous() else x

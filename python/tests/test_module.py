@@ -63,8 +63,9 @@ CASES = {
 
 
 def build(case, ranks, seed=0, **kw):
+    """The module of a case; packed expert weights (in train mode too) unless kw says else."""
     torch.manual_seed(seed)
-    moe = MoE(H, F, **{**CASES[case], **kw}, ranks=ranks, max_tokens=64)
+    moe = MoE(H, F, **{**CASES[case], "pack_weights": True, **kw}, ranks=ranks, max_tokens=64)
     g = torch.Generator().manual_seed(seed + 1)
     moe.reset_parameters(generator=g)
     with torch.no_grad():  # nonzero biases, so their gradients and values are checked
@@ -235,8 +236,23 @@ def test_bf16_packed_copies_compute_with_rounded_experts():
     close(y, reference(moe, rounded, x, shards(13, 2))["y"], "y (bf16 experts)")
     err = (y - reference(moe, w, x, shards(13, 2))["y"].reshape(y.shape)).abs().max().item()
     assert 1e-6 < err < 2e-2 * max(1.0, y.abs().max().item())  # bf16's rounding, and only it
-    with pytest.raises(ValueError, match="pack_weights = 'fp16'"):
+    with pytest.raises(ValueError, match="pack_weights = 'fp16': must be 'auto'"):
         build("mixtral", 1, pack_weights="fp16")
+
+
+def test_auto_packs_in_eval_mode_only():
+    moe = build("mixtral", 2, pack_weights="auto")
+    x = torch.randn(5, H)
+    moe.train()
+    forward_equals_reference(moe, x, "y in train mode")
+    assert not moe.packed
+    moe.eval()
+    forward_equals_reference(moe, x, "y in eval mode")
+    assert moe.packed
+    moe.train()
+    moe.w2.data.mul_(-1)  # read directly again in train mode: seen without pack_weights()
+    forward_equals_reference(moe, x, "y in train mode again")
+    assert not moe.packed
 
 
 def test_pack_weights_off_reads_the_tensors():

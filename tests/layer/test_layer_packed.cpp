@@ -63,7 +63,7 @@ int check_path() {
                              .ranks = R,
                              .max_tokens = static_cast<int>(T),
                              .capacity_factor = 1.0,
-                             .shared_experts = 1,
+                             .shared_experts = 2,  // the second one: a slice at j = 1
                              .shared_ffn = 33};
       const auto w = reference::full_weights::random(cfg, 17 + R);
       const auto g = test::make_tokens(std::vector<index_t>(R, T), cfg.hidden, 3 * R + T);
@@ -140,7 +140,9 @@ TEST_CASE("packed layer: copies of the values at pack time, refreshed by pack_we
   const auto y16 = run();
   CHECK(test::relative_error(y16, want16) <= 1e-5);
   CHECK(test::relative_error(y16, want) > 1e-6);  // the rounding shows: bf16 did run
-  layer.set_weights({other.gate_view(), theirs.experts()});
+  auto theirs_changed = theirs;  // set_weights packs copies of these values, then reads them
+  layer.set_weights({other.gate_view(), theirs_changed.experts()});
+  for (float& v : theirs_changed.w2) v = -v;
   CHECK(test::relative_error(run(), want16) <= 1e-5);
 }
 
