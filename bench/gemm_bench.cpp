@@ -103,13 +103,18 @@ int main(int argc, char** argv) {
   std::vector<sp::cpu_path> paths;
   for (sp::cpu_path p : {sp::cpu_path::portable, sp::cpu_path::avx2, sp::cpu_path::avx512})
     if (sp::cpu_runs(p)) paths.push_back(p);
+  // bf16 panels: widened to fp32 on the best fp32 path, and AVX512-BF16 dot products.
+  const sp::cpu_path widen = paths.back();
+  const bool dot = sp::cpu_runs(sp::cpu_path::avx512_bf16);
   std::printf("machine: %s; packed paths:", cpu_model().c_str());
   for (sp::cpu_path p : paths) std::printf(" %s", sp::name_of(p));
-  std::printf(" (best %s); one thread; %s\n\n", sp::name_of(sp::best_cpu_path()),
-              sp::host_gemm_backend());
+  std::printf(" (best %s%s); one thread; %s\n\n", sp::name_of(widen),
+              dot ? ", AVX512-BF16 for bf16" : "", sp::host_gemm_backend());
   std::printf("%-12s %5s %12s %12s", "projection", "M", "sgemm GF/s", "stream GF/s");
   for (sp::cpu_path p : paths) std::printf(" %10s GF/s", sp::name_of(p));
-  std::printf(" %10s %14s\n", "best/sgemm", "best weights GB/s");
+  std::printf(" %10s %14s %16s", "best/sgemm", "best weights GB/s", "bf16 widen GF/s");
+  if (dot) std::printf(" %14s %10s", "bf16 dot GF/s", "dot/sgemm");
+  std::printf("\n");
   timer time{.reps = reps};
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> d(-1.f, 1.f);
@@ -117,7 +122,7 @@ int main(int argc, char** argv) {
     std::vector<float> b(static_cast<std::size_t>(s.n * s.k));
     for (float& v : b) v = d(rng);
     const matrix_view<const float> bv(b.data(), s.n, s.k);
-    const sp::packed_nt packed(bv);
+    const sp::packed_nt packed(bv), packed16(bv, epmoe::packed_precision::bf16);
     for (index_t M : rows) {
       std::vector<float> a(static_cast<std::size_t>(M * s.k)), c(static_cast<std::size_t>(M * s.n));
       for (float& v : a) v = d(rng);
@@ -141,9 +146,23 @@ int main(int argc, char** argv) {
       for (sp::cpu_path p : paths) {
         const double t = time.median([&] { sp::gemm_nt_packed(av, packed, cv, p); });
         std::printf(" %15.1f", flops / t / 1e9);
-        if (p == sp::best_cpu_path()) best = t;
+        if (p == widen) best = t;
       }
-      std::printf(" %9.2fx %14.1f\n", t_blas / best, bytes / best / 1e9);
+      std::printf(" %9.2fx %14.1f", t_blas / best, bytes / best / 1e9);
+      const double t_widen = time.median([&] { sp::gemm_nt_packed(av, packed16, cv, widen); });
+      std::printf(" %16.1f", flops / t_widen / 1e9);
+      if (dot) {
+        // The rows rounded once, as the layer does, outside the timed call.
+        const epmoe::index_t words = (s.k + 1) / 2;
+        std::vector<std::uint32_t> pairs(static_cast<std::size_t>(M * words));
+        sp::to_bf16_pairs(av, pairs.data(), words, sp::cpu_path::avx512_bf16);
+        const double t_dot = time.median([&] {
+          sp::gemm_nt_packed(av, {pairs.data(), words}, packed16, cv, 0, packed16.panels(),
+                             sp::cpu_path::avx512_bf16);
+        });
+        std::printf(" %14.1f %9.2fx", flops / t_dot / 1e9, t_blas / t_dot);
+      }
+      std::printf("\n");
     }
   }
   return 0;

@@ -136,9 +136,14 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
       for (auto v : {shared.w1, shared.w3, shared.w2}) packed.pack(v, as);
     space.use_packed(&packed);
   }
-  const std::string kernel = o.pack ? std::string(bf16 ? "packed bf16 (convert) " : "packed ") +
-                                          epmoe::space::name_of(space.kernel_path())
-                                    : "sgemm/stream";
+  const bool dot = bf16 && space.kernel_path() == epmoe::space::cpu_path::avx512_bf16;
+  const std::string kernel =
+      !o.pack ? "sgemm/stream"
+      : dot   ? "packed bf16 AVX512-BF16 dot"
+              : std::string(bf16 ? "packed bf16 (widened) " : "packed ") +
+                  epmoe::space::name_of(space.kernel_path() == epmoe::space::cpu_path::avx512_bf16
+                                            ? epmoe::space::cpu_path::avx512
+                                            : space.kernel_path());
   cache_flusher flush(o.flush);
   using v8 = float __attribute__((vector_size(32)));
   std::vector<v8> probe;
@@ -206,9 +211,24 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
       }
     };
 
-    // One GEMM doing the same FLOPs: [M, H] x [H, 3F], M = expert rows (routed + shared).
+    // One GEMM doing the same FLOPs: [M, H] x [H, 3F], M = expert rows (routed + shared);
+    // with bf16 copies, one GEMM over bf16 panels on the layer's kernel (its own best rate).
     const index_t M = std::max<index_t>(1, std::llround(mean_flops / (6.0 * H * F)));
     std::vector<float> ra(M * H, 0.01f), rb(3 * F * H, 0.01f), rc(M * 3 * F);
+    epmoe::space::host one_space{};
+    epmoe::space::packed_weights one_packed;
+    const epmoe::stacked_view<const float> rbv(rb.data(), 1, 3 * F, H);
+    const index_t one_rows[2] = {0, M};
+    if (bf16) {
+      one_packed.pack(rbv, as);
+      one_packed.reserve_inputs(M);
+      one_space.use_packed(&one_packed);
+    }
+    const auto one_big_gemm = [&] {
+      if (!bf16) return one_gemm(ra.data(), rb.data(), rc.data(), M, 3 * F, H);
+      one_space.grouped_gemm_nt({ra.data(), H, H, 1, one_rows, one_rows}, rbv,
+                                {rc.data(), 3 * F, 3 * F, 1, one_rows, one_rows});
+    };
 
     // Reading the activated weights' bytes once (a buffer of that size, all cores), timed
     // beside the layer: the memory side of the roofline, from the same minutes of the run.
@@ -241,8 +261,7 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     const int reps = repeat(o.reps, [&](int i) {
       const int b = (i + B) % B;
       const bool keep = i >= 0;
-      timed(keep ? &t_gemm : nullptr,
-            [&] { one_gemm(ra.data(), rb.data(), rc.data(), M, 3 * F, H); });
+      timed(keep ? &t_gemm : nullptr, one_big_gemm);
       timed(keep ? &t_alone : nullptr, [&] { gemms_alone((b + 2) % B); });
       timed(keep ? &t_layer : nullptr, [&] { run_layer(b); });
       timed(keep ? &t_read : nullptr, read_weights_bytes);
@@ -255,7 +274,7 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     const double weight_gbs = weight_bytes / layer_s * 1e-9;
     // The roofline bound: reading the activated weights once (timed beside the layer), or the
     // expert FLOPs at one large sgemm's rate (the machine's, or the side-by-side one GEMM of
-    // these FLOPs when it ran faster), whichever is longer.
+    // these FLOPs when it ran faster: with bf16 copies, the bf16 one), whichever is longer.
     const double gemm_rate = std::max(m.sgemm_gflops * 1e9, mean_flops / gemm_s);
     const double bound_s = std::max(read_s, mean_flops / gemm_rate);
     json p = json::object();

@@ -373,6 +373,10 @@ class moe_layer {
     if (cfg_.shared_experts > 0)
       for (auto* v : expert_type::tensors(w_.shared)) all.at(n++) = *v;
     packed_.pack_only(std::span(all.data(), n), as);
+    // Room for the passes' inputs as bf16 (the AVX512-BF16 path): a unit's expert rows, or
+    // the tokens of the shared experts.
+    if (as == packed_precision::bf16 && space_.kernel_path() == space::cpu_path::avx512_bf16)
+      packed_.reserve_inputs(std::max<index_t>(layout_.expert_rows, cfg_.max_tokens));
     pack_as_ = as;
     space_.use_packed(&packed_);
   }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "epmoe/comm/threads.hpp"
+#include "epmoe/space/host_packed.hpp"
 #include "layers.hpp"
 
 namespace py = pybind11;
@@ -542,6 +543,11 @@ PYBIND11_MODULE(_epmoe, m) {
     }
     return out;
   });
+  m.def(
+      "cpu_kernel",
+      [] { return std::string(epmoe::space::name_of(epmoe::space::best_cpu_path())); },
+      "The packed kernel this CPU runs: AVX512-BF16 (bf16 copies multiply bf16 inputs), "
+      "AVX-512, AVX2+FMA or portable");
   m.def("reference", &ep::run_reference, "The float64 reference of a menu entry (tests)",
         ::py::arg("bundle"), ::py::arg("config"), ::py::arg("phy_to_log"), ::py::arg("router"),
         ::py::arg("ranks"), ::py::arg("weights"), ::py::arg("x"), ::py::arg("tokens_per_rank"),

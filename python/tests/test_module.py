@@ -34,13 +34,13 @@ def shards(T, R):
     return [T * (r + 1) // R - T * r // R for r in range(R)]
 
 
-def close(got, want, what, scale=None):
-    """Every element within fp32 tolerance of the float64 value; NaN or Inf fails."""
+def close(got, want, what, scale=None, tol=2e-5):
+    """Every element within fp32 tolerance (or tol) of the float64 value; NaN or Inf fails."""
     got, want = got.double(), want.double().reshape(got.shape)
     assert torch.isfinite(got).all(), f"{what}: not finite"
     scale = scale or max(1.0, want.abs().max().item())
     err = (got - want).abs().max().item() / scale
-    assert err < 2e-5, f"{what}: max error {err:.3g} (relative to {scale:.3g})"
+    assert err < tol, f"{what}: max error {err:.3g} (relative to {scale:.3g})"
 
 
 CASES = {
@@ -233,7 +233,10 @@ def test_bf16_packed_copies_compute_with_rounded_experts():
     kinds = EXPERT_TENSORS[moe.expert_kind]
     rounded = {k: (v.bfloat16().float() if k in kinds or k[len("shared_"):] in kinds else v)
                for k, v in w.items()}
-    close(y, reference(moe, rounded, x, shards(13, 2))["y"], "y (bf16 experts)")
+    # AVX512-BF16 multiplies bf16 by bf16: the experts' inputs are rounded too.
+    dot = _epmoe.cpu_kernel() == "AVX512-BF16"
+    close(y, reference(moe, rounded, x, shards(13, 2))["y"], "y (bf16 experts)",
+          tol=1e-2 if dot else 2e-5)
     err = (y - reference(moe, w, x, shards(13, 2))["y"].reshape(y.shape)).abs().max().item()
     assert 1e-6 < err < 2e-2 * max(1.0, y.abs().max().item())  # bf16's rounding, and only it
     with pytest.raises(ValueError, match="pack_weights = 'fp16': must be 'auto'"):

@@ -20,7 +20,7 @@ namespace {
 
 std::vector<cpu_path> paths_here() {
   std::vector<cpu_path> out;
-  for (cpu_path p : {cpu_path::portable, cpu_path::avx2, cpu_path::avx512})
+  for (cpu_path p : {cpu_path::portable, cpu_path::avx2, cpu_path::avx512, cpu_path::avx512_bf16})
     if (epmoe::space::cpu_runs(p)) out.push_back(p);
   return out;
 }
@@ -37,6 +37,9 @@ index_t check(cpu_path path, index_t M, index_t N, index_t K, index_t p0 = 0, in
   const auto b = test::uniform(static_cast<std::size_t>(N * ldb), 2 + N);
   const epmoe::space::packed_nt packed(matrix_view<const float>(b.data(), N, K, ldb), as);
   if (p1 < 0) p1 = packed.panels();
+  // AVX512-BF16 multiplies bf16 by bf16: a rounded as well.
+  const bool round_a = epmoe::space::packed_reads_bf16_pairs(packed, path);
+  CHECK(round_a == (bf16 && path == cpu_path::avx512_bf16));
   const float nan = std::numeric_limits<float>::quiet_NaN();
   std::vector<float> c(static_cast<std::size_t>(M * ldc), nan);
   epmoe::space::gemm_nt_packed(matrix_view<const float>(a.data(), M, K, lda), packed,
@@ -53,7 +56,9 @@ index_t check(cpu_path path, index_t M, index_t N, index_t K, index_t p0 = 0, in
       double s = 0, mag = 0;
       for (index_t k = 0; k < K; ++k) {
         const float w = b[j * ldb + k];
-        const double p = double{a[i * lda + k]} * (bf16 ? epmoe::space::bf16_rounded(w) : w);
+        const float x = a[i * lda + k];
+        const double p = double{round_a ? epmoe::space::bf16_rounded(x) : x} *
+                         (bf16 ? epmoe::space::bf16_rounded(w) : w);
         s += p;
         mag += std::abs(p);
       }
@@ -130,5 +135,33 @@ TEST_CASE("packed gemm: repack refills in place, a new shape reallocates") {
   CHECK(p.panels() == 1);
   CHECK(p.packed_bytes() == 32 * K * 4);
   p.repack(matrix_view<const float>(b.data(), N / 2, K), epmoe::packed_precision::bf16);
-  CHECK(p.packed_bytes() == 32 * K * 2);  // half the bytes
+  CHECK(p.packed_bytes() == 32 * (K + 1) * 2);  // half the bytes (K odd: one zero per pair row)
+}
+
+TEST_CASE("packed gemm: rows to bf16 pairs, every path, equal the scalar rounding") {
+  int rows = 0;
+  for (cpu_path path : paths_here())
+    for (index_t K : {1, 2, 31, 32, 33, 70}) {
+      CAPTURE(epmoe::space::name_of(path), K);
+      const index_t M = 3, lda = K + 5, stride = (K + 1) / 2 + 2;
+      auto a = test::uniform(static_cast<std::size_t>(M * lda), 11 + K);
+      a[0] = 1.f + 1.f / 256;  // a tie: to even
+      std::vector<std::uint32_t> out(static_cast<std::size_t>(M * stride), 0xDEADBEEFu);
+      epmoe::space::to_bf16_pairs(matrix_view<const float>(a.data(), M, K, lda), out.data(), stride,
+                                  path);
+      for (index_t i = 0; i < M; ++i, ++rows)
+        for (index_t w = 0; w < stride; ++w) {
+          const std::uint32_t got = out[i * stride + w];
+          if (w >= (K + 1) / 2) {  // past the row: untouched
+            CHECK(got == 0xDEADBEEFu);
+            continue;
+          }
+          const index_t k = 2 * w;
+          const std::uint32_t lo = epmoe::space::bf16_bits(a[i * lda + k]);
+          const std::uint32_t hi = k + 1 < K ? epmoe::space::bf16_bits(a[i * lda + k + 1]) : 0u;
+          CAPTURE(i, w);
+          CHECK(got == (lo | hi << 16));
+        }
+    }
+  CHECK(rows == 3 * 6 * static_cast<int>(paths_here().size()));
 }

@@ -282,6 +282,20 @@ class host : public allocates<host> {
     }
     if (active == 0) return;
     const int threads = detail::stream_threads(std::max<index_t>(rows, 2), b[0].rows(), K);
+    // The AVX512-BF16 path multiplies bf16 by bf16: the rows rounded once, here, for every
+    // panel of every piece.
+    bf16_pairs a16;
+    if (packed_reads_bf16_pairs(b[0], path_)) {
+      std::uint32_t* pairs = packed_->input_pairs(a.rows(), K);
+      a16 = {pairs, (K + 1) / 2};
+      const auto convert = [&](int g) {
+        if (packed_rows(g) > 0)
+          to_bf16_pairs(a.group(g), pairs + (a.offsets[g] - a.offsets[0]) * a16.stride, a16.stride,
+                        path_);
+      };
+      if (!(threads > 1 && helpers_->run(threads, a.groups, convert)))
+        for (int g = 0; g < a.groups; ++g) convert(g);
+    }
     // Pieces per group: about 16 chunks per thread over the active groups, so that experts
     // of unequal rows still share the threads evenly (4 per thread left one thread ~30% of a
     // Mixtral-like T=128 pass alone).
@@ -290,7 +304,9 @@ class host : public allocates<host> {
       const int g = static_cast<int>(q / pieces);
       const index_t piece = q % pieces;
       if (packed_rows(g) == 0) return;
-      gemm_nt_packed(a.group(g), b[g], c.group(g), panels * piece / pieces,
+      const bf16_pairs ag{
+          a16.data ? a16.data + (a.offsets[g] - a.offsets[0]) * a16.stride : nullptr, a16.stride};
+      gemm_nt_packed(a.group(g), ag, b[g], c.group(g), panels * piece / pieces,
                      panels * (piece + 1) / pieces, path_);
     };
     const int chunks = static_cast<int>(a.groups * pieces);
