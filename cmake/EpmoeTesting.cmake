@@ -103,6 +103,26 @@ endfunction()
 # without --allow-run-as-root and more ranks than cores without --oversubscribe (these 2-core
 # machines); other MPIs do not know these flags, so they are added for Open MPI only.
 function(epmoe_add_mpi_test name exe ranks)
+  epmoe_mpiexec_flags(flags ${ranks})
+  add_test(NAME ${name}
+    COMMAND "${MPIEXEC_EXECUTABLE}" ${flags} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${exe}>
+            ${MPIEXEC_POSTFLAGS})
+  set_tests_properties(${name} PROPERTIES LABELS mpi TIMEOUT 60 PROCESSORS ${ranks})
+endfunction()
+
+# epmoe_add_mpi_fault_test(<name> <exe> <ranks> <scenario> <exchange_timeout>)
+# tests/mpi/faults.sh: <exe> on <ranks> processes, the last one failing with <scenario>
+# (throws, stalls, exits); the script checks every rank's line. A CTest TIMEOUT: a hang fails.
+function(epmoe_add_mpi_fault_test name exe ranks scenario timeout)
+  epmoe_mpiexec_flags(flags ${ranks})
+  add_test(NAME ${name}
+    COMMAND bash "${PROJECT_SOURCE_DIR}/tests/mpi/faults.sh" ${scenario} ${ranks} ${timeout}
+            "${MPIEXEC_EXECUTABLE}" ${flags} ${MPIEXEC_PREFLAGS} -- $<TARGET_FILE:${exe}>)
+  set_tests_properties(${name} PROPERTIES LABELS "mpi;faults" TIMEOUT 60 PROCESSORS ${ranks})
+endfunction()
+
+# epmoe_mpiexec_flags(<out var> <ranks>): mpiexec's flags for <ranks> processes here.
+function(epmoe_mpiexec_flags out ranks)
   if(NOT DEFINED CACHE{EPMOE_MPIEXEC_IS_OPENMPI})
     execute_process(COMMAND "${MPIEXEC_EXECUTABLE}" --version
                     OUTPUT_VARIABLE _out ERROR_QUIET RESULT_VARIABLE _rc)
@@ -123,10 +143,7 @@ function(epmoe_add_mpi_test name exe ranks)
       list(APPEND flags --oversubscribe)
     endif()
   endif()
-  add_test(NAME ${name}
-    COMMAND "${MPIEXEC_EXECUTABLE}" ${flags} ${MPIEXEC_PREFLAGS} $<TARGET_FILE:${exe}>
-            ${MPIEXEC_POSTFLAGS})
-  set_tests_properties(${name} PROPERTIES LABELS mpi TIMEOUT 60 PROCESSORS ${ranks})
+  set(${out} ${flags} PARENT_SCOPE)
 endfunction()
 
 # epmoe_add_cli_tests(<label> <programs...>)

@@ -45,15 +45,18 @@ struct args {
   bool compare_set = false, single = false;  // --compare / --no-compare; --placement/--schedule
   int passes = 5, shared = 0, rounds = 11, max_recv_rows = 0;
   std::uint64_t seed = 1;
+  std::vector<int> lost;  // --lose-ranks: what if these ranks die
 };
 
 constexpr const char* usage_text =
     "usage: epmoe_simulate [--ranks R] [--nodes N] [--experts E] [--top-k K] [--hidden H]\n"
-    "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced]\n"
+    "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced|mirrored]\n"
     "  [--extra-slots S (balanced; default R)] [--capacity dropless|FACTOR] [--dedup]\n"
     "  [--schedule sequential|pipelined] [--chunks C] [--max-recv-rows N] [--skew ZIPF]\n"
     "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
     "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
+    "  [--lose-ranks r,r,...]: then what if those ranks die: capacity lost, the new straggler\n"
+    "      (the balanced placement, or the one --placement names)\n"
     "  [--compare | --no-compare]: block vs balanced x sequential vs pipelined, and the\n"
     "      answer (who straggles, by how much, what replication and overlap recover); the\n"
     "      default unless --placement or --schedule names one configuration\n"
@@ -124,6 +127,8 @@ args parse(int argc, char** argv) {
       a.seed = static_cast<std::uint64_t>(cl.integer());
     else if (cl.is("--dedup"))
       a.dedup = true;
+    else if (cl.is("--lose-ranks"))
+      for (long long r : cl.integers()) a.lost.push_back(static_cast<int>(r));
     else if (cl.is("--compare"))
       a.compare = a.compare_set = true;
     else if (cl.is("--no-compare"))
@@ -131,8 +136,12 @@ args parse(int argc, char** argv) {
     else
       cl.unknown();
   }
-  if (a.placement != "block" && a.placement != "round_robin" && a.placement != "balanced")
-    cl.fail("--placement must be block, round_robin or balanced, not " + a.placement);
+  for (int r : a.lost)
+    if (r < 0 || r >= a.ranks)
+      cl.fail("--lose-ranks: rank " + std::to_string(r) + " is not in [0, --ranks)");
+  if (a.placement != "block" && a.placement != "round_robin" && a.placement != "balanced" &&
+      a.placement != "mirrored")
+    cl.fail("--placement must be block, round_robin, balanced or mirrored, not " + a.placement);
   if (a.schedule != "sequential" && a.schedule != "pipelined")
     cl.fail("--schedule must be sequential or pipelined, not " + a.schedule);
   if (a.capacity != "dropless") {
@@ -183,6 +192,16 @@ placement::table balanced(const args& a, const Source& src) {
       .refined;
 }
 
+// Every expert twice: rank r holds its block and the next rank's (a rank can be lost).
+placement::table mirrored(const layer_config& cfg) {
+  const int L = cfg.experts / cfg.ranks;
+  std::vector<int> phy;
+  for (int r = 0; r < cfg.ranks; ++r)
+    for (int q : {r, (r + 1) % cfg.ranks})
+      for (int j = 0; j < L; ++j) phy.push_back(q * L + j);
+  return placement::table(cfg.experts, cfg.ranks, std::move(phy));
+}
+
 template <class Placement, class Source>
 sim::result run_with(const args& a, const layer_config& cfg, const sim::topology& topo,
                      const Source& src, const Placement& where, int chunks) {
@@ -207,7 +226,8 @@ sim::result run(const args& a, const std::string& where, int chunks, const layer
   if (where == "round_robin")
     return run_with(a, cfg, topo, src, placement::round_robin(cfg), chunks);
   if (where == "balanced") return run_with(a, cfg, topo, src, balanced(a, src), chunks);
-  usage_error("unknown placement " + where + " (block, round_robin, balanced)");
+  if (where == "mirrored") return run_with(a, cfg, topo, src, mirrored(cfg), chunks);
+  usage_error("unknown placement " + where + " (block, round_robin, balanced, mirrored)");
 }
 
 void print(const sim::result& r, int show) {
@@ -250,6 +270,69 @@ void print(const sim::result& r, int show) {
   }
   std::printf("layer latency: %.1f us (%.1f us if every rank did the mean rank's work)\n",
               r.latency * 1e6, r.balanced_latency * 1e6);
+}
+
+// Any placement as a table: the expert each slot holds.
+template <class Placement>
+placement::table as_table(const layer_config& cfg, const Placement& p) {
+  std::vector<int> phy;
+  for (int r = 0; r < cfg.ranks; ++r)
+    for (int j = 0; j < p.slots_per_rank(); ++j) phy.push_back(p.expert_at(r, j));
+  return placement::table(cfg.experts, cfg.ranks, std::move(phy));
+}
+
+// What if ranks die (issue 23): the same pass before and after, on the survivors (each keeps
+// its slots: placement::surviving, the layer's exclude_ranks) at the same tokens per rank.
+template <class Source>
+void what_if(const args& a, const layer_config& cfg, const sim::topology& topo, const Source& src) {
+  std::vector<char> lost(static_cast<std::size_t>(a.ranks), 0);
+  for (int r : a.lost) lost[static_cast<std::size_t>(r)] = 1;
+  const std::string name = a.single ? a.placement : "balanced";
+  const placement::table where = name == "balanced"   ? balanced(a, src)
+                                 : name == "mirrored" ? mirrored(cfg)
+                                 : name == "block"    ? as_table(cfg, placement::block(cfg))
+                                                      : as_table(cfg, placement::round_robin(cfg));
+  std::string which;
+  for (int r : a.lost) which += (which.empty() ? "" : ", ") + std::to_string(r);
+  std::printf("\nwhat if rank(s) %s die (placement %s, %d slots, sequential):\n", which.c_str(),
+              name.c_str(), where.slots());
+  placement::table after;
+  try {
+    after = placement::surviving(where, lost);
+  } catch (const config_error& e) {
+    std::printf("  the layer cannot go on: %s\n", e.what());
+    return;
+  }
+  std::vector<int> old_rank;  // survivor -> its rank before
+  for (int r = 0; r < a.ranks; ++r)
+    if (!lost[static_cast<std::size_t>(r)]) old_rank.push_back(r);
+  std::vector<int> fewer;  // experts that lost a copy but kept one
+  for (int e = 0; e < cfg.experts; ++e) {
+    int before = 0, now = 0;
+    for (int p = 0; p < where.slots(); ++p) before += where.phy_to_log()[p] == e;
+    for (int p = 0; p < after.slots(); ++p) now += after.phy_to_log()[p] == e;
+    if (now < before) fewer.push_back(e);
+  }
+  layer_config cfg2 = cfg;
+  cfg2.ranks = after.ranks();
+  const sim::result r0 = run_with(a, cfg, topo, src, where, 1);
+  const sim::result r1 = run_with(a, cfg2, sim::surviving(topo, lost), src, after, 1);
+  const int gone = where.slots() - after.slots();
+  std::printf(
+      "  capacity lost: %d of %d expert slots (%.1f%%), the tokens of %d rank(s); %zu expert(s) "
+      "lost a copy and run on the others",
+      gone, where.slots(), 100.0 * gone / where.slots(), a.ranks - after.ranks(), fewer.size());
+  for (std::size_t i = 0; i < fewer.size() && i < 8; ++i)
+    std::printf("%s%d", i ? ", " : " (", fewer[i]);
+  std::printf("%s\n", fewer.empty() ? "" : fewer.size() > 8 ? ", ...)" : ")");
+  std::printf("  before: straggler rank %d, %.0f%% above the mean rank; layer %.1f us\n",
+              r0.straggler, 100 * r0.straggler_excess, r0.latency * 1e6);
+  std::printf(
+      "  after:  straggler rank %d (rank %d before), %.0f%% above the mean rank; layer "
+      "%.1f us (%+.1f%%), rows max/mean %.2f (was %.2f)\n",
+      r1.straggler, old_rank[static_cast<std::size_t>(r1.straggler)], 100 * r1.straggler_excess,
+      r1.latency * 1e6, 100 * (r1.latency / r0.latency - 1), r1.rows_imbalance.max_over_mean,
+      r0.rows_imbalance.max_over_mean);
 }
 
 void write_trace(const std::string& path, const sim::result& r) {
@@ -391,6 +474,7 @@ int main(int argc, char** argv) try {
           base.latency * 1e3, base.latency / base.balanced_latency, base.balanced_latency * 1e3,
           bal.c_str(), pct(lat[1][0]), lat[1][0] * 1e3, a.chunks, pct(lat[0][1]), lat[0][1] * 1e3,
           pct(lat[1][1]), lat[1][1] * 1e3);
+      if (!a.lost.empty()) what_if(a, cfg, topo, src);
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
@@ -403,6 +487,7 @@ int main(int argc, char** argv) try {
                 a.schedule.c_str(), chunks, secs);
     print(r, a.show);
     write_trace(a.trace, r);
+    if (!a.lost.empty()) what_if(a, cfg, topo, src);
   };
   if (!a.stats.empty()) {
     std::ifstream f(a.stats);

@@ -6,10 +6,12 @@
 // prints what was wrong and the usage to stderr and exits 2. Call it before MPI starts.
 #pragma once
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace cli {
 
@@ -41,6 +43,17 @@ class command_line {
   }
   long long integer() { return to_integer(value()); }
   double number() { return to_number(value()); }
+  /// The value after the current flag as comma-separated integers ("3,17").
+  std::vector<long long> integers() {
+    const std::string v = value();
+    std::vector<long long> out;
+    for (std::size_t b = 0; b <= v.size();) {
+      const std::size_t e = std::min(v.find(',', b), v.size());
+      out.push_back(to_integer(v.substr(b, e - b)));
+      b = e + 1;
+    }
+    return out;
+  }
   /// The current argument itself, as a number (a positional value).
   long long integer_here() const { return to_integer(arg_); }
   double number_here() const { return to_number(arg_); }

@@ -275,6 +275,7 @@ class moe_layer {
                   "epmoe: this router has no backward yet: moe_layer::backward needs "
                   "router.backward_token(in, ids, g, dlogits) (docs/training.md lists the routers "
                   "that have one)");
+    usable();
     stats();  // the forward's numbers are read before the clock starts again
     back_opt_ = opt;
     std::exception_ptr bad;
@@ -307,6 +308,7 @@ class moe_layer {
   void reduce_gradients(const gradients& grads) {
     detail::require(cfg_.training, "config.training", cfg_.training,
                     "must be true for reduce_gradients (it sizes the staging buffers)");
+    usable();
     // Every rank checks its tensors, then all learn whether every rank may go on.
     std::exception_ptr bad;
     try {
@@ -392,6 +394,27 @@ class moe_layer {
       return !packed_.empty();
     else
       return false;
+  }
+
+  /// Losing ranks (issue 23): the layer of the ranks that survive, collective over them (a
+  /// lost rank does not call). lost[r] != 0 marks rank r lost (size: ranks). Each survivor
+  /// keeps its slots and their weights; placement::surviving re-plans the placement over the
+  /// survivors, renumbered in rank order, so that every expert is served by a surviving copy
+  /// (config_error naming the experts that have none, on every survivor, before any
+  /// exchange). The comm is comm.exclude(lost) (comm::threads). The survivors' passes then
+  /// equal the reference over their tokens alone. This layer is left as it was: its
+  /// exchanges include the lost ranks, so do not run its passes again. The new layer packs
+  /// its weights as its options say (pack_weights() after, for a layer packed at run time).
+  moe_layer exclude_ranks(std::span<const char> lost)
+      const requires std::same_as<placement_type, epmoe::placement::table> &&
+      requires(const comm_type& c, std::span<const char> m) {
+    c.exclude(m);
+  }
+  {
+    epmoe::placement::table where = epmoe::placement::surviving(placement_, lost);
+    layer_config cfg = cfg_;
+    cfg.ranks = where.ranks();
+    return moe_layer(cfg, comm_.exclude(lost), w_, router_, capacity_, std::move(where), space_);
   }
 
  private:
@@ -504,6 +527,7 @@ class moe_layer {
     imbalance experts, ranks;         // the straggler's excess is ranks.excess
   };
   global_load gather_load() {
+    usable();
     const int R = cfg_.ranks, E = cfg_.experts, W = E + 1;
     const pass_stats& s = stats();
     std::vector<index_t> send(static_cast<std::size_t>(R * W)), recv(send.size());
@@ -527,6 +551,7 @@ class moe_layer {
   /// Collective: sums the last pass's per-expert load over all ranks and applies the
   /// router's bias update (DeepSeek-V3 aux-loss-free balancing). Returns the global load.
   std::span<const index_t> update_router() requires router_with_bias<router_type> {
+    usable();
     const int R = cfg_.ranks, E = cfg_.experts;
     // An all-reduce through the comm's all-to-all: send the local load to every rank.
     for (int r = 0; r < R; ++r)
@@ -628,6 +653,7 @@ class moe_layer {
   void run_pass(matrix_view<const value_type> x, matrix_view<value_type> y,
                 std::span<const std::int64_t> token_ids, const routing_view* routing,
                 std::exception_ptr bad) {
+    usable();
     input_error_ = bad;
     call_ = "forward";
     ex_.set_backward(false);  // (a backward that threw may have left it set)
@@ -667,10 +693,72 @@ class moe_layer {
     space_.enter();
     clock_.begin_pass();
     const mark start = clock_.now();
-    schedule_type::run(stages);
+    try {
+      schedule_type::run(stages);
+    } catch (...) {
+      failed_pass();  // rethrows, with the stage, unless every rank rejected the inputs
+      throw;
+    }
     if (advance_pass) space_.for_each(1, rows::advance{pass_counter_.device()});
     clock_.stage(&stage_times::total, start, clock_.now());
     space_.leave();
+  }
+
+  // A pass that failed past the agreement (a rank threw mid-pass, an exchange timed out or
+  // was aborted by a peer): the peers learn it through the comm's abort(), within their next
+  // exchange, and this layer refuses every later call (an exchange in flight cannot be
+  // resumed). Comm errors gain the stage this rank was in. Called inside a catch handler.
+  void failed_pass() {
+    if (std::exchange(agreed_failure_, false)) return;  // every rank rejected the inputs
+    const auto where = [&] {
+      std::string s = std::string("epmoe: ") + call_ + " pass " + std::to_string(pass_) +
+                      ", stage " + stage_name(stage_now_);
+      if (unit_now_ >= 0) {
+        const dispatch_plan& p = plan_.host();
+        s += " (chunk " + std::to_string(ex_.chunk_of_unit(p, unit_now_)) + ", round " +
+             std::to_string(ex_.round_of_unit(p, unit_now_)) + ")";
+      }
+      return s;
+    }();
+    const auto tell_peers = [&](const std::string& why) {
+      if constexpr (requires { comm_.abort(why); }) comm_.abort(why);
+    };
+    try {
+      throw;
+    } catch (const comm_timeout& e) {
+      failed_ = where + ": " + e.what();
+      tell_peers(failed_);
+      throw comm_timeout(failed_);
+    } catch (const comm_aborted& e) {
+      failed_ = where + ": " + e.what();
+      throw comm_aborted(failed_, e.origin());
+    } catch (const std::exception& e) {
+      failed_ = where + ": " + e.what();
+      tell_peers(failed_);
+      throw;
+    } catch (...) {
+      failed_ = where + ": an exception that is no std::exception";
+      tell_peers(failed_);
+      throw;
+    }
+  }
+  static const char* stage_name(double stage_times::*s) {
+    if (s == &stage_times::route) return "route";
+    if (s == &stage_times::plan) return "plan";
+    if (s == &stage_times::permute) return "permute";
+    if (s == &stage_times::shared) return "shared";
+    if (s == &stage_times::dispatch) return "dispatch";
+    if (s == &stage_times::experts) return "experts";
+    if (s == &stage_times::combine) return "combine";
+    if (s == &stage_times::reduce) return "reduce";
+    return "start";
+  }
+  // Throws when an earlier pass failed mid-exchange.
+  void usable() const {
+    if (!failed_.empty())
+      throw comm_aborted("epmoe: this layer is unusable: an earlier pass failed mid-exchange (" +
+                         failed_ +
+                         "); its exchanges cannot be resumed: build a new layer and comm");
   }
 
   static double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -710,6 +798,11 @@ class moe_layer {
   // rank throw (the failing rank its own error), so no rank is left waiting in an exchange.
   static const layer_config& agreed(const layer_config& cfg, comm_type& comm, const weights& w,
                                     const router_type& router, const placement_type& placement) {
+    // The deadline covers the agreement's own exchange too (a bad value: checked() names it).
+    if constexpr (requires { comm.set_timeout(1.0); })
+      if (std::isfinite(cfg.exchange_timeout) && cfg.exchange_timeout >= 0 &&
+          cfg.exchange_timeout <= 1e9)
+        comm.set_timeout(cfg.exchange_timeout);
     agree_on_layer<Policies>(cfg, comm, placement,
                              [&] { checked(cfg, comm, w, router, placement); });
     return cfg;
@@ -885,28 +978,28 @@ class moe_layer {
       l.timed(&stage_times::dispatch, [&] { l.do_counts(); });
     }
     void dispatch_start(int u) {
-      l.timed(&stage_times::dispatch, [&] {
+      l.timed(&stage_times::dispatch, u, [&] {
         auto x = l.context();
         l.ex_.start_dispatch(x, u);
       });
     }
     void dispatch_wait(int u) {
-      l.timed(&stage_times::dispatch, [&] {
+      l.timed(&stage_times::dispatch, u, [&] {
         auto x = l.context();
         l.ex_.wait_dispatch(x, u);
       });
     }
     void experts(int u) {
-      l.timed(&stage_times::experts, [&] { l.do_experts(u); });
+      l.timed(&stage_times::experts, u, [&] { l.do_experts(u); });
     }
     void combine_start(int u) {
-      l.timed(&stage_times::combine, [&] {
+      l.timed(&stage_times::combine, u, [&] {
         auto x = l.context();
         l.ex_.start_combine(x, u);
       });
     }
     void combine_wait(int u) {
-      l.timed(&stage_times::combine, [&] {
+      l.timed(&stage_times::combine, u, [&] {
         auto x = l.context();
         l.ex_.wait_combine(x, u);
       });
@@ -931,16 +1024,23 @@ class moe_layer {
       this->l.timed(&stage_times::shared, [&] { this->l.back_shared(); });
     }
     void experts(int u) {
-      this->l.timed(&stage_times::experts, [&] { this->l.back_experts(u); });
+      this->l.timed(&stage_times::experts, u, [&] { this->l.back_experts(u); });
     }
     void reduce() {
       this->l.timed(&stage_times::reduce, [&] { this->l.back_reduce(); });
     }
   };
 
-  // Runs one stage and notes its span on the stage clock.
+  // Runs one stage (of unit u, or -1) and notes its span on the stage clock, and which stage
+  // ran last (what a failed pass names).
   template <class F>
   void timed(double stage_times::*stage, F&& f) {
+    timed(stage, -1, std::forward<F>(f));
+  }
+  template <class F>
+  void timed(double stage_times::*stage, int u, F&& f) {
+    stage_now_ = stage;
+    unit_now_ = u;
     const mark a = clock_.now();
     f();
     clock_.stage(stage, a, clock_.now());
@@ -1055,6 +1155,7 @@ class moe_layer {
     auto x = context();
     const int rejected = ex_.counts(x, !input_error_, static_shapes() ? layout_.pad_rows : 0);
     if (deferred()) return;
+    agreed_failure_ = input_error_ || rejected >= 0;  // every rank throws here: no abort
     if (input_error_) std::rethrow_exception(std::exchange(input_error_, nullptr));
     if (rejected >= 0)
       throw input_error(std::string(call_) + " inputs of rank " + std::to_string(rejected),
@@ -1488,7 +1589,7 @@ class moe_layer {
   // losses from the pass's logits (after the space finished the pass).
   void resolve_stats() const {
     if (deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
-    space_.synchronize();
+    ex_.synchronize(space_);  // NCCL: a peer's failure or the deadline throws, never hangs
     pending_ = false;
     if (deferred()) {
       auto x = context();
@@ -1559,6 +1660,12 @@ class moe_layer {
   index_t tokens_ = 0;
   index_t limit_ = 0;             // the capacity of this pass's slots
   const char* call_ = "forward";  // which call's inputs the counts exchange judges
+  // Failure (issue 23): the stage running and its unit; whether the pass's failure is one
+  // every rank agreed on (rejected inputs); what broke this layer (empty: usable).
+  double stage_times::*stage_now_ = nullptr;
+  int unit_now_ = -1;
+  bool agreed_failure_ = false;
+  std::string failed_;
 
   // Training (config training): what forward keeps, and backward's arguments and buffers.
   buffer<value_type> saved_in_;      // the experts' input rows of the pass, unit after unit

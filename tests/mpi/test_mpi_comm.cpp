@@ -202,7 +202,7 @@ TEST_CASE("mpi: a failing MPI call throws comm_error with the call and MPI's tex
   float x = 0, y = 0;
   // Every rank passes the same invalid count, so MPI rejects it on every rank before any
   // communication: nobody is left waiting.
-  CHECK_THROWS_WITH(c.alltoall(&x, &y, -1), Contains("MPI_Alltoall") && Contains("count"));
+  CHECK_THROWS_WITH(c.alltoall(&x, &y, -1), Contains("MPI_Ialltoall") && Contains("count"));
   CHECK_THROWS_WITH(epmoe::comm::detail::mpi_check(MPI_ERR_TRUNCATE, "MPI_Recv"),
                     Contains("MPI_Recv failed with code") && Contains("truncat"));
   // The communicator still works after a rejected call.

@@ -526,3 +526,43 @@ TEST_CASE("sim: the layer's run report lines replay in the simulator", "[sim][st
   CHECK(recs[0].top_k == 2);
   CHECK(recs[0].routed_per_expert == rec.stats.routed_per_expert);
 }
+
+TEST_CASE("sim: what if ranks die: the survivors on their nodes, every row served", "[sim]") {
+  // 16 ranks in 2 nodes, every expert twice (rank r holds its block and the next rank's).
+  const int R = 16, L = 4, E = R * L;
+  std::vector<int> phy;
+  for (int r = 0; r < R; ++r)
+    for (int q : {r, (r + 1) % R})
+      for (int j = 0; j < L; ++j) phy.push_back(q * L + j);
+  const placement::table where(E, R, phy);
+  std::vector<char> lost(R, 0);
+  lost[3] = lost[12] = 1;
+  const placement::table after = placement::surviving(where, lost);
+  REQUIRE(after.ranks() == 14);
+  const auto topo = sim::h100_nvlink_ib(2);
+  const sim::topology t14 = sim::surviving(topo, lost);
+  CHECK(t14.ranks() == 14);
+  int checked = 0;
+  for (int r = 0, k = 0; r < R; ++r)
+    if (!lost[r]) {
+      CHECK(t14.node_of(k) == topo.node_of(r));               // each survivor on its node
+      CHECK(after.expert_at(k, 0) == where.expert_at(r, 0));  // and with its slots
+      ++k, ++checked;
+    }
+  CHECK(checked == 14);
+  const layer_config cfg{
+      .hidden = 256, .ffn = 128, .experts = E, .top_k = 4, .ranks = 14, .max_tokens = 64};
+  const auto src = sim::zipf(E, 1.2, 4, 64, 3);
+  const auto s = sim::simulate<sim::policies<placement::table>>(cfg, t14, src, {}, after);
+  CHECK(s.assignments == index_t{14} * 64 * 4);
+  CHECK(s.dropped == 0);
+  index_t served = 0;
+  for (index_t n : s.rows_per_slot) served += n;
+  CHECK(served == s.assignments);  // the lost copies' rows went to the surviving ones
+  CHECK(s.straggler >= 0);
+  CHECK(s.straggler < 14);
+  // Two neighbours lost: block 12 (experts 48-51) had its copies on ranks 11 and 12 only.
+  lost[11] = 1;
+  CHECK_THROWS_WITH(placement::surviving(where, lost),
+                    Catch::Contains("expert(s) 48, 49, 50, 51 ("));
+}

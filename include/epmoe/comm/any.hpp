@@ -35,6 +35,12 @@ class endpoint {
   /// Completes a started exchange (throws comm_error on failure).
   virtual void wait(int /*ticket*/) {}
   virtual bool test(int /*ticket*/) { return true; }
+  /// Seconds an exchange may wait for its peers (0: no limit); the layer sets its config's
+  /// exchange_timeout. The default ignores it: the framework's own timeout applies.
+  virtual void set_timeout(double /*seconds*/) {}
+  /// This rank failed mid-pass (why: its error): tell the peers, where the endpoint can, so
+  /// that their waiting exchanges throw comm_aborted. The default does nothing.
+  virtual void abort(const std::string& /*why*/) {}
 };
 
 /// The comm policy over an endpoint: element counts become byte counts, in slots owned here
@@ -53,6 +59,8 @@ class any {
   int rank() const { return ep_->rank(); }
   int size() const { return ranks_; }
   endpoint& native() const { return *ep_; }
+  void set_timeout(double seconds) { ep_->set_timeout(seconds); }
+  void abort(const std::string& why) { ep_->abort(why); }
 
   /// n elements to every rank, block r of send to rank r.
   template <class T>
@@ -225,6 +233,12 @@ class endpoint_of final : public endpoint {
       return pending_[static_cast<std::size_t>(ticket)]->test();
     else
       return true;
+  }
+  void set_timeout(double seconds) override {
+    if constexpr (requires { comm_.set_timeout(seconds); }) comm_.set_timeout(seconds);
+  }
+  void abort(const std::string& why) override {
+    if constexpr (requires { comm_.abort(why); }) comm_.abort(why);
   }
 
  private:

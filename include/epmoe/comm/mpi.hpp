@@ -13,13 +13,17 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <initializer_list>
+#include <memory>
 #include <numeric>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -146,6 +150,13 @@ struct mpi_test_access;  // lets tests lower the int limit to exercise the deriv
 /// exchanges never match the caller's own collectives and its error handler
 /// (MPI_ERRORS_RETURN) leaves the caller's communicator untouched. The duplicate is freed by
 /// the destructor, which must run before MPI_Finalize (e.g. before mpi_session ends).
+///
+/// No exchange waits forever: every one is posted non-blocking and waited for in a loop
+/// that also watches (a) a deadline (set_timeout; on expiry comm_timeout names the call) and
+/// (b) abort messages: a rank that fails mid-pass calls abort(why), which sends its text to
+/// every peer on the duplicate, and a peer's waiting exchange throws comm_aborted naming
+/// that rank. MPI cannot cancel a collective: after either the comm is unusable (every call
+/// throws the same error again) and the process should end; see docs/reliability.md.
 class mpi {
  public:
   class request;
@@ -162,6 +173,11 @@ class mpi {
     // Slot 0 serves the blocking calls; slots 1.. the pending non-blocking ones.
     ints_.resize(4 * static_cast<std::size_t>(size_) * (1 + max_in_flight));
     busy_.resize(static_cast<std::size_t>(max_in_flight));
+    // A receive for a peer's abort message, pending for the comm's life.
+    state_ = std::make_unique<failure>();
+    detail::mpi_check(MPI_Irecv(state_->inbox, sizeof state_->inbox, MPI_CHAR, MPI_ANY_SOURCE,
+                                abort_tag, comm_, &state_->listen),
+                      "MPI_Irecv");
   }
 
   mpi(mpi&& o) noexcept
@@ -170,7 +186,9 @@ class mpi {
         size_(o.size_),
         int_limit_(o.int_limit_),
         ints_(std::move(o.ints_)),
-        busy_(std::move(o.busy_)) {}
+        busy_(std::move(o.busy_)),
+        state_(std::move(o.state_)),
+        timeout_(o.timeout_) {}
   mpi& operator=(mpi&& o) noexcept {
     if (this != &o) {
       release();
@@ -180,6 +198,8 @@ class mpi {
       int_limit_ = o.int_limit_;
       ints_ = std::move(o.ints_);
       busy_ = std::move(o.busy_);
+      state_ = std::move(o.state_);
+      timeout_ = o.timeout_;
     }
     return *this;
   }
@@ -198,8 +218,11 @@ class mpi {
     const index_t block = detail::mpi_block({{&n, 1}}, int_limit_);
     const detail::mpi_block_type<T> type(block);
     const int count = static_cast<int>(n / block);
-    detail::mpi_check(MPI_Alltoall(send, count, type.get(), recv, count, type.get(), comm_),
-                      "MPI_Alltoall");
+    usable();
+    MPI_Request req = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Ialltoall(send, count, type.get(), recv, count, type.get(), comm_, &req),
+                      "MPI_Ialltoall");
+    wait_for(req, "MPI_Ialltoall");
   }
 
   /// All-to-all-v (MPI_Alltoallv); counts and displacements per rank, in elements. The
@@ -211,10 +234,49 @@ class mpi {
     const detail::mpi_block_type<T> type(
         to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
     const int R = size_;
-    detail::mpi_check(
-        MPI_Alltoallv(send, c, c + R, type.get(), recv, c + 2 * R, c + 3 * R, type.get(), comm_),
-        "MPI_Alltoallv");
+    usable();
+    MPI_Request req = MPI_REQUEST_NULL;
+    detail::mpi_check(MPI_Ialltoallv(send, c, c + R, type.get(), recv, c + 2 * R, c + 3 * R,
+                                     type.get(), comm_, &req),
+                      "MPI_Ialltoallv");
+    wait_for(req, "MPI_Ialltoallv");
   }
+
+  /// Seconds an exchange may wait for its peers before it throws comm_timeout (0: no limit,
+  /// the default of the comm; the layer sets layer_config::exchange_timeout).
+  void set_timeout(double seconds) {
+    if (!(seconds >= 0) || seconds > 1e9)
+      throw config_error("exchange_timeout", std::to_string(seconds),
+                         "must be >= 0 seconds (0: no limit) and finite");
+    timeout_ = seconds;
+  }
+  double timeout() const { return timeout_; }
+
+  /// Tells every peer that this rank failed mid-pass (why: its error's text, cut to 400
+  /// bytes): their waiting exchanges throw comm_aborted naming this rank (comm_timeout when
+  /// this rank's own failure was a timeout). Local and non-blocking; this comm is unusable
+  /// afterwards. Only the first call sends.
+  void abort(const std::string& why) {
+    if (!state_ || !state_->outbox.empty()) return;
+    // The first byte says which: 'T' a timeout, 'A' any other failure.
+    state_->outbox = (state_->timed_out ? "T" : "A") + why.substr(0, 400);
+    state_->outbox.push_back('\0');
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      MPI_Request req = MPI_REQUEST_NULL;
+      // The outbox lives as long as this comm: the sends complete without a wait.
+      if (MPI_Isend(state_->outbox.data(), static_cast<int>(state_->outbox.size()), MPI_CHAR, r,
+                    abort_tag, comm_, &req) == MPI_SUCCESS)
+        MPI_Request_free(&req);
+    }
+    if (state_->error.empty()) {
+      state_->error = "epmoe: comm::mpi: this rank aborted the exchanges: " + why;
+      state_->origin = rank_;
+    }
+  }
+
+  /// Whether an exchange failed (timeout or abort): every later call throws that error.
+  bool broken() const { return state_ && !state_->error.empty(); }
 
   /// Non-blocking alltoallv (MPI_Ialltoallv) for pipelined schedules: same arguments; the
   /// buffers must stay untouched until the returned request's wait() (or its destructor).
@@ -225,11 +287,79 @@ class mpi {
  private:
   friend struct detail::mpi_test_access;
 
+  static constexpr int abort_tag = 0x4550;  // "EP": the abort messages' tag on the duplicate
+
+  // What a failure leaves: the pending receive for a peer's abort message, what this rank
+  // sent, and the error every later call throws. On the heap: MPI holds their addresses.
+  struct failure {
+    MPI_Request listen = MPI_REQUEST_NULL;
+    char inbox[512] = {};
+    std::string outbox;
+    std::string error;  // empty: usable
+    int origin = -1;
+    bool timed_out = false;
+  };
+
   void release() noexcept {
     int finalized = 1;
     MPI_Finalized(&finalized);
+    if (!finalized && state_ && state_->listen != MPI_REQUEST_NULL) {
+      MPI_Cancel(&state_->listen);
+      MPI_Wait(&state_->listen, MPI_STATUS_IGNORE);
+    }
     if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
     comm_ = MPI_COMM_NULL;
+  }
+
+  // Throws the error of an earlier failure.
+  void usable() const {
+    if (!broken()) return;
+    if (state_->timed_out) throw comm_timeout(state_->error);
+    throw comm_aborted(state_->error, state_->origin);
+  }
+
+  // Completes req, watching the deadline and the peers' abort messages. On either the comm
+  // is broken (a collective cannot be cancelled: req stays with MPI) and the error thrown.
+  void wait_for(MPI_Request& req, const char* call) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      int flag = 0;
+      detail::mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      if (flag) return;
+      if (i % 16 == 0) {
+        check_peers();
+        const double waited =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        if (timeout_ > 0 && waited > timeout_) {
+          char secs[32];
+          std::snprintf(secs, sizeof secs, "%g", timeout_);
+          state_->error = "epmoe: comm::mpi: rank " + std::to_string(rank_) + ": " + call +
+                          " did not complete within " + secs +
+                          " s (exchange_timeout): a peer rank stalled, crashed or called "
+                          "another collective (MPI cannot tell which); end the job";
+          state_->timed_out = true;
+          usable();
+        }
+      }
+      // Past the first microseconds, give the core to the rank's other threads.
+      if (i > 256) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+
+  // Throws comm_aborted when a peer's abort message arrived.
+  void check_peers() {
+    if (!state_ || state_->listen == MPI_REQUEST_NULL) return;
+    int flag = 0;
+    MPI_Status status;
+    detail::mpi_check(MPI_Test(&state_->listen, &flag, &status), "MPI_Test");
+    if (!flag) return;
+    state_->inbox[sizeof state_->inbox - 1] = '\0';
+    state_->origin = status.MPI_SOURCE;
+    state_->timed_out = state_->inbox[0] == 'T';
+    state_->error = "epmoe: rank " + std::to_string(status.MPI_SOURCE) +
+                    (state_->timed_out ? " timed out: " : " failed mid-pass: ") +
+                    std::string(state_->inbox + 1);
+    usable();
   }
 
   // The four arrays as ints, in one common unit, into out[0, 4R); returns the unit. Peers may
@@ -249,6 +379,8 @@ class mpi {
   index_t int_limit_ = INT_MAX;
   std::vector<int> ints_;            // 4R ints per slot: counts, displs (send, then receive)
   std::vector<unsigned char> busy_;  // one flag per non-blocking slot
+  std::unique_ptr<failure> state_;
+  double timeout_ = 0;
 };
 
 /// A pending ialltoallv. Move-only; wait() completes it (throws comm_error on failure),
@@ -257,12 +389,15 @@ class mpi::request {
  public:
   request() = default;
   request(request&& o) noexcept
-      : req_(std::exchange(o.req_, MPI_REQUEST_NULL)), busy_(std::exchange(o.busy_, nullptr)) {}
+      : req_(std::exchange(o.req_, MPI_REQUEST_NULL)),
+        busy_(std::exchange(o.busy_, nullptr)),
+        comm_(o.comm_) {}
   request& operator=(request&& o) noexcept {
     if (this != &o) {
       finish_quietly();
       req_ = std::exchange(o.req_, MPI_REQUEST_NULL);
       busy_ = std::exchange(o.busy_, nullptr);
+      comm_ = o.comm_;
     }
     return *this;
   }
@@ -276,13 +411,18 @@ class mpi::request {
 
   void wait() {
     if (!pending()) return;
-    const int code = MPI_Wait(&req_, MPI_STATUS_IGNORE);
+    try {
+      comm_->wait_for(req_, "MPI_Ialltoallv");
+    } catch (...) {
+      abandon();
+      throw;
+    }
     done();
-    detail::mpi_check(code, "MPI_Wait");
   }
 
   bool test() {
     if (!pending()) return true;
+    comm_->usable();
     int flag = 0;
     const int code = MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
     if (code != MPI_SUCCESS) done();
@@ -293,21 +433,32 @@ class mpi::request {
 
  private:
   friend class mpi;
-  request(MPI_Request req, unsigned char* busy) : req_(req), busy_(busy) {}
+  request(MPI_Request req, unsigned char* busy, mpi* comm) : req_(req), busy_(busy), comm_(comm) {}
 
   void done() noexcept {
     *busy_ = 0;  // the slot's int counts may be reused
     busy_ = nullptr;
     req_ = MPI_REQUEST_NULL;
   }
+  // A failed comm: the collective stays with MPI (it cannot be cancelled), never waited for.
+  void abandon() noexcept {
+    busy_ = nullptr;
+    req_ = MPI_REQUEST_NULL;
+  }
   void finish_quietly() noexcept {
     if (!pending()) return;
-    MPI_Wait(&req_, MPI_STATUS_IGNORE);
-    done();
+    if (comm_->broken()) return abandon();
+    try {
+      comm_->wait_for(req_, "MPI_Ialltoallv");
+      done();
+    } catch (...) {
+      abandon();
+    }
   }
 
   MPI_Request req_ = MPI_REQUEST_NULL;
   unsigned char* busy_ = nullptr;
+  mpi* comm_ = nullptr;
 };
 
 template <class T>
@@ -320,6 +471,7 @@ mpi::request mpi::ialltoallv(const T* send, const index_t* send_counts, const in
                      " ialltoallv pending; wait() for one, or construct comm::mpi with a "
                      "larger max_in_flight");
   // MPI reads the count arrays until the exchange completes: they live in the slot till then.
+  usable();
   int* c = ints_.data() + 4 * static_cast<std::size_t>(size_) * (slot + 1);
   const detail::mpi_block_type<T> type(
       to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
@@ -329,7 +481,7 @@ mpi::request mpi::ialltoallv(const T* send, const index_t* send_counts, const in
                                    type.get(), comm_, &req),
                     "MPI_Ialltoallv");
   busy_[slot] = 1;
-  return request(req, &busy_[slot]);
+  return request(req, &busy_[slot], this);
 }
 
 /// RAII MPI start-up for programs and tests: MPI_Init_thread unless MPI is already

@@ -12,9 +12,11 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "epmoe/core/error.hpp"
@@ -33,7 +35,10 @@ namespace comm {
 
 /// One rank of a user-supplied NCCL communicator (the user creates and destroys it). `stream`
 /// orders the few host-array exchanges (start-up agreement, router load); a pass's rows move
-/// on the layer's own streams.
+/// on the layer's own streams. The host never waits for NCCL blindly (issue 23): wait()
+/// polls the stream, NCCL's asynchronous error (a peer that failed) and the deadline
+/// (set_timeout), and on either aborts the communicator (ncclCommAbort: the user then must not
+/// destroy it again) and throws comm_aborted or comm_timeout.
 class nccl {
  public:
   explicit nccl(ncclComm_t comm, cudaStream_t stream = nullptr) : comm_(comm), stream_(stream) {
@@ -57,7 +62,7 @@ class nccl {
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(d, send, bytes, cudaMemcpyHostToDevice, stream_));
     alltoall_device(d, d + bytes, sizeof(T) * n, stream_);
     EPMOE_CUDA_CHECK(cudaMemcpyAsync(recv, d + bytes, bytes, cudaMemcpyDeviceToHost, stream_));
-    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait(stream_, "a host all-to-all");
   }
 
   /// Host arrays, all-to-all-v (counts and displacements in elements): staged through device
@@ -87,7 +92,56 @@ class nccl {
     EPMOE_CUDA_CHECK(ncclGroupEnd());
     if (in > 0)
       EPMOE_CUDA_CHECK(cudaMemcpyAsync(recv, d_recv, e * in, cudaMemcpyDeviceToHost, stream_));
-    EPMOE_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait(stream_, "a host all-to-all-v");
+  }
+
+  /// Seconds a host wait for NCCL work may take (0: no limit); the layer sets its config's
+  /// exchange_timeout.
+  void set_timeout(double seconds) {
+    if (!(seconds >= 0) || seconds > 1e9)
+      throw config_error("exchange_timeout", std::to_string(seconds),
+                         "must be >= 0 seconds (0: no limit) and finite");
+    timeout_ = seconds;
+  }
+  /// This rank failed mid-pass: aborts the communicator, so that NCCL reports an error to the
+  /// peers' waits instead of leaving their kernels waiting for this rank's rows.
+  void abort(const std::string& /*why*/) {
+    if (std::exchange(aborted_, true)) return;
+    ncclCommAbort(comm_);
+  }
+
+  /// Waits for stream s (what: the work, for the message) like cudaStreamSynchronize, but
+  /// watching NCCL's asynchronous error and the deadline: on either, aborts the communicator
+  /// and throws.
+  void wait(cudaStream_t s, const char* what) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      const cudaError_t q = cudaStreamQuery(s);
+      if (q == cudaSuccess) return;
+      if (q != cudaErrorNotReady) EPMOE_CUDA_CHECK(q);
+      ncclResult_t async = ncclSuccess;
+      if (!aborted_)
+        cuda_detail::check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+      if (aborted_ || (async != ncclSuccess && async != ncclInProgress)) {
+        abort("");
+        throw comm_aborted("epmoe: comm::nccl: rank " + std::to_string(rank_) + ": waiting for " +
+                               what + ", NCCL reports " +
+                               (async == ncclSuccess ? std::string("this communicator aborted")
+                                                     : ncclGetErrorString(async)) +
+                               ": a peer rank failed; the communicator is aborted",
+                           -1);
+      }
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timeout_ > 0 && waited > timeout_) {
+        abort("");
+        throw comm_timeout("epmoe: comm::nccl: rank " + std::to_string(rank_) + ": " + what +
+                           " did not complete within " + std::to_string(timeout_) +
+                           " s (exchange_timeout): a peer rank stalled or died; the "
+                           "communicator is aborted, end the job");
+      }
+      if (i > 256) std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
   }
 
   /// Device arrays: `bytes` to every rank, block r of send to rank r.
@@ -106,6 +160,8 @@ class nccl {
   ncclComm_t comm_;
   cudaStream_t stream_;
   int rank_ = 0, size_ = 1;
+  double timeout_ = 0;
+  bool aborted_ = false;
   std::shared_ptr<device_buffer<char>> staging_;  // grows on first host alltoall
 };
 
@@ -154,6 +210,9 @@ class transport<comm::nccl, space::cuda<T>> {
     return 0;
   }
   void progress(std::optional<request>&) {}
+  /// The host's wait for the space's work (the counts exchange): polled, with NCCL's errors
+  /// and the deadline (comm::nccl::wait).
+  void synchronize(const space::cuda<T>&) const { comm_->wait(work_, "the counts exchange"); }
 
  private:
   // Events for the exchanges in flight, reused round-robin (a schedule keeps a few in flight).

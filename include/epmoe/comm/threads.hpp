@@ -7,9 +7,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <mutex>
+#include <span>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -25,8 +28,11 @@ class threads;
 
 /// R ranks as threads of one process, exchanging rows through shared memory.
 /// The world is an explicit object (no global state); `run` starts one thread per rank and
-/// hands each its `comm::threads` endpoint. If a rank throws, the others are released from
-/// any exchange with `comm_aborted`, and `run` rethrows the first real error.
+/// hands each its `comm::threads` endpoint. If a rank throws (or calls threads::abort), the
+/// others are released from any exchange with `comm_aborted` naming it and its error, and
+/// `run` rethrows the first real error. With a timeout (set_timeout), a rank that waits
+/// longer than that for its peers throws `comm_timeout` naming the ranks that did not arrive,
+/// and so do the other waiting ranks.
 class threads_world {
  public:
   explicit threads_world(int ranks) : ranks_(ranks), slots_(static_cast<std::size_t>(ranks)) {
@@ -45,12 +51,37 @@ class threads_world {
   /// callers that recover from an error every rank saw, e.g. inputs the layer rejected.
   void reset() {
     std::lock_guard lock(mutex_);
-    aborted_ = failed_ = false;
+    aborted_ = failed_ = timed_out_ = false;
+    why_.clear();
+    origin_ = -1;
     waiting_ = 0;
+    std::fill(arrived_.begin(), arrived_.end(), 0);
+  }
+
+  /// Seconds a rank may wait in an exchange for the others (0: no limit), for every rank.
+  void set_timeout(double seconds) {
+    if (!(seconds >= 0) || seconds > 1e9)
+      throw config_error("exchange_timeout", std::to_string(seconds),
+                         "must be >= 0 seconds (0: no limit) and finite");
+    std::lock_guard lock(mutex_);
+    timeout_ = seconds;
   }
 
  private:
   friend class threads;
+
+  // The world of the ranks that survive `lost` (threads::exclude): made by the first survivor
+  // that asks, found by the others; the survivors' endpoints keep it alive.
+  std::shared_ptr<threads_world> survivors(const std::vector<char>& lost) {
+    std::lock_guard lock(mutex_);
+    for (auto& [mask, w] : children_)
+      if (mask == lost) return w;
+    const int n = static_cast<int>(std::count(lost.begin(), lost.end(), 0));
+    auto w = std::make_shared<threads_world>(n);
+    w->timeout_ = timeout_;
+    children_.emplace_back(lost, w);
+    return w;
+  }
 
   // What a rank publishes for one exchange: its send buffer and per-peer counts/displs.
   struct slot {
@@ -60,16 +91,20 @@ class threads_world {
     std::size_t elem_size = 0;
   };
 
-  // A barrier that can be broken: waiting ranks throw comm_aborted instead of hanging.
+  // A barrier that can be broken: waiting ranks throw comm_aborted instead of hanging, and
+  // comm_timeout past the deadline (then the world is aborted: every rank learns it).
   // A waiter spins a few microseconds before it sleeps when every rank has a core of its
   // own: waking a sleeping thread costs 30-80 us on a VM, two per exchange, which would
   // price a counts exchange like a megabyte of rows. Oversubscribed, it sleeps at once.
-  void barrier() {
+  void barrier(int rank) {
+    const auto entered = std::chrono::steady_clock::now();
     std::unique_lock lock(mutex_);
-    if (aborted_) throw comm_aborted();
+    if (aborted_) throw_abort();
     const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
+    arrived_[static_cast<std::size_t>(rank)] = 1;
     if (++waiting_ == ranks_) {
       waiting_ = 0;
+      std::fill(arrived_.begin(), arrived_.end(), 0);
       generation_.store(gen + 1, std::memory_order_release);
       cv_.notify_all();
       return;
@@ -84,8 +119,41 @@ class threads_world {
       }
       lock.lock();
     }
-    cv_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != gen || aborted_; });
-    if (generation_.load(std::memory_order_relaxed) == gen) throw comm_aborted();
+    const auto released = [&] {
+      return generation_.load(std::memory_order_relaxed) != gen || aborted_;
+    };
+    if (timeout_ > 0) {
+      const auto deadline = entered + std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                          std::chrono::duration<double>(timeout_));
+      if (!cv_.wait_until(lock, deadline, released)) time_out(rank);
+    } else {
+      cv_.wait(lock, released);
+    }
+    if (generation_.load(std::memory_order_relaxed) == gen) throw_abort();
+  }
+
+  // Under the lock: rank waited past the deadline. Aborts the world with the ranks that did
+  // not arrive, and throws comm_timeout.
+  [[noreturn]] void time_out(int rank) {
+    std::string missing;
+    for (int r = 0; r < ranks_; ++r)
+      if (!arrived_[static_cast<std::size_t>(r)])
+        missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%g", timeout_);
+    abort_locked(-1,
+                 "epmoe: comm::threads: rank " + std::to_string(rank) + " waited " + secs +
+                     " s (exchange_timeout) for rank(s) " + missing +
+                     ", which did not reach the exchange: a rank stalled, or ranks called "
+                     "different sequences of collectives",
+                 true);
+    throw_abort();
+  }
+
+  [[noreturn]] void throw_abort() const {
+    if (timed_out_) throw comm_timeout(why_);
+    if (why_.empty()) throw comm_aborted();
+    throw comm_aborted(why_, origin_);
   }
 
   static void pause() {
@@ -96,9 +164,22 @@ class threads_world {
 #endif
   }
 
-  void abort() {
+  // Rank `origin` failed (why: its error): every rank waiting, or arriving later, throws.
+  // The first reason is kept.
+  void abort(int origin, const std::string& why) {
     std::lock_guard lock(mutex_);
-    aborted_ = true;
+    abort_locked(
+        origin,
+        origin < 0 ? why : "epmoe: rank " + std::to_string(origin) + " failed mid-pass: " + why,
+        false);
+  }
+  void abort_locked(int origin, std::string why, bool timed_out) {
+    if (!aborted_) {
+      aborted_ = true;
+      origin_ = origin;
+      why_ = std::move(why);
+      timed_out_ = timed_out;
+    }
     cv_.notify_all();
   }
 
@@ -123,6 +204,12 @@ class threads_world {
   static constexpr std::chrono::microseconds spin_time{50};
   bool aborted_ = false;
   bool failed_ = false;
+  bool timed_out_ = false;  // the abort was a deadline's
+  int origin_ = -1;         // the rank that failed, or -1
+  std::string why_;
+  double timeout_ = 0;  // seconds; 0: none
+  std::vector<char> arrived_ = std::vector<char>(static_cast<std::size_t>(ranks_));
+  std::vector<std::pair<std::vector<char>, std::shared_ptr<threads_world>>> children_;
 };
 
 /// One rank's endpoint in a threads_world. Exchanges are collective: every rank calls the
@@ -170,7 +257,7 @@ class threads {
     static_assert(std::is_trivially_copyable_v<T>, "comm::threads moves trivially copyable data");
     threads_world& w = *world_;
     w.slots_[rank_] = {send, send_counts, send_displs, sizeof(T)};
-    w.barrier();  // every sender published
+    w.barrier(rank_);  // every sender published
     int bad_peer = -1;
     index_t bad_count = 0;
     for (int s = 0; s < size(); ++s) {
@@ -191,7 +278,7 @@ class threads {
     // A rank that found a mismatch still waits for the others: peers may be reading its
     // send buffer, which must stay valid until every copy of this exchange is done.
     if (bad_peer >= 0) w.fail();
-    w.barrier();  // every receiver done: senders may reuse their buffers
+    w.barrier(rank_);  // every receiver done: senders may reuse their buffers
     if (bad_peer >= 0)
       throw comm_error("epmoe: comm::threads: rank " + std::to_string(rank_) + " expects " +
                        std::to_string(recv_counts[bad_peer]) + " elements from rank " +
@@ -201,6 +288,29 @@ class threads {
           "epmoe: comm::threads: a peer rank found a count mismatch in this "
           "exchange");
   }
+
+  /// Every exchange of this world waits at most `seconds` for the other ranks (0: no limit).
+  void set_timeout(double seconds) { world_->set_timeout(seconds); }
+  /// This rank's endpoint among the ranks that survive `lost` (lost[r] != 0: rank r is gone
+  /// and will not call again; size: size()), renumbered in rank order, in a world of their
+  /// own with this one's timeout. Collective over the survivors (moe_layer::exclude_ranks).
+  threads exclude(std::span<const char> lost) const {
+    if (static_cast<int>(lost.size()) != size())
+      throw config_error("lost ranks (mask size)", std::to_string(lost.size()),
+                         "must be the comm's size " + std::to_string(size()));
+    if (lost[static_cast<std::size_t>(rank_)])
+      throw config_error("lost ranks", "rank " + std::to_string(rank_),
+                         "the rank that calls exclude must survive");
+    auto w = world_->survivors(std::vector<char>(lost.begin(), lost.end()));
+    const auto before = lost.subspan(0, static_cast<std::size_t>(rank_));
+    threads t(*w, static_cast<int>(std::count(before.begin(), before.end(), 0)));
+    t.keep_ = std::move(w);
+    return t;
+  }
+
+  /// Tells every rank that this one failed mid-pass (why: its error's text): their exchanges
+  /// throw comm_aborted naming this rank, now or when they next arrive.
+  void abort(const std::string& why) { world_->abort(rank_, why); }
 
   /// Non-blocking all-to-all-v, deferred: the exchange runs in wait(), where the ranks meet.
   /// Ranks must wait() in the order they started (a schedule's fixed order). Shared memory
@@ -212,6 +322,7 @@ class threads {
 
  private:
   threads_world* world_;
+  std::shared_ptr<threads_world> keep_;  // a survivors' world (exclude), else empty
   int rank_;
   std::vector<index_t> scratch_;  // 2R entries, sized once: exchanges allocate nothing
 };
@@ -267,9 +378,12 @@ void threads_world::run(Fn&& fn) {
       pool.emplace_back([&, r] {
         try {
           fn(threads(*this, r));
+        } catch (const std::exception& e) {
+          errors[r] = std::current_exception();
+          abort(r, e.what());
         } catch (...) {
           errors[r] = std::current_exception();
-          abort();
+          abort(r, "an exception that is no std::exception");
         }
       });
   }
@@ -281,6 +395,8 @@ void threads_world::run(Fn&& fn) {
       std::rethrow_exception(e);
     } catch (const comm_aborted&) {
       aborted = e;
+    } catch (const comm_timeout&) {
+      if (!aborted) aborted = e;
     } catch (...) {
       throw;
     }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -34,6 +35,12 @@ class throttled {
   int size() const { return inner_.size(); }
   const link& model() const { return link_; }
   Inner& inner() { return inner_; }
+
+  /// The inner comm's deadline and abort (docs/reliability.md), where it has them.
+  void set_timeout(double seconds) requires requires(Inner& i) { i.set_timeout(seconds); }
+  { inner_.set_timeout(seconds); }
+  void abort(const std::string& why) requires requires(Inner& i) { i.abort(why); }
+  { inner_.abort(why); }
 
   /// Seconds the link needs for an exchange with these per-rank element counts.
   template <class T>

@@ -12,27 +12,30 @@ namespace epmoe {
 /// Shape and run-time knobs of one MoE layer. Knobs that change code (top-k selection,
 /// activation, padding) live in the policies; these are plain values.
 struct layer_config {
-  int hidden = 0;                // H: model width of a token row
-  int ffn = 0;                   // F: inner width of each expert FFN
-  int experts = 0;               // E: logical routed experts (the placement spreads them)
-  int top_k = 0;                 // K: experts per token (must equal the router's top_k)
-  int ranks = 1;                 // R: expert-parallel ranks
-  int max_tokens = 0;            // most tokens one rank passes to forward(); sizes the workspace
-  double capacity_factor = 1.0;  // capacity::factor: rows per expert = ceil(cf * T * K / E)
-  int shared_experts = 0;        // N always-on experts every token runs on its home rank
-  int shared_ffn = 0;            // inner width of each shared expert (0: same as ffn)
-  bool shared_gate = false;      // Qwen2-MoE: shared expert n's output times
-                                 // sigmoid(x · weights.shared_gate[n]), per token
-  bool output_bias = false;      // JetMoE: weights.output_bias [H] added to every output row
-  double aux_loss_coef = 0.01;   // alpha of the load-balancing loss reported in stats
-  int seq_len = 0;               // tokens per sequence for the sequence-level loss (0: whole pass)
-  int chunks = 0;                // pass split into chunks of tokens (0: the schedule's default)
-  int max_recv_rows = 0;         // rows a rank may hold in its receive buffer (0: unbounded,
-                                 // sized R*T*K); past it a pass exchanges in rounds
-  bool training = false;         // forward keeps what backward() needs (docs/training.md):
-                                 // the routing, the plan and the experts' input rows
-  bool recompute = false;        // training: drop the experts' hidden layers and recompute
-                                 // them in backward (less memory, two more GEMMs per expert)
+  int hidden = 0;                 // H: model width of a token row
+  int ffn = 0;                    // F: inner width of each expert FFN
+  int experts = 0;                // E: logical routed experts (the placement spreads them)
+  int top_k = 0;                  // K: experts per token (must equal the router's top_k)
+  int ranks = 1;                  // R: expert-parallel ranks
+  int max_tokens = 0;             // most tokens one rank passes to forward(); sizes the workspace
+  double capacity_factor = 1.0;   // capacity::factor: rows per expert = ceil(cf * T * K / E)
+  int shared_experts = 0;         // N always-on experts every token runs on its home rank
+  int shared_ffn = 0;             // inner width of each shared expert (0: same as ffn)
+  bool shared_gate = false;       // Qwen2-MoE: shared expert n's output times
+                                  // sigmoid(x · weights.shared_gate[n]), per token
+  bool output_bias = false;       // JetMoE: weights.output_bias [H] added to every output row
+  double aux_loss_coef = 0.01;    // alpha of the load-balancing loss reported in stats
+  int seq_len = 0;                // tokens per sequence for the sequence-level loss (0: whole pass)
+  int chunks = 0;                 // pass split into chunks of tokens (0: the schedule's default)
+  int max_recv_rows = 0;          // rows a rank may hold in its receive buffer (0: unbounded,
+                                  // sized R*T*K); past it a pass exchanges in rounds
+  bool training = false;          // forward keeps what backward() needs (docs/training.md):
+                                  // the routing, the plan and the experts' input rows
+  bool recompute = false;         // training: drop the experts' hidden layers and recompute
+                                  // them in backward (less memory, two more GEMMs per expert)
+  double exchange_timeout = 600;  // seconds an exchange waits for its peers before every
+                                  // waiting rank throws comm_timeout (0: no deadline); ten
+                                  // minutes: far past any pass, short of a job's time limit
 
   int experts_per_rank() const { return experts / ranks; }
   int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }
@@ -63,6 +66,9 @@ struct layer_config {
     require(max_recv_rows == 0 || max_recv_rows >= ranks, "max_recv_rows", max_recv_rows,
             "must be 0 (unbounded) or >= ranks: every (source, destination) pair moves at "
             "least one row per round");
+    require(std::isfinite(exchange_timeout) && exchange_timeout >= 0 && exchange_timeout <= 1e9,
+            "exchange_timeout", exchange_timeout,
+            "must be finite and >= 0 seconds (0: no deadline), at most 1e9");
     // Row offsets are 32-bit on the device side: keep every buffer's row count in range.
     require(static_cast<std::int64_t>(max_tokens) * top_k * ranks < (std::int64_t{1} << 31),
             "max_tokens", max_tokens, "max_tokens * top_k * ranks must be < 2^31");

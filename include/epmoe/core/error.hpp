@@ -39,11 +39,26 @@ class comm_error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Thrown on a rank whose peers aborted (one rank threw), so no rank hangs in a collective.
+/// Thrown on a rank whose peers aborted (one rank threw), so no rank hangs in a collective:
+/// names the rank that failed (origin, -1 when unknown) and its error's text.
 class comm_aborted : public comm_error {
  public:
   comm_aborted() : comm_error("epmoe: exchange aborted because another rank failed") {}
-  explicit comm_aborted(const std::string& why) : comm_error(why) {}
+  explicit comm_aborted(const std::string& why, int origin = -1)
+      : comm_error(why), origin_(origin) {}
+  /// The rank whose failure aborted the exchange, or -1.
+  int origin() const noexcept { return origin_; }
+
+ private:
+  int origin_ = -1;
+};
+
+/// An exchange did not complete within its deadline (layer_config::exchange_timeout): a peer
+/// stalled, crashed or never called it. Names the stage and, where the comm can know, the
+/// ranks that did not arrive.
+class comm_timeout : public comm_error {
+ public:
+  using comm_error::comm_error;
 };
 
 namespace detail {

@@ -310,7 +310,7 @@ class exchange {
       x.clock.exchange(t0, x.clock.now(), t0, t0, 0);
       return -1;
     }
-    x.space.synchronize();
+    synchronize(x.space);
     const mark t1 = x.clock.now();
     x.clock.exchange(t0, t1, t1, t1, 0);
     return read_message(x);
@@ -440,6 +440,15 @@ class exchange {
     for (int r = 0; r < w_.ranks; ++r) rows += counts_[k].recv_n[r] / w_.row_stride;
     x.clock.event(chunk_of_unit(x.plan, u), stage_kind::combine, round_of_unit(x.plan, u), rows,
                   crossing_bytes(counts_[k].recv_n), marks_[4 * k + 2], w1);
+  }
+
+  /// The host waits for the space's work: through the transport where it watches its comm
+  /// (NCCL: asynchronous errors and the deadline), else the space's synchronize().
+  void synchronize(const Space& s) const {
+    if constexpr (requires { tr_.synchronize(s); })
+      tr_.synchronize(s);
+    else
+      s.synchronize();
   }
 
   /// Lets the comm progress pending exchanges (MPI moves data inside its calls).

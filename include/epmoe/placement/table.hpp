@@ -185,4 +185,38 @@ class table {
   std::vector<int> phy_to_log_, log_to_phy_, copies_;
 };
 
+/// The placement after losing ranks (issue 23): the surviving ranks' slots, renumbered in
+/// rank order, each still holding its expert (its weights stay where they are), so every
+/// expert is served by its surviving copies. `lost[r]` != 0 marks rank r lost (size: ranks).
+/// Throws config_error naming every expert whose copies all lived on lost ranks. The result
+/// has one node (ranks_per_node of survivors is no longer uniform).
+inline table surviving(const table& t, std::span<const char> lost) {
+  epmoe::detail::require(static_cast<int>(lost.size()) == t.ranks(), "lost ranks (mask size)",
+                         lost.size(), "must be the placement's ranks");
+  const int L = t.slots_per_rank();
+  std::vector<int> phy;
+  std::vector<int> kept(static_cast<std::size_t>(t.experts()), 0);
+  for (int r = 0; r < t.ranks(); ++r) {
+    if (lost[static_cast<std::size_t>(r)]) continue;
+    for (int j = 0; j < L; ++j) {
+      phy.push_back(t.expert_at(r, j));
+      ++kept[static_cast<std::size_t>(t.expert_at(r, j))];
+    }
+  }
+  epmoe::detail::require(!phy.empty(), "lost ranks", "all", "at least one rank must survive");
+  std::string gone;
+  int n = 0;
+  for (int e = 0; e < t.experts(); ++e)
+    if (kept[static_cast<std::size_t>(e)] == 0 && n++ < 16)
+      gone += (gone.empty() ? "" : ", ") + std::to_string(e);
+  if (n > 0)
+    throw config_error("lost ranks", std::to_string(n) + " expert(s) without a surviving copy",
+                       "every expert needs a copy on a surviving rank; lost with their ranks: "
+                       "expert(s) " +
+                           gone + (n > 16 ? ", ..." : "") +
+                           " (replicate them: placement::balancer, or a table with copies)");
+  const int ranks = static_cast<int>(phy.size()) / L;
+  return table(t.experts(), ranks, std::move(phy));
+}
+
 }  // namespace epmoe::placement

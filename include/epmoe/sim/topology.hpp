@@ -7,6 +7,7 @@
 #include <fstream>
 #include <istream>
 #include <ostream>
+#include <span>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -44,6 +45,9 @@ struct topology {
   // at that many rows (interpolated in log2 rows, the end points beyond); empty: gemm_flops
   // at every row count. A GEMM of few rows runs below the rate of many.
   std::vector<std::pair<double, double>> gemm_curve{};
+  // Optional: the node of each rank, when nodes hold unequal ranks (a cluster that lost
+  // ranks: surviving()); empty: rank / ranks_per_node.
+  std::vector<int> rank_nodes{};
 
   /// Row copies on one rank: permute's gather, the reduce, the shared experts' input.
   double copy_rate() const { return copy_bandwidth > 0 ? copy_bandwidth : memory_bandwidth / 2; }
@@ -67,8 +71,12 @@ struct topology {
     return c[i - 1].second + f * (c[i].second - c[i - 1].second);
   }
 
-  int ranks() const { return nodes * ranks_per_node; }
-  int node_of(int rank) const { return rank / ranks_per_node; }
+  int ranks() const {
+    return rank_nodes.empty() ? nodes * ranks_per_node : static_cast<int>(rank_nodes.size());
+  }
+  int node_of(int rank) const {
+    return rank_nodes.empty() ? rank / ranks_per_node : rank_nodes[static_cast<std::size_t>(rank)];
+  }
   link between(int a, int b) const { return node_of(a) == node_of(b) ? link::intra : link::inter; }
   double bandwidth(link l) const { return l == link::intra ? intra_bandwidth : inter_bandwidth; }
   double latency(link l) const { return l == link::intra ? intra_latency : inter_latency; }
@@ -240,6 +248,20 @@ inline topology load_file(const std::string& path, topology base = {}) {
   std::ifstream f(path);
   if (!f) throw config_error("topology file", path, "cannot be read");
   return load(f, std::move(base));
+}
+
+/// The cluster after losing ranks (issue 23): the survivors, renumbered in rank order, each
+/// on its node as before (lost[r] != 0: rank r is gone; size: ranks()). Rates unchanged.
+inline topology surviving(const topology& t, std::span<const char> lost) {
+  epmoe::detail::require(static_cast<int>(lost.size()) == t.ranks(), "lost ranks (mask size)",
+                         lost.size(), "must be the topology's ranks");
+  topology s = t;
+  s.rank_nodes.clear();
+  for (int r = 0; r < t.ranks(); ++r)
+    if (!lost[static_cast<std::size_t>(r)]) s.rank_nodes.push_back(t.node_of(r));
+  epmoe::detail::require(!s.rank_nodes.empty(), "lost ranks", "all",
+                         "at least one rank must survive");
+  return s;
 }
 
 }  // namespace epmoe::sim
