@@ -1662,7 +1662,8 @@ class moe_layer {
   const char* call_ = "forward";  // which call's inputs the counts exchange judges
   // Failure (issue 23): the stage running and its unit; whether the pass's failure is one
   // every rank agreed on (rejected inputs); what broke this layer (empty: usable).
-  double stage_times::*stage_now_ = nullptr;
+  using stage_field = double stage_times::*;  // (an alias: nvcc warns on the plain form)
+  stage_field stage_now_ = nullptr;
   int unit_now_ = -1;
   bool agreed_failure_ = false;
   std::string failed_;

@@ -372,9 +372,15 @@ class exchange {
       if constexpr (Dedup) {
         expand_unique_rows(x, u);
       } else {
-        const int b = u * B;
-        x.space.copy_blocks(recv_view(p), expert_view(), B, x.dev.recv_offsets + b,
-                            x.dev.regroup_offsets + b, x.dev.recv_counts + b);
+        // Other ranks' rows from the receive buffer; this rank's own from its send buffer,
+        // where they never left (the exchange skips them: set_rank_counts).
+        const int b = u * B, m = b + me_ * p.local_experts, L = p.local_experts;
+        copy_blocks(x, recv_view(p), expert_view(), b, m, x.dev.recv_offsets,
+                    x.dev.regroup_offsets);
+        copy_blocks(x, send_view(p), expert_view(), m, m + L, x.dev.send_offsets,
+                    x.dev.regroup_offsets);
+        copy_blocks(x, recv_view(p), expert_view(), m + L, b + B, x.dev.recv_offsets,
+                    x.dev.regroup_offsets);
       }
       rows = p.expert_offsets[(u + 1) * p.local_experts] - p.expert_offsets[u * p.local_experts];
     }
@@ -414,9 +420,13 @@ class exchange {
     } else if constexpr (Dedup) {
       weighted_unique_sums(x, u);
     } else {
-      const int B = R * L, b = u * B;
-      x.space.copy_blocks(const_view(expert_view()), recv_view(p), B, x.dev.regroup_offsets + b,
-                          x.dev.recv_offsets + b, x.dev.recv_counts + b);
+      // Back the same way: this rank's own rows straight into its send buffer.
+      const int b = u * R * L, m = b + me_ * L;
+      const auto from = const_view(expert_view());
+      copy_blocks(x, from, recv_view(p), b, m, x.dev.regroup_offsets, x.dev.recv_offsets);
+      copy_blocks(x, from, send_view(p), m, m + L, x.dev.regroup_offsets, x.dev.send_offsets);
+      copy_blocks(x, from, recv_view(p), m + L, b + R * L, x.dev.regroup_offsets,
+                  x.dev.recv_offsets);
     }
     // The reverse exchange: what came from rank s goes back to rank s, into the send rows.
     rank_counts& n = counts_[k];
@@ -438,6 +448,7 @@ class exchange {
     units_[k].busy = false;
     index_t rows = 0;
     for (int r = 0; r < w_.ranks; ++r) rows += counts_[k].recv_n[r] / w_.row_stride;
+    if (!bounded_ && !Dedup) rows += x.plan.recv_rows_from(chunk_of_unit(x.plan, u), me_);
     x.clock.event(chunk_of_unit(x.plan, u), stage_kind::combine, round_of_unit(x.plan, u), rows,
                   crossing_bytes(counts_[k].recv_n), marks_[4 * k + 2], w1);
   }
@@ -651,6 +662,10 @@ class exchange {
       n.meta_recv_n[r] = p.recv_rows_from(c, r);
       n.meta_recv_d[r] = p.recv_offsets[b];
     }
+    // Rows to itself skip the exchange (issue 22: one copy less each way; wait_dispatch and
+    // start_combine move them between the send and expert buffers). Dedup's unique rows
+    // still go through the receive buffer, where its expansion reads them.
+    if constexpr (!Dedup) n.send_n[me_] = n.recv_n[me_] = 0;
   }
 
   void fill_comm_stats(context& x) {
@@ -745,6 +760,18 @@ class exchange {
   }
   matrix_view<value_type> recv_view(const dispatch_plan& p) const {
     return {x_recv_.data(), p.recv_rows(), w_.hidden, w_.row_stride};
+  }
+  matrix_view<value_type> send_view(const dispatch_plan& p) const {
+    return {x_send_.data(), p.send_rows(), w_.hidden, w_.row_stride};
+  }
+  // Blocks [b0, b1) of src -> dst (rows at src_at[b] -> dst_at[b], recv_counts[b] each: the
+  // counts of what this rank receives, which for its own blocks equal what it sends itself).
+  template <class Src>
+  static void copy_blocks(context& x, Src src, matrix_view<value_type> dst, int b0, int b1,
+                          const index_t* src_at, const index_t* dst_at) {
+    if (b1 > b0)
+      x.space.copy_blocks(matrix_view<const value_type>(src), dst, b1 - b0, src_at + b0,
+                          dst_at + b0, x.dev.recv_counts + b0);
   }
   matrix_view<value_type> slot_view(int k) const {
     return {x_recv_.data(), (k + 1) * slot_rows_, w_.hidden, w_.row_stride};
