@@ -5,14 +5,19 @@
 // the host reference: dynamic (dropless), static shapes (padded capacity, no host wait), the
 // pipelined schedule with dedup (exchanges on the comm stream under the experts) and a
 // receive bound (rounds); and training (forward, backward, reduce_gradients), plain and
-// pipelined with dedup, against reference::backward.
+// pipelined with dedup, against reference::backward. And issue 23: GPU 1's experts throw
+// mid-pass; every thread ends within the deadline, y untouched.
 // Exits 77 (CTest: skipped) with one GPU or none on the machine; a CUDA error on a machine
 // with a GPU fails.
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -47,9 +52,10 @@ device_buffer<T> upload(const float* p, index_t n) {
   return d;
 }
 
-// f(d, comm, stream) on a thread per GPU d, over NCCL communicators of all of them.
+// f(d, comm, stream) on a thread per GPU d, over NCCL communicators of all of them (destroyed
+// after, unless a failed pass aborted them: comm::nccl's abort leaves nothing to destroy).
 template <class F>
-void on_gpus(int gpus, F&& f) {
+void on_gpus(int gpus, F&& f, bool destroy = true) {
   std::vector<ncclComm_t> comms(gpus);
   std::vector<int> devs(gpus);
   for (int d = 0; d < gpus; ++d) devs[d] = d;
@@ -64,7 +70,8 @@ void on_gpus(int gpus, F&& f) {
       cudaStreamDestroy(s);
     });
   for (auto& t : pool) t.join();
-  for (auto c : comms) ncclCommDestroy(c);
+  if (destroy)
+    for (auto c : comms) ncclCommDestroy(c);
 }
 
 /// The layer of these checks: 4 experts per GPU, top-2.
@@ -183,6 +190,81 @@ double run_backward(int gpus) {
   return *std::max_element(worst.begin(), worst.end());
 }
 
+// Issue 23: an expert that throws on the GPU thread that set `fault` (once).
+thread_local bool fault = false;
+struct faulty_swiglu : expert::swiglu {
+  using expert::swiglu::forward;
+  template <class Space, class T>
+  static void forward(const Space& space, const weights_of<T>& w, grouped_rows<T> x, T* scratch,
+                      T* keep = nullptr) {
+    if (fault && x.rows() > 0) {
+      fault = false;
+      throw std::runtime_error("injected: an expert GEMM failed");
+    }
+    expert::swiglu::forward(space, w, x, scratch, keep);
+  }
+};
+struct faulty_policies : nccl_policies<capacity::dropless> {
+  using expert = faulty_swiglu;
+};
+
+// The last GPU's experts throw in the first pass: it ends with that error, every other GPU
+// with comm_aborted (NCCL reported the peer's abort) or comm_timeout (exchange_timeout 5 s),
+// within the deadline + 2 s, y untouched on all. Prints each; returns whether all held.
+bool run_faults(int gpus) {
+  using P = faulty_policies;
+  layer_config cfg = nccl_layer(gpus, 64);
+  cfg.exchange_timeout = 5;
+  const auto w = reference::full_weights::random(cfg, 9);
+  const index_t T = 64, H = cfg.hidden;
+  const std::vector<float> x = reference::random_tokens(T * gpus, H, 10);
+  std::vector<std::string> kind(gpus), what(gpus);
+  std::vector<double> secs(gpus);
+  std::vector<char> untouched(gpus);
+  on_gpus(
+      gpus,
+      [&](int d, ncclComm_t nccl, cudaStream_t s) {
+        const gpu_weights weights(cfg, w, d);
+        auto xd = upload<float>(x.data() + d * T * H, T * H);
+        device_buffer<float> yd(T * H);
+        EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
+        EPMOE_CUDA_CHECK(cudaStreamSynchronize(s));
+        {
+          moe_layer<P> layer(cfg, comm::nccl(nccl, s), weights.views<P>(), {}, {},
+                             placement::block(cfg), epmoe::space::cuda<float>(s));
+          fault = d == gpus - 1;
+          const auto start = std::chrono::steady_clock::now();
+          try {
+            layer.forward({xd.data(), T, H}, {yd.data(), T, H});
+            layer.synchronize();
+            kind[d] = "none";
+          } catch (const comm_timeout& e) {
+            kind[d] = "comm_timeout", what[d] = e.what();
+          } catch (const comm_aborted& e) {
+            kind[d] = "comm_aborted", what[d] = e.what();
+          } catch (const std::exception& e) {
+            kind[d] = "error", what[d] = e.what();
+          }
+          secs[d] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        }
+        const auto y = download(yd, T * H);
+        untouched[d] = std::all_of(y.begin(), y.end(), [](float v) { return std::isnan(v); });
+      },
+      false);
+  bool ok = true;
+  for (int d = 0; d < gpus; ++d) {
+    const bool culprit = d == gpus - 1;
+    const bool right = culprit ? kind[d] == "error" && what[d] == "injected: an expert GEMM failed"
+                               : kind[d] == "comm_aborted" || kind[d] == "comm_timeout";
+    const bool in_time = secs[d] < cfg.exchange_timeout + 2;
+    ok = ok && right && in_time && untouched[d];
+    std::printf("NCCL fault: GPU %d: %s after %.2f s, y %s: %s%s\n", d, kind[d].c_str(), secs[d],
+                untouched[d] ? "untouched" : "WRITTEN", what[d].c_str(),
+                right && in_time ? "" : "  <- FAILED");
+  }
+  return ok;
+}
+
 }  // namespace
 
 int main() {
@@ -206,8 +288,9 @@ int main() {
       "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
       "rounds %.2e; backward %.2e, backward pipelined+dedup %.2e\n",
       gpus, dynamic, fixed, piped, rounds, train, train_piped);
+  const bool faults = run_faults(gpus);  // last: it aborts its communicators
   return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 && train <= 1e-4 &&
-                 train_piped <= 1e-4
+                 train_piped <= 1e-4 && faults
              ? 0
              : 1;
 }

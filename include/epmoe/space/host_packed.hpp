@@ -230,6 +230,31 @@ inline void row_blocks(index_t M, F&& f) {
 }
 
 #if defined(EPMOE_HOST_PACKED_X86)
+// The micro-kernels' epilogue: MR rows of 32 (AVX-512) or 16 (AVX2) columns into c, masked
+// to the panel's columns. Branch-free: with a branch, GCC keeps the accumulators in memory.
+template <int MR>
+__attribute__((target("avx512f"), always_inline)) inline void store_rows_avx512(
+    float* c, index_t ldc, __mmask16 m0, __mmask16 m1, const __m512 (&lo)[MR],
+    const __m512 (&hi)[MR]) {
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    _mm512_mask_storeu_ps(c + i * ldc, m0, lo[i]);
+    _mm512_mask_storeu_ps(c + i * ldc + 16, m1, hi[i]);
+  }
+}
+template <int MR>
+__attribute__((target("avx2,fma"), always_inline)) inline void store_rows_avx2(
+    float* c, index_t ldc, index_t cols, const __m256 (&lo)[MR], const __m256 (&hi)[MR]) {
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lanes);
+  const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lanes);
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    _mm256_maskstore_ps(c + i * ldc, m0, lo[i]);
+    _mm256_maskstore_ps(c + i * ldc + 8, m1, hi[i]);
+  }
+}
+
 // MR rows of a times one panel: 2 x MR zmm accumulators (MR <= 12: 24 of the 32 registers);
 // per k two panel loads and MR broadcasts (the rows' k-th values), 2 MR FMAs. More rows per
 // block read the panel (from L2) fewer times per row.
@@ -250,11 +275,7 @@ __attribute__((target("avx512f"))) inline void packed_rows_avx512(const float* a
       hi[i] = _mm512_fmadd_ps(x, w1, hi[i]);
     }
   }
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(c + i * ldc, m0, lo[i]);
-    _mm512_mask_storeu_ps(c + i * ldc + 16, m1, hi[i]);
-  }
+  store_rows_avx512<MR>(c, ldc, m0, m1, lo, hi);
 }
 
 // The same over bf16 pairs, widened in registers: a word holds (k, k + 1) of one column, so
@@ -301,11 +322,7 @@ __attribute__((target("avx512f"))) inline void packed_rows_avx512(const float* a
   for (index_t k = 0; k + 1 < K; k += 2)
     widen_pair_avx512<MR>(a, lda, panel + k * 32, k, true, lo, hi);
   if (K % 2) widen_pair_avx512<MR>(a, lda, panel + (K - 1) * 32, K - 1, false, lo, hi);
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(c + i * ldc, m0, lo[i]);
-    _mm512_mask_storeu_ps(c + i * ldc + 16, m1, hi[i]);
-  }
+  store_rows_avx512<MR>(c, ldc, m0, m1, lo, hi);
 }
 
 // AVX512-BF16: per pair of k, two panel loads, MR broadcasts of a row's (k, k + 1) pair, and
@@ -327,11 +344,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void packed_rows_bf16dot(
       hi[i] = _mm512_dpbf16_ps(hi[i], x, w1);
     }
   }
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    _mm512_mask_storeu_ps(c + i * ldc, m0, lo[i]);
-    _mm512_mask_storeu_ps(c + i * ldc + 16, m1, hi[i]);
-  }
+  store_rows_avx512<MR>(c, ldc, m0, m1, lo, hi);
 }
 
 inline __mmask16 column_mask(index_t n) {
@@ -394,15 +407,7 @@ __attribute__((target("avx2,fma"))) inline void packed_rows_avx2(const float* a,
       hi[i] = _mm256_fmadd_ps(x, w1, hi[i]);
     }
   }
-  // Masked stores, no branch: with one, GCC keeps the accumulators in memory.
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lanes);
-  const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lanes);
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    _mm256_maskstore_ps(c + i * ldc, m0, lo[i]);
-    _mm256_maskstore_ps(c + i * ldc + 8, m1, hi[i]);
-  }
+  store_rows_avx2<MR>(c, ldc, cols, lo, hi);
 }
 
 // The same over bf16 pairs (pair: a half's 16 columns of one pair word), widened by shift
@@ -444,14 +449,7 @@ __attribute__((target("avx2,fma"))) inline void packed_rows_avx2(const float* a,
   for (index_t k = 0; k + 1 < K; k += 2)
     widen_pair_avx2<MR>(a, lda, half + k * 32, k, true, lo, hi);
   if (K % 2) widen_pair_avx2<MR>(a, lda, half + (K - 1) * 32, K - 1, false, lo, hi);
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols)), lanes);
-  const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(cols) - 8), lanes);
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    _mm256_maskstore_ps(c + i * ldc, m0, lo[i]);
-    _mm256_maskstore_ps(c + i * ldc + 8, m1, hi[i]);
-  }
+  store_rows_avx2<MR>(c, ldc, cols, lo, hi);
 }
 
 template <class E>
