@@ -120,7 +120,9 @@ class moe_layer {
   static constexpr layer_options options = detail::options_of<Policies>();
   /// Per-rank dedup: a token sends one row to each rank that holds any of its experts, that
   /// rank returns one weighted sum (as DeepEP and Tutel do).
-  static constexpr bool dedup = options.dedup;
+  static constexpr bool dedup = options.dedup || options.hierarchical;
+  /// Hierarchical dispatch and combine: one row per (token, node) crosses between nodes.
+  static constexpr bool hierarchical = options.hierarchical;
   static_assert(!(dedup && capacity_type::pads),
                 "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
                 "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
@@ -169,7 +171,8 @@ class moe_layer {
         width_(router::routing_width<router_type>(cfg_)),
         chunks_max_(cfg_.chunks > 0 ? cfg_.chunks : default_chunks()),
         chunks_(chunks_max_),
-        layout_(layout_of(cfg_, width_, placement_.slots_per_rank(), chunks_max_, capacity_)),
+        layout_(layout_of(cfg_, width_, placement_.slots_per_rank(), chunks_max_, capacity_,
+                          node_size_of(cfg_, comm_))),
         plan_(space_, layout_, dedup),
         ex_(comm_, space_, layout_),
         clock_(space_.make_clock(32 + 12 * units_max()), 16 + 2 * layout_.blocks, 3 * units_max(),
@@ -582,13 +585,14 @@ class moe_layer {
   }
 
   static workspace_layout layout_of(const layer_config& cfg, int width, int L, int chunks,
-                                    const capacity_type& capacity) {
+                                    const capacity_type& capacity, int node_size) {
     index_t router_cap = 0;
     if constexpr (requires { router_type::capacity(cfg, index_t{}); })
       router_cap = router_type::capacity(cfg, cfg.max_tokens);  // expert choice
     return workspace_layout::of(
         cfg, width, L, chunks, units_in_flight, capacity_type::pads,
-        [&](index_t T) { return capacity.limit(cfg, T); }, router_cap, sizeof(value_type));
+        [&](index_t T) { return capacity.limit(cfg, T); }, router_cap, sizeof(value_type),
+        node_size, hierarchical);
   }
   // Most exchange units of a pass (chunks, or with a bound every round of every chunk).
   int units_max() const { return chunks_max_ * static_cast<int>(layout_.max_rounds); }
@@ -778,6 +782,15 @@ class moe_layer {
     if (cfg.shared_gate)
       detail::require_shape(w.shared_gate, cfg.shared_experts, cfg.hidden, "weights.shared_gate");
     if (cfg.output_bias) detail::require_shape(w.output_bias, 1, cfg.hidden, "weights.output_bias");
+    if (const int G = node_size_of(cfg, comm); G != cfg.ranks_per_node)  // the comm's
+      detail::require(G >= 0 && G <= cfg.ranks && (G == 0 || cfg.ranks % G == 0), "ranks_per_node",
+                      G,
+                      "from the comm (config ranks_per_node = 0) must divide ranks: set "
+                      "ranks_per_node in the config, or place as many ranks on every node");
+    if constexpr (hierarchical)
+      detail::require(node_size_of(cfg, comm) <= 64, "ranks_per_node", node_size_of(cfg, comm),
+                      "must be <= 64 with options.hierarchical (a row's mask of the node's "
+                      "ranks is 64 bits)");
     if (cfg.max_recv_rows > 0) {
       detail::require(!capacity_type::pads, "max_recv_rows", cfg.max_recv_rows,
                       "must be 0 with padded capacity (its blocks are fixed): use "
@@ -1099,6 +1112,7 @@ class moe_layer {
                     origin, p, plan_.device(), plan_.scratch());
     if constexpr (dedup)
       build_dedup_plan(space_, device_routing(), p, plan_.device(), plan_.scratch());
+    if constexpr (hierarchical) build_node_plan(space_, p, plan_.device(), plan_.scratch());
     if (!deferred()) space_.to_host(plan_.send_blocks(), 0, plan_.send_blocks().size());
   }
 
@@ -1107,7 +1121,10 @@ class moe_layer {
   void do_permute() {
     const dispatch_plan& p = plan_.host();
     const device_plan& d = plan_.device();
-    if constexpr (dedup)
+    if constexpr (hierarchical)
+      space_.for_each_row_n(d.node_offsets + p.chunks * p.nodes(), layout_.node_rows, cfg_.hidden,
+                            rows::gather<value_type>{x_, p.node_token, send_view()});
+    else if constexpr (dedup)
       space_.for_each_row_n(d.unique_offsets + p.chunks * cfg_.ranks, layout_.send_rows,
                             cfg_.hidden, rows::gather<value_type>{x_, p.unique_token, send_view()});
     else
@@ -1204,7 +1221,7 @@ class moe_layer {
     if constexpr (dedup)
       space_.for_each_row(
           tokens_, cfg_.hidden,
-          rows::sum_unique<value_type>{send_view(), p.unique_slot, width_, shared, y_});
+          rows::sum_unique<value_type>{send_view(), home_slot(p), width_, shared, y_});
     else
       space_.for_each_row(
           tokens_, cfg_.hidden,
@@ -1475,7 +1492,11 @@ class moe_layer {
   void back_permute() {
     if (input_error_) return;
     const dispatch_plan& p = plan_.host();
-    if constexpr (dedup) {  // one dy row per (token, rank): weighted on the expert rank
+    if constexpr (hierarchical) {  // one dy row per (token, node)
+      space_.for_each_row_n(plan_.device().node_offsets + p.chunks * p.nodes(), layout_.node_rows,
+                            cfg_.hidden, rows::gather<value_type>{dy_, p.node_token, send_view()});
+      return;
+    } else if constexpr (dedup) {  // one dy row per (token, rank): weighted on the expert rank
       space_.for_each_row_n(plan_.device().unique_offsets + p.chunks * cfg_.ranks,
                             layout_.send_rows, cfg_.hidden,
                             rows::gather<value_type>{dy_, p.unique_token, send_view()});
@@ -1573,12 +1594,18 @@ class moe_layer {
     if constexpr (dedup)
       space_.for_each_row(
           tokens_, cfg_.hidden,
-          rows::sum_unique<value_type>{send_view(), p.unique_slot, width_, dx_home_.data(), dx_});
+          rows::sum_unique<value_type>{send_view(), home_slot(p), width_, dx_home_.data(), dx_});
     else
       space_.for_each_row(
           tokens_, cfg_.hidden,
           rows::weighted_reduce<value_type>{
               send_view(), p.slot, {nullptr, tokens_, width_}, dx_home_.data(), dx_});
+  }
+
+  // Dedup: the send row whose combined sum comes home for each assignment (hierarchical:
+  // its node row, else its rank's unique row).
+  static const std::int32_t* home_slot(const dispatch_plan& p) {
+    return hierarchical ? p.node_slot : p.unique_slot;
   }
 
   matrix_view<value_type> send_view() const {

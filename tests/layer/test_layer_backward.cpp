@@ -432,6 +432,32 @@ TEST_CASE("layer backward: per-rank dedup, one dy row per (token, rank) and weig
   check_step<dedup_policies<capacity::dropless, schedule::pipelined<2>>>(chunks);
 }
 
+template <class Capacity = capacity::dropless, class Schedule = schedule::sequential>
+struct hierarchical_policies
+    : train_policies<router::topk_softmax<4>, Capacity, expert::swiglu, Schedule> {
+  static constexpr layer_options options{.hierarchical = true};
+};
+
+TEST_CASE("layer backward: hierarchical, dy crosses once per (token, node), dx sums in the node",
+          "[layer][backward][hierarchical]") {
+  int steps = 0;
+  for (const auto& [ranks, per_node] : {std::pair{4, 2}, std::pair{4, 1}, std::pair{2, 2}}) {
+    INFO("ranks " << ranks << " per node " << per_node);
+    layer_config cfg = train_layer(ranks, 4);
+    cfg.ranks_per_node = per_node;
+    check_step<hierarchical_policies<>>(cfg);
+    ++steps;
+  }
+  layer_config drops = train_layer(4, 4);
+  drops.ranks_per_node = 2;
+  drops.capacity_factor = 0.6;
+  check_step<hierarchical_policies<capacity::factor<false>>>(drops);
+  drops.capacity_factor = 1.0;
+  drops.chunks = 2;
+  check_step<hierarchical_policies<capacity::dropless, schedule::pipelined<2>>>(drops);
+  CHECK(steps == 3);
+}
+
 TEST_CASE("layer backward: a replicated expert's gradient is the sum over its copies",
           "[layer][backward]") {
   const layer_config cfg = train_layer(2, 2, 6);

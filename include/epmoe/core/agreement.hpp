@@ -88,6 +88,17 @@ void agree_on(Comm& comm, std::span<const agreement_field> fields) {
 /// policy bundle and placement (every slot's expert) in one exchange. Any failure or
 /// difference makes every rank throw (the failing rank its own error), so no rank is left
 /// waiting in an exchange.
+/// Ranks per node a layer uses: the config's ranks_per_node, else the comm's (one that knows
+/// its nodes: comm::mpi, or a comm told to pretend), else 0 (every rank on one node).
+template <class Comm>
+int node_size_of(const layer_config& cfg, const Comm& comm) {
+  if (cfg.ranks_per_node > 0) return cfg.ranks_per_node;
+  if constexpr (requires { comm.ranks_per_node(); })
+    return comm.ranks_per_node();
+  else
+    return 0;
+}
+
 template <class Policies, class Comm, class Placement, class Check>
 void agree_on_layer(const layer_config& cfg, Comm& comm, const Placement& placement,
                     Check&& check) {
@@ -117,6 +128,7 @@ void agree_on_layer(const layer_config& cfg, Comm& comm, const Placement& placem
       {"seq_len", cfg.seq_len},
       {"chunks", cfg.chunks},
       {"max_recv_rows", cfg.max_recv_rows},
+      {"ranks_per_node (the config's, else the comm's)", node_size_of(cfg, comm)},
       {"training", cfg.training},
       {"recompute", cfg.recompute},
       {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},

@@ -33,6 +33,9 @@ struct layer_config {
                                   // the routing, the plan and the experts' input rows
   bool recompute = false;         // training: drop the experts' hidden layers and recompute
                                   // them in backward (less memory, two more GEMMs per expert)
+  int ranks_per_node = 0;         // ranks of one node (fast links among them): the stats split
+                                  // traffic by it and options.hierarchical exchanges in two
+                                  // levels (0: the comm's ranks_per_node(), else one node)
   double exchange_timeout = 600;  // seconds an exchange waits for its peers before every
                                   // waiting rank throws comm_timeout (0: no deadline); ten
                                   // minutes: far past any pass, short of a job's time limit
@@ -66,6 +69,10 @@ struct layer_config {
     require(max_recv_rows == 0 || max_recv_rows >= ranks, "max_recv_rows", max_recv_rows,
             "must be 0 (unbounded) or >= ranks: every (source, destination) pair moves at "
             "least one row per round");
+    require(ranks_per_node >= 0 && ranks_per_node <= ranks, "ranks_per_node", ranks_per_node,
+            "must be in [0, ranks] (0: the comm's, else one node)");
+    require(ranks_per_node == 0 || ranks % ranks_per_node == 0, "ranks_per_node", ranks_per_node,
+            "must divide ranks (every node holds as many ranks)");
     require(std::isfinite(exchange_timeout) && exchange_timeout >= 0 && exchange_timeout <= 1e9,
             "exchange_timeout", exchange_timeout,
             "must be finite and >= 0 seconds (0: no deadline), at most 1e9");

@@ -31,8 +31,10 @@ namespace epmoe {
 namespace exchange_ops {
 
 /// The counts message to peer r: per chunk, L padded counts, L real counts and the unique
-/// rows (dedup); then per chunk the rounds this rank's sends need (bounded: the most any
-/// pair needs); then whether this rank accepted its inputs.
+/// rows (dedup), and hierarchical (G > 0) the node rows to r's node and the unique rows to
+/// each of its G ranks (what r relays when it is this rank's peer there); then per chunk the
+/// rounds this rank's sends need (bounded: the most any pair needs); then whether this rank
+/// accepted its inputs.
 struct count_message {
   const index_t* send_counts;
   const index_t* send_valid;
@@ -41,11 +43,14 @@ struct count_message {
   int R, L, C;
   index_t quota;  // 0: unbounded
   int valid;
-  index_t* out;  // [R][P]
-  EPMOE_HD static index_t per_peer(int L, int C) { return C * (2 * L + 1) + C + 1; }
+  index_t* out;                          // [R][P]
+  const index_t* node_counts = nullptr;  // hierarchical: [C*N]
+  int G = 0;                             // hierarchical: ranks per node (0: flat)
+  EPMOE_HD static int width(int L, int G) { return 2 * L + 1 + (G > 0 ? 1 + G : 0); }
+  EPMOE_HD static index_t per_peer(int L, int C, int G) { return C * width(L, G) + C + 1; }
   EPMOE_HD void operator()(index_t r) const {
-    const int W = 2 * L + 1;
-    index_t* o = out + r * per_peer(L, C);
+    const int W = width(L, G);
+    index_t* o = out + r * per_peer(L, C, G);
     for (int c = 0; c < C; ++c) {
       for (int j = 0; j < L; ++j) {
         const index_t b = (c * R + r) * L + j;
@@ -53,6 +58,11 @@ struct count_message {
         o[c * W + L + j] = send_valid[b];
       }
       o[c * W + 2 * L] = unique_counts ? unique_counts[c * R + r] : 0;
+      if (G > 0) {
+        const int n = static_cast<int>(r) / G;
+        o[c * W + 2 * L + 1] = node_counts[c * (R / G) + n];
+        for (int g = 0; g < G; ++g) o[c * W + 2 * L + 2 + g] = unique_counts[c * R + n * G + g];
+      }
       index_t rounds = 1;
       for (int d = 0; quota > 0 && d < R; ++d) {
         const index_t n = send_offsets[(c * R + d + 1) * L] - send_offsets[(c * R + d) * L];
@@ -139,6 +149,53 @@ struct weighted_unique_sum {
   }
 };
 
+/// Hierarchical: relay row i of a chunk reaches the node's ranks in its mask; flag (g, i) of
+/// a [G][n] array is whether it reaches local rank g (scanned: its row in the fan buffer).
+struct mask_bits {
+  const std::int64_t* mask;
+  index_t n;
+  index_t* flags;
+  EPMOE_HD void operator()(index_t j) const {
+    const index_t g = j / n, i = j - g * n;
+    flags[j] = (mask[i] >> g) & 1;
+  }
+};
+
+/// Hierarchical: relay row i -> its copy for each rank of the node it reaches (dispatch), or
+/// relay row i = the sum of what those ranks sent back, in rank order (combine).
+template <class T>
+struct fan_rows {
+  const std::int64_t* mask;  // [n]
+  const index_t* at;         // [G][n]: row of each copy in `fan`
+  index_t n;
+  int G;
+  matrix_view<T> relay;
+  matrix_view<T> fan;
+  bool reduce = false;
+  EPMOE_HD void operator()(index_t i, index_t h0, index_t h1) const {
+    const std::int64_t m = mask[i];
+    T* r = relay.row(i);
+    if (!reduce) {
+      for (int g = 0; g < G; ++g)
+        if ((m >> g) & 1) {
+          T* d = fan.row(at[g * n + i]);
+          for (index_t h = h0; h < h1; ++h) d[h] = r[h];
+        }
+      return;
+    }
+    for (index_t h = h0; h < h1; h += rows::piece) {
+      const index_t w = h1 - h < rows::piece ? h1 - h : rows::piece;
+      float acc[rows::piece] = {};
+      for (int g = 0; g < G; ++g)
+        if ((m >> g) & 1) {
+          const T* src = fan.row(at[g * n + i]) + h;
+          for (index_t j = 0; j < w; ++j) acc[j] += to_float(src[j]);
+        }
+      for (index_t j = 0; j < w; ++j) r[h + j] = from_float<T>(acc[j]);
+    }
+  }
+};
+
 /// Dedup backward at the expert rank, received assignment row i of a unit: its routing
 /// weight's gradient g[i] = dy · out (out: the forward's expert output, saved), then dy times
 /// the weight (the row the expert's backward takes; one expert row per received row).
@@ -200,19 +257,37 @@ class exchange {
     x_send_ = space.template allocate<value_type>(w.send_rows * H);
     x_recv_ = space.template allocate<value_type>(recv_rows * H);
     x_expert_ = space.template allocate<value_type>(w.expert_rows * H);
+    G_ = w.ranks_per_node;
+    hier_ = G_ > 0;
+    N_ = hier_ ? static_cast<int>(R / G_) : 1;
     const index_t P =
-        exchange_ops::count_message::per_peer(static_cast<int>(L), static_cast<int>(C));
+        exchange_ops::count_message::per_peer(static_cast<int>(L), static_cast<int>(C), G_);
     msg_send_ = space.template allocate<index_t>(R * P);
     msg_recv_ = space.template allocate_mirror<index_t>(R * P);
-    const index_t S = slots_;
-    host_ = std::vector<index_t>(static_cast<std::size_t>(8 * R * S + C + 1));
+    const index_t S = slots_, A = hier_ ? 20 : 8;  // arrays of rank_counts in use
+    const index_t CN = C * N_, CG = C * G_;
+    host_ = std::vector<index_t>(static_cast<std::size_t>(A * R * S + C + 1 + CN + 1 + CG + C + 1));
     index_t* x = host_.data();
     counts_.resize(static_cast<std::size_t>(S));
     for (auto& k : counts_) {
-      k = {x, x + R, x + 2 * R, x + 3 * R, x + 4 * R, x + 5 * R, x + 6 * R, x + 7 * R};
-      x += 8 * R;
+      index_t** arrays[] = {&k.send_n,      &k.send_d,      &k.recv_n,      &k.recv_d,
+                            &k.meta_send_n, &k.meta_send_d, &k.meta_recv_n, &k.meta_recv_d,
+                            &k.a_send_n,    &k.a_send_d,    &k.a_recv_n,    &k.a_recv_d,
+                            &k.m_send_n,    &k.m_send_d,    &k.m_recv_n,    &k.m_recv_d,
+                            &k.b_send_n,    &k.b_send_d,    &k.b_recv_n,    &k.b_recv_d};
+      for (index_t i = 0; i < A; ++i, x += R) *arrays[i] = x;
     }
     first_unit_ = x;
+    x += C + 1;
+    relay_offsets_ = x;             // [C*N+1]: relay rows per (chunk, source node), in that order
+    fan_counts_ = x + CN + 1;       // [C*G]: fan rows per (chunk, local rank)
+    fan_first_ = fan_counts_ + CG;  // [C+1]: each chunk's first fan row
+    if (hier_) {
+      x_relay_ = space.template allocate<value_type>(w.relay_rows * H);
+      x_fan_ = space.template allocate<value_type>(w.fan_rows * H);
+      mask_relay_ = space.template allocate<std::int64_t>(w.relay_rows);
+      fan_at_ = space.template allocate<index_t>(2 * (G_ * w.relay_rows + C));
+    }
     units_.assign(static_cast<std::size_t>(S), unit_state{});
     if (bounded_) {
       const index_t per = 3 * R * L + L + 1;
@@ -224,6 +299,7 @@ class exchange {
     }
     dispatch_req_.resize(static_cast<std::size_t>(S));
     meta_req_.resize(static_cast<std::size_t>(S));
+    mask_req_.resize(static_cast<std::size_t>(S));
     combine_req_.resize(static_cast<std::size_t>(S));
     gback_req_.resize(static_cast<std::size_t>(S));
     marks_.resize(static_cast<std::size_t>(4 * S));
@@ -290,17 +366,17 @@ class exchange {
   int counts(context& x, bool valid, index_t static_rows = 0) {
     dispatch_plan& p = x.plan;
     const int R = w_.ranks, L = p.local_experts, C = p.chunks;
-    const index_t P = exchange_ops::count_message::per_peer(L, C);
+    const index_t P = exchange_ops::count_message::per_peer(L, C, G_);
     // A pass that threw mid-way (a failed exchange) may have left slots or requests in use.
     expert_owner_ = -1;
     for (unit_state& us : units_) us.busy = false;
-    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_})
+    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_, &mask_req_})
       for (auto& r : *reqs) r.reset();
     const mark t0 = x.clock.now();
     x.space.for_each(
         R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
                                        Dedup ? x.dev.unique_counts : nullptr, R, L, C, w_.quota,
-                                       valid ? 1 : 0, msg_send_.data()});
+                                       valid ? 1 : 0, msg_send_.data(), x.dev.node_counts, G_});
     tr_.alltoall(msg_send_.data(), msg_recv_.device(), P);
     x.space.to_host(msg_recv_, 0, R * P);
     static_rows_ = static_rows;
@@ -330,7 +406,7 @@ class exchange {
   }
   /// Elements between two ranks' verdicts.
   index_t verdict_stride(const dispatch_plan& p) const {
-    return exchange_ops::count_message::per_peer(p.local_experts, p.chunks);
+    return exchange_ops::count_message::per_peer(p.local_experts, p.chunks, G_);
   }
 
   void start_dispatch(context& x, int u) {
@@ -338,8 +414,15 @@ class exchange {
     marks_[4 * k] = x.clock.now();
     if (bounded_) layout_unit(x, u);
     rank_counts& n = counts_[k];
-    tr_.start(dispatch_req_[k], x_send_.data(), n.send_n, n.send_d, x_recv_.data(), n.recv_n,
-              n.recv_d);
+    if (hier_) {  // first level: node rows and their masks to the peers
+      tr_.start(dispatch_req_[k], x_send_.data(), n.a_send_n, n.a_send_d, x_relay_.data(),
+                n.a_recv_n, n.a_recv_d);
+      tr_.start(mask_req_[k], x.plan.node_mask, n.m_send_n, n.m_send_d, mask_relay_.data(),
+                n.m_recv_n, n.m_recv_d);
+    } else {
+      tr_.start(dispatch_req_[k], x_send_.data(), n.send_n, n.send_d, x_recv_.data(), n.recv_n,
+                n.recv_d);
+    }
     if constexpr (Dedup)
       tr_.start(meta_req_[k], x.plan.meta, n.meta_send_n, n.meta_send_d, meta_recv_.data(),
                 n.meta_recv_n, n.meta_recv_d);
@@ -367,6 +450,7 @@ class exchange {
       rows = us.host[expert_at() + p.local_experts];
     } else {
       if constexpr (Dedup) modeled += tr_.wait(meta_req_[k]);
+      if (hier_) modeled += fan_out(x, u);
       const mark w1 = x.clock.now();
       x.clock.exchange(marks_[4 * k], marks_[4 * k + 1], w0, w1, modeled);
       if constexpr (Dedup) {
@@ -385,7 +469,7 @@ class exchange {
       rows = p.expert_offsets[(u + 1) * p.local_experts] - p.expert_offsets[u * p.local_experts];
     }
     x.clock.event(chunk_of_unit(p, u), stage_kind::dispatch, round_of_unit(p, u), rows,
-                  crossing_bytes(counts_[k].recv_n), marks_[4 * k], x.clock.now());
+                  unit_bytes(k), marks_[4 * k], x.clock.now());
   }
 
   /// The rows every local expert computes in unit u: groups of the expert buffer.
@@ -428,10 +512,15 @@ class exchange {
       copy_blocks(x, from, recv_view(p), m + L, b + R * L, x.dev.regroup_offsets,
                   x.dev.recv_offsets);
     }
-    // The reverse exchange: what came from rank s goes back to rank s, into the send rows.
+    // The reverse exchange: what came from rank s goes back to rank s, into the send rows
+    // (hierarchical: to the relay, which sums them in wait_combine and sends them home).
     rank_counts& n = counts_[k];
-    tr_.start(combine_req_[k], x_recv_.data(), n.recv_n, n.recv_d, x_send_.data(), n.send_n,
-              n.send_d);
+    if (hier_)
+      tr_.start(combine_req_[k], x_recv_.data(), n.b_recv_n, n.b_recv_d, x_fan_.data(), n.b_send_n,
+                n.b_send_d);
+    else
+      tr_.start(combine_req_[k], x_recv_.data(), n.recv_n, n.recv_d, x_send_.data(), n.send_n,
+                n.send_d);
     if (Dedup && backward_)
       tr_.start(gback_req_[k], g_recv_.data(), n.meta_recv_n, n.meta_recv_d, g_send_.data(),
                 n.meta_send_n, n.meta_send_d);
@@ -442,15 +531,18 @@ class exchange {
     const int k = slot_of(u);
     const mark w0 = x.clock.now();
     double modeled = tr_.wait(combine_req_[k]);
+    if (hier_) modeled += fan_in(x, u);
     if (Dedup && backward_) modeled += tr_.wait(gback_req_[k]);
     const mark w1 = x.clock.now();
     x.clock.exchange(marks_[4 * k + 2], marks_[4 * k + 3], w0, w1, modeled);
     units_[k].busy = false;
     index_t rows = 0;
-    for (int r = 0; r < w_.ranks; ++r) rows += counts_[k].recv_n[r] / w_.row_stride;
+    const rank_counts& n = counts_[k];
+    for (int r = 0; r < w_.ranks; ++r)
+      rows += (hier_ ? n.b_recv_n[r] : n.recv_n[r]) / w_.row_stride;
     if (!bounded_ && !Dedup) rows += x.plan.recv_rows_from(chunk_of_unit(x.plan, u), me_);
     x.clock.event(chunk_of_unit(x.plan, u), stage_kind::combine, round_of_unit(x.plan, u), rows,
-                  crossing_bytes(counts_[k].recv_n), marks_[4 * k + 2], w1);
+                  unit_bytes(k), marks_[4 * k + 2], w1);
   }
 
   /// The host waits for the space's work: through the transport where it watches its comm
@@ -464,7 +556,7 @@ class exchange {
 
   /// Lets the comm progress pending exchanges (MPI moves data inside its calls).
   void progress() {
-    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_})
+    for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_, &mask_req_})
       for (auto& r : *reqs) tr_.progress(r);
   }
 
@@ -472,6 +564,10 @@ class exchange {
   struct rank_counts {  // per-rank counts/displacements (elements) of one unit's exchanges
     index_t *send_n, *send_d, *recv_n, *recv_d;
     index_t *meta_send_n, *meta_send_d, *meta_recv_n, *meta_recv_d;
+    // Hierarchical: node rows to the peers (a) with their masks (m), fan rows in the node (b).
+    index_t *a_send_n{}, *a_send_d{}, *a_recv_n{}, *a_recv_d{};
+    index_t *m_send_n{}, *m_send_d{}, *m_recv_n{}, *m_recv_d{};
+    index_t *b_send_n{}, *b_send_d{}, *b_recv_n{}, *b_recv_d{};
   };
   // A bounded unit's receive layout, host and space copies of one array: per block (source
   // s, local slot j) = s * L + j, its rows this round ([0, RL)), where they sit in the
@@ -495,6 +591,63 @@ class exchange {
                      "); a peer passed more tokens than max_tokens?");
   }
 
+  // Hierarchical, chunk c after its first level arrived: each relay row's copies to the
+  // node's ranks (rows in the fan buffer from a scan of the masks), the second level, and
+  // its wait. Returns the link model's time.
+  double fan_out(context& x, int c) {
+    rank_counts& n = counts_[c];
+    double modeled = tr_.wait(mask_req_[c]);
+    const fan_view f = fan_of(c);
+    x.space.for_each(G_ * f.n, exchange_ops::mask_bits{f.mask, f.n, f.flags});
+    x.space.exclusive_scan(f.flags, f.at, G_ * f.n);
+    x.space.for_each_row(f.n, w_.hidden,
+                         exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G_, f.relay, f.fan});
+    tr_.start(dispatch_req_[c], x_fan_.data(), n.b_send_n, n.b_send_d, x_recv_.data(), n.b_recv_n,
+              n.b_recv_d);
+    return modeled + tr_.wait(dispatch_req_[c]);
+  }
+
+  // Hierarchical, chunk c after the node's ranks sent their sums back: each relay row = the
+  // sum of its copies, then the first level in reverse, home.
+  double fan_in(context& x, int c) {
+    rank_counts& n = counts_[c];
+    const fan_view f = fan_of(c);
+    x.space.for_each_row(
+        f.n, w_.hidden,
+        exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G_, f.relay, f.fan, true});
+    std::optional<typename transport_type::request> back;
+    tr_.start(back, x_relay_.data(), n.a_recv_n, n.a_recv_d, x_send_.data(), n.a_send_n,
+              n.a_send_d);
+    return tr_.wait(back);
+  }
+
+  struct fan_view {
+    index_t n;                 // the chunk's relay rows
+    const std::int64_t* mask;  // their masks
+    index_t* flags;            // [G][n]
+    index_t* at;               // [G][n] (+1): each copy's row in `fan`
+    matrix_view<value_type> relay, fan;
+  };
+  fan_view fan_of(int c) const {
+    const index_t r0 = relay_offsets_[c * N_], n = relay_offsets_[(c + 1) * N_] - r0;
+    const index_t H = w_.row_stride, half = G_ * w_.relay_rows + w_.chunks;
+    index_t* flags = fan_at_.data() + G_ * r0 + c;
+    const index_t f0 = fan_first_[c];
+    return {n,
+            mask_relay_.data() + r0,
+            flags,
+            flags + half,
+            {x_relay_.data() + r0 * H, n, w_.hidden, H},
+            {x_fan_.data() + f0 * H, fan_first_[c + 1] - f0, w_.hidden, H}};
+  }
+
+  // Bytes of rows that crossed to or from other ranks in unit k's exchanges (both levels).
+  index_t unit_bytes(int k) const {
+    const rank_counts& n = counts_[k];
+    return hier_ ? crossing_bytes(n.a_recv_n) + crossing_bytes(n.b_recv_n)
+                 : crossing_bytes(n.recv_n);
+  }
+
   // Bytes of the rows (H elements each; the alignment padding is not counted) that crossed
   // to or from other ranks.
   index_t crossing_bytes(const index_t* n) const {
@@ -505,7 +658,7 @@ class exchange {
   }
 
   index_t verdict_at(const dispatch_plan& p) const {
-    return p.chunks * (2 * p.local_experts + 1) + p.chunks;
+    return p.chunks * exchange_ops::count_message::width(p.local_experts, G_) + p.chunks;
   }
 
   // The counts message that arrived: the verdicts, then the receive plan (static shapes: it
@@ -546,8 +699,10 @@ class exchange {
   // The received counts: the receive plan, the rounds, the exchanges' counts and the stats.
   void read_counts(context& x, const index_t* in) {
     dispatch_plan& p = x.plan;
-    const int R = w_.ranks, L = p.local_experts, C = p.chunks, W = 2 * L + 1;
-    const index_t P = exchange_ops::count_message::per_peer(L, C);
+    const int R = w_.ranks, L = p.local_experts, C = p.chunks;
+    const int W = exchange_ops::count_message::width(L, G_);
+    const index_t P = exchange_ops::count_message::per_peer(L, C, G_);
+    if (hier_) std::fill(fan_counts_, fan_counts_ + C * G_, 0);
     for (int s = 0; s < R; ++s)
       for (int c = 0; c < C; ++c) {
         const index_t* m = in + s * P + c * W;
@@ -556,12 +711,37 @@ class exchange {
           p.recv_valid[p.block(c, s, j)] = m[L + j];
         }
         if constexpr (Dedup) p.recv_unique_counts[c * R + s] = m[2 * L];
+        if (hier_ && s % G_ == me_ % G_) {  // a peer whose rows for this node this rank relays
+          relay_offsets_[c * N_ + s / G_ + 1] = m[2 * L + 1];
+          for (int g = 0; g < G_; ++g) fan_counts_[c * G_ + g] += m[2 * L + 2 + g];
+        }
       }
     build_recv_plan(p);
     if constexpr (Dedup) {
-      p.recv_unique_offsets[0] = 0;
-      for (int b = 0; b < C * R; ++b)
-        p.recv_unique_offsets[b + 1] = p.recv_unique_offsets[b] + p.recv_unique_counts[b];
+      // Hierarchical: rank e receives from each rank f of its node (local index g) the rows
+      // of the sources f relays (local index g, node 0..N-1), so a chunk's unique rows are
+      // ordered by the sources' (local index, node): each relay's rows are contiguous.
+      const int G = hier_ ? G_ : R, N = hier_ ? N_ : 1;
+      index_t at = 0;
+      for (int c = 0; c < C; ++c)
+        for (int g = 0; g < G; ++g)
+          for (int n = 0; n < N; ++n) {
+            const int b = c * R + n * G + g;
+            p.recv_unique_offsets[b] = at;
+            at += p.recv_unique_counts[b];
+          }
+      p.recv_unique_offsets[C * R] = at;
+    }
+    if (hier_) {
+      relay_offsets_[0] = 0;
+      for (int i = 0; i < C * N_; ++i) relay_offsets_[i + 1] += relay_offsets_[i];
+      fan_first_[0] = 0;
+      for (int c = 0; c < C; ++c) {
+        fan_first_[c + 1] = fan_first_[c];
+        for (int g = 0; g < G_; ++g) fan_first_[c + 1] += fan_counts_[c * G_ + g];
+      }
+      if (relay_offsets_[C * N_] > w_.relay_rows || fan_first_[C] > w_.fan_rows)
+        overflow(relay_offsets_[C * N_]);
     }
     if (bounded_) {
       first_unit_[0] = 0;
@@ -666,6 +846,47 @@ class exchange {
     // start_combine move them between the send and expert buffers). Dedup's unique rows
     // still go through the receive buffer, where its expansion reads them.
     if constexpr (!Dedup) n.send_n[me_] = n.recv_n[me_] = 0;
+    if (hier_) hier_rank_counts(p, c);
+  }
+
+  // Hierarchical, chunk c: the rows go in two exchanges instead of one (the metadata still
+  // goes straight to the expert ranks). (a) node rows to this rank's peer on each node (same
+  // local index), from the peers into the relay buffer; (m) their masks alike; (b) the relay
+  // rows' copies to the node's ranks, from the node's ranks into the receive buffer.
+  void hier_rank_counts(const dispatch_plan& p, int c) {
+    const int R = w_.ranks, G = G_, N = N_, mine = me_ / G, local = me_ % G;
+    const index_t H = w_.row_stride;
+    rank_counts& n = counts_[c];
+    for (int r = 0; r < R; ++r) {
+      n.send_n[r] = n.recv_n[r] = n.send_d[r] = n.recv_d[r] = 0;
+      n.a_send_n[r] = n.a_send_d[r] = n.a_recv_n[r] = n.a_recv_d[r] = 0;
+      n.b_send_n[r] = n.b_send_d[r] = n.b_recv_n[r] = n.b_recv_d[r] = 0;
+    }
+    for (int m = 0; m < N; ++m) {  // the peer on node m
+      const int r = m * G + local;
+      n.a_send_n[r] = p.node_counts[c * N + m];
+      n.a_send_d[r] = p.node_offsets[c * N + m];
+      n.a_recv_n[r] = relay_offsets_[c * N + m + 1] - relay_offsets_[c * N + m];
+      n.a_recv_d[r] = relay_offsets_[c * N + m];
+    }
+    index_t at = fan_first_[c];
+    for (int g = 0; g < G; ++g) {  // rank g of this node
+      const int r = mine * G + g;
+      n.b_send_n[r] = fan_counts_[c * G + g] * H;
+      n.b_send_d[r] = at * H;
+      at += fan_counts_[c * G + g];
+      index_t rows = 0;
+      for (int m = 0; m < N; ++m) rows += p.recv_unique_counts[c * R + m * G + g];
+      n.b_recv_n[r] = rows * H;
+      n.b_recv_d[r] = p.recv_unique_offsets[c * R + g] * H;
+    }
+    for (int r = 0; r < R; ++r) {  // masks: one element per row
+      n.m_send_n[r] = n.a_send_n[r];
+      n.m_send_d[r] = n.a_send_d[r];
+      n.m_recv_n[r] = n.a_recv_n[r];
+      n.m_recv_d[r] = n.a_recv_d[r];
+      for (index_t* v : {n.a_send_n, n.a_send_d, n.a_recv_n, n.a_recv_d}) v[r] *= H;
+    }
   }
 
   void fill_comm_stats(context& x) {
@@ -699,6 +920,15 @@ class exchange {
     st.rank_imbalance = imbalance::of(st.rows_sent);
     st.combine_bytes_sent = received * row_bytes;
     st.combine_bytes_received = sent * row_bytes;
+    level_stats(x, row_bytes, meta_bytes);
+    if (hier_) {  // the rows went in two levels
+      st.dispatch_bytes_sent = st.intra_node.bytes_sent + st.inter_node.bytes_sent;
+      st.dispatch_bytes_received = st.intra_node.bytes_received + st.inter_node.bytes_received;
+      st.combine_bytes_sent =
+          st.intra_node.rows_received * row_bytes + st.inter_node.rows_received * row_bytes;
+      st.combine_bytes_received =
+          st.intra_node.rows_sent * row_bytes + st.inter_node.rows_sent * row_bytes;
+    }
     for (int j = 0; j < L; ++j) {
       index_t real = 0, padded = 0;
       for (int c = 0; c < C; ++c)
@@ -708,6 +938,43 @@ class exchange {
         }
       st.rows_per_local_expert[j] = real;
       st.padded_rows_per_local_expert[j] = padded;
+    }
+  }
+
+  // Rows and bytes over each link class (ranks of one node: w_.node_size). Flat: the rows to
+  // each other rank; hierarchical: the first level's node rows and the second level's fan
+  // rows. The metadata (dedup) goes straight to the expert ranks either way.
+  void level_stats(context& x, index_t row_bytes, index_t meta_bytes) const {
+    const dispatch_plan& p = x.plan;
+    pass_stats& st = x.stats;
+    const int R = w_.ranks, C = p.chunks, G = w_.node_size > 0 ? w_.node_size : R;
+    st.ranks_per_node = G;
+    st.intra_node = st.inter_node = {};
+    auto level = [&](int r) -> link_traffic& {
+      return r / G == me_ / G ? st.intra_node : st.inter_node;
+    };
+    for (int r = 0; r < R; ++r) {
+      if (r == me_) continue;
+      link_traffic& l = level(r);
+      l.bytes_sent += st.assignment_rows_sent[r] * meta_bytes;
+      l.bytes_received += st.assignment_rows_received[r] * meta_bytes;
+      if (hier_) continue;
+      l.rows_sent += st.rows_sent[r];
+      l.rows_received += st.rows_received[r];
+    }
+    if (hier_)
+      for (int c = 0; c < C; ++c) {
+        const rank_counts& n = counts_[c];
+        for (int r = 0; r < R; ++r) {
+          if (r == me_) continue;
+          link_traffic& l = level(r);  // (a) only reaches other nodes, (b) only this one
+          l.rows_sent += (n.a_send_n[r] + n.b_send_n[r]) / w_.row_stride;
+          l.rows_received += (n.a_recv_n[r] + n.b_recv_n[r]) / w_.row_stride;
+        }
+      }
+    for (link_traffic* l : {&st.intra_node, &st.inter_node}) {
+      l->bytes_sent += l->rows_sent * row_bytes;
+      l->bytes_received += l->rows_received * row_bytes;
     }
   }
 
@@ -799,7 +1066,8 @@ class exchange {
   std::vector<unit_state> units_;    // [slots]
   index_t* first_unit_ = nullptr;    // [C+1]: bounded: first unit of each chunk
   std::vector<std::optional<typename transport_type::request>> dispatch_req_, meta_req_,
-      combine_req_, gback_req_;     // [slots] (gback: dedup backward's weight gradients)
+      combine_req_, gback_req_,     // [slots] (gback: dedup backward's weight gradients)
+      mask_req_;                    //   hierarchical: the node rows' masks
   std::vector<mark> marks_;         // [4 * slots]: when each slot's dispatch and combine began and
                                     // their starts returned
   buffer<std::int64_t> meta_recv_;  // dedup: the received assignments' metadata
@@ -808,6 +1076,16 @@ class exchange {
   buffer<char> sum_sort_;
   buffer<float> g_recv_, g_send_;  // dedup backward: routing-weight gradients
   bool backward_ = false;
+  // Hierarchical exchange: G ranks per node, N nodes.
+  bool hier_ = false;
+  int G_ = 0, N_ = 1;
+  buffer<value_type> x_relay_;       // node rows this rank relays, per (chunk, source node)
+  buffer<value_type> x_fan_;         // their copies per (chunk, local rank, source node)
+  buffer<std::int64_t> mask_relay_;  // the relay rows' masks
+  buffer<index_t> fan_at_;           // per chunk [G][n] flags, then their scan (fan rows)
+  index_t* relay_offsets_ = nullptr;
+  index_t* fan_counts_ = nullptr;
+  index_t* fan_first_ = nullptr;
 };
 
 }  // namespace epmoe

@@ -18,6 +18,11 @@ struct layer_options {
   /// Per-rank dedup: a token sends one row to each rank that holds any of its experts, and
   /// that rank returns one weighted sum (as DeepEP and Tutel do).
   bool dedup = false;
+  /// Hierarchical dispatch and combine (implies dedup): a token sends one row to each node
+  /// holding any of its experts, to the rank there with its home's local index, which fans it
+  /// out to that node's ranks; the combine sums inside the node before the row goes home
+  /// (as DeepEP's internode kernels). Nodes: layer_config::ranks_per_node or the comm's.
+  bool hierarchical = false;
   /// Bit-identical outputs and gradients from run to run (docs/training.md): every sum in a
   /// fixed order, none depending on buffer alignment or thread timing (the host's streaming
   /// GEMM gives up its alignment head; the other kernels already are). Across rank counts

@@ -64,11 +64,23 @@ struct dispatch_plan {
   std::int64_t* meta = nullptr;       // [send rows]: per assignment row, pack_meta(index, weight)
   std::int64_t* meta_recv = nullptr;  // [recv rows]
 
+  // Hierarchical exchange (ranks_per_node = G > 0): a token sends one row to each node
+  // (N = R / G) holding any of its kept assignments, to the rank there with its home's local
+  // index, which fans it out to that node's ranks (docs/architecture.md).
+  int ranks_per_node = 0;              // G; 0: no hierarchical exchange
+  std::int32_t* node_slot = nullptr;   // [T*K]: node send row of (t,k); -1 if dropped
+  std::int32_t* node_token = nullptr;  // [node rows]: token of each node send row
+  std::int64_t* node_mask = nullptr;   // [node rows]: bit g: local rank g of the node
+                                       //   holds one of the token's kept assignments
+  index_t* node_counts = nullptr;      // [C*N]: node rows per (chunk, node)
+  index_t* node_offsets = nullptr;     // [C*N+1]
+
   index_t assignments = 0;  // (token, expert) pairs routed; empty slots excluded
   index_t dropped = 0;      // assignments past capacity
   index_t padding = 0;      // padding rows this rank sends
 
   EPMOE_HD int block(int c, int r, int j) const { return (c * ranks + r) * local_experts + j; }
+  EPMOE_HD int nodes() const { return ranks_per_node > 0 ? ranks / ranks_per_node : 1; }
   EPMOE_HD int blocks() const { return chunks * ranks * local_experts; }
   /// The chunk of token t: tokens [c*T/C, (c+1)*T/C) form chunk c.
   EPMOE_HD int chunk_of(index_t t) const { return chunk_of_token(t, chunks, tokens); }
@@ -139,6 +151,8 @@ struct device_plan {
   index_t* regroup_offsets = nullptr;      // [C*R*L]
   index_t* expert_offsets = nullptr;       // [C*L+1]
   index_t* recv_unique_offsets = nullptr;  // [C*R+1]
+  index_t* node_counts = nullptr;          // [C*N]
+  index_t* node_offsets = nullptr;         // [C*N+1]
 };
 
 /// Scratch of the plan stage in the space's memory, sized for the most assignments (T*K) and
@@ -316,6 +330,30 @@ struct link_unique {
   }
 };
 
+/// Hierarchical, token t: each kept assignment's node row (that of the token's first kept
+/// assignment on the same node, numbered by place_unique) and each node row's mask of the
+/// node's ranks it must reach. One thread per token: the mask is written by one thread.
+struct link_nodes {
+  const std::int32_t* first_of;  // per node, from unique_keys
+  const std::int32_t* phys;
+  int K, L, G;
+  std::int32_t* node_slot;
+  std::int64_t* node_mask;
+  EPMOE_HD void operator()(index_t t) const {
+    for (int k = 0; k < K; ++k) {
+      const index_t a = t * K + k;
+      if (first_of[a] < 0) {
+        node_slot[a] = -1;
+        continue;
+      }
+      const std::int32_t u = node_slot[first_of[a]];
+      const std::int64_t bit = std::int64_t{1} << ((phys[a] / L) % G);
+      node_mask[u] = first_of[a] == a ? bit : (node_mask[u] | bit);
+      node_slot[a] = u;
+    }
+  }
+};
+
 }  // namespace plan_ops
 
 using plan_ops::meta_index;
@@ -368,6 +406,26 @@ void build_dedup_plan(const Space& space, routing_view routing, dispatch_plan& p
   space.for_each(
       n, plan_ops::link_unique{w.first_of, p.slot, p.phys, routing.weights.data, d.unique_offsets,
                                K, L, R, p.chunks, T, p.unique_slot, p.meta});
+}
+
+/// Hierarchical exchange on top of build_dedup_plan: each token gets one node send row per
+/// destination node among its kept assignments (in token order, in its chunk), with the mask
+/// of that node's ranks it reaches; every assignment knows its node row (node_slot). The
+/// same steps as the per-rank dedup, keyed by node (a node is G ranks of L slots).
+template <class Space>
+void build_node_plan(const Space& space, dispatch_plan& p, const device_plan& d,
+                     const plan_scratch& w) {
+  const int G = p.ranks_per_node, N = p.nodes(), K = p.top_k, L = p.local_experts;
+  const int CN = p.chunks * N;
+  const index_t T = p.tokens, n = T * K;
+  space.for_each(
+      T, plan_ops::unique_keys{p.slot, p.phys, K, L * G, N, p.chunks, T, w.keys, w.first_of});
+  space.count(w.keys, n, CN, d.node_counts);
+  space.exclusive_scan(d.node_counts, d.node_offsets, CN);
+  space.sort_by_key(w.keys, n, CN, w.sorted_keys, w.order, w.sort);
+  space.for_each(n,
+                 plan_ops::place_unique{w.sorted_keys, w.order, CN, K, p.node_slot, p.node_token});
+  space.for_each(T, plan_ops::link_nodes{w.first_of, p.phys, K, L, G, p.node_slot, p.node_mask});
 }
 
 /// The plan's counts from its host arrays (after the space's arrays reached the host):
@@ -432,6 +490,8 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
                      bool pad, token_origin origin, dispatch_plan& p,
                      host_plan_scratch* scratch = nullptr, bool dedup = false,
                      index_t pad_rows = -1) {
+  // Hierarchical (p.ranks_per_node > 0) builds on dedup's unique rows.
+  dedup = dedup || p.ranks_per_node > 0;
   const index_t T = routing.tokens();
   for (index_t t = 0; t < T; ++t)
     for (int k = 0; k < p.top_k; ++k) {
@@ -447,11 +507,13 @@ void build_send_plan(routing_view routing, const Placement& placement, int exper
   d.kept = p.kept, d.send_counts = p.send_counts, d.send_valid = p.send_valid;
   d.send_offsets = p.send_offsets, d.routed = p.routed;
   d.unique_counts = p.unique_counts, d.unique_offsets = p.unique_offsets;
+  d.node_counts = p.node_counts, d.node_offsets = p.node_offsets;
   const space::host host;
   const index_t padded = !pad ? 0 : pad_rows >= 0 ? pad_rows : limit;
   build_send_plan(host, routing, detail::placement_ref<Placement>{&placement}, experts, limit,
                   padded, origin, p, d, w);
   if (dedup) build_dedup_plan(host, routing, p, d, w);
+  if (p.ranks_per_node > 0) build_node_plan(host, p, d, w);
   count_send_plan(p, experts);
 }
 

@@ -81,6 +81,15 @@ struct drop_mask {
   }
 };
 
+/// Rows and bytes this rank moved over one class of link in a pass's dispatch (its combine
+/// moves as many rows back the other way); rows to itself are not counted.
+struct link_traffic {
+  index_t rows_sent = 0;
+  index_t rows_received = 0;
+  index_t bytes_sent = 0;  // rows and, with dedup, the assignments' metadata
+  index_t bytes_received = 0;
+};
+
 /// What one forward pass did on this rank. Sized once at layer construction; a pass only
 /// overwrites the numbers.
 struct pass_stats {
@@ -102,6 +111,9 @@ struct pass_stats {
   index_t dispatch_bytes_received = 0;            // from other ranks
   index_t combine_bytes_sent = 0;
   index_t combine_bytes_received = 0;
+  int ranks_per_node = 0;      // ranks one node holds: the link classes below split by it
+  link_traffic intra_node;     // dispatch traffic with ranks of this rank's node
+  link_traffic inter_node;     //   and with other nodes (hierarchical: one row per node)
   double expert_flops = 0;     // FLOPs of this rank's expert GEMMs, padding included
   double shared_flops = 0;     // FLOPs of the shared experts on this rank
   imbalance expert_imbalance;  // of routed_per_expert (this rank's tokens)

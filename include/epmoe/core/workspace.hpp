@@ -36,6 +36,11 @@ struct workspace_layout {
   index_t recv_buffer_rows = 0;  // the receive buffer (bounded: units in flight slots)
   index_t expert_rows = 0;       // most rows the experts compute in one unit
   index_t max_rounds = 1;        // bounded: most rounds one chunk can need
+  int node_size = 0;             // ranks per node, for stats (0: all ranks one node)
+  int ranks_per_node = 0;        // G of the hierarchical exchange (0: flat)
+  index_t node_rows = 0;         // hierarchical: the node rows one pass sends
+  index_t relay_rows = 0;        //   node rows a rank relays for its N peers (N * T)
+  index_t fan_rows = 0;          //   their copies to the node's ranks (each reaches <= min(K, G))
 
   /// `limit(T)` is the capacity policy's rows per slot for T tokens; `router_cap` the router's
   /// own bound on a slot's rows (expert choice), or 0.
@@ -44,7 +49,7 @@ struct workspace_layout {
   template <class Limit>
   static workspace_layout of(const layer_config& cfg, int width, int local_experts, int chunks,
                              int units_in_flight, bool pads, Limit&& limit, index_t router_cap,
-                             index_t elem_bytes) {
+                             index_t elem_bytes, int node_size = 0, bool hierarchical = false) {
     workspace_layout w;
     const index_t T = cfg.max_tokens, K = width, R = cfg.ranks, L = local_experts;
     w.tokens = T, w.width = width, w.experts = cfg.experts, w.ranks = cfg.ranks;
@@ -73,12 +78,21 @@ struct workspace_layout {
       w.recv_buffer_rows = w.recv_rows;
       w.expert_rows = w.recv_rows;
     }
+    w.node_size = node_size;
+    if (hierarchical) {
+      const index_t G = node_size > 0 ? node_size : R, N = R / G;
+      w.ranks_per_node = static_cast<int>(G);
+      w.node_rows = std::min(T * std::min(K, N), w.send_rows);
+      w.relay_rows = N * T;
+      w.fan_rows = w.relay_rows * std::min(K, G);
+    }
     return w;
   }
 
   /// A row of n elements padded to the alignment.
   index_t padded(index_t n) const { return (n + align - 1) / align * align; }
 
+  index_t nodes() const { return ranks_per_node > 0 ? ranks / ranks_per_node : 1; }
   /// Keys the plan sorts: the blocks, or dedup's (chunk, rank) groups.
   index_t plan_keys() const { return std::max<index_t>(blocks, index_t{chunks} * ranks); }
 };
@@ -100,15 +114,21 @@ class plan_storage {
     const index_t B = w.blocks, RL = index_t{w.ranks} * w.local_experts;
     const index_t CR = index_t{w.chunks} * w.ranks, E = w.experts;
     const index_t n = w.tokens * w.width, keys = w.plan_keys();
-    send_ = s.template allocate_mirror<index_t>(RL + 3 * B + 1 + E + 2 * CR + 1);
+    const index_t CN = index_t{w.chunks} * w.nodes();
+    send_ = s.template allocate_mirror<index_t>(RL + 3 * B + 1 + E + 2 * CR + 1 + 2 * CN + 1);
     recv_ = s.template allocate_mirror<index_t>(4 * B + 1 + index_t{w.chunks} * w.local_experts +
                                                 1 + 2 * CR + 1);
     routes_ = s.template allocate_mirror<std::int32_t>(2 * n);  // slot, phys: read by dropped()
-    assignment_ = s.template allocate<std::int32_t>((dedup ? 5 : 3) * n);
+    const bool hier = w.ranks_per_node > 0;
+    assignment_ = s.template allocate<std::int32_t>(((dedup || hier) ? 5 : 3) * n + (hier ? n : 0));
     row_token_ = s.template allocate<std::int32_t>(w.send_rows);
     if (dedup) {
       unique_token_ = s.template allocate<std::int32_t>(w.tokens * std::min(w.width, w.ranks));
       meta_ = s.template allocate<std::int64_t>(w.send_rows);
+    }
+    if (hier) {
+      node_token_ = s.template allocate<std::int32_t>(w.node_rows);
+      node_mask_ = s.template allocate<std::int64_t>(w.node_rows);
     }
     counts_ = s.template allocate<index_t>(2 * (keys + 1));
     sort_ = s.template allocate<char>(Space::sort_scratch_bytes(n, keys));
@@ -130,21 +150,25 @@ class plan_storage {
   void bind(const workspace_layout& w, bool dedup) {
     const index_t B = w.blocks, RL = index_t{w.ranks} * w.local_experts;
     const index_t CR = index_t{w.chunks} * w.ranks, n = w.tokens * w.width;
+    const index_t CN = index_t{w.chunks} * w.nodes();
     dispatch_plan& p = plan_;
     device_plan& d = dev_;
     p.ranks = w.ranks;
     p.local_experts = w.local_experts;
     p.top_k = w.width;
     p.chunks = w.chunks;
+    p.ranks_per_node = w.ranks_per_node;
     // Send side: kept [RL], counts [B], valid [B], offsets [B+1], routed [E], unique counts
-    // [CR], unique offsets [CR+1].
+    // [CR], unique offsets [CR+1], node counts [CN], node offsets [CN+1].
     carve(send_, {{&p.kept, &d.kept, RL},
                   {&p.send_counts, &d.send_counts, B},
                   {&p.send_valid, &d.send_valid, B},
                   {&p.send_offsets, &d.send_offsets, B + 1},
                   {&p.routed, &d.routed, w.experts},
                   {&p.unique_counts, &d.unique_counts, CR},
-                  {&p.unique_offsets, &d.unique_offsets, CR + 1}});
+                  {&p.unique_offsets, &d.unique_offsets, CR + 1},
+                  {&p.node_counts, &d.node_counts, CN},
+                  {&p.node_offsets, &d.node_offsets, CN + 1}});
     // Receive side: counts [B], valid [B], offsets [B+1], regroup [B], expert offsets
     // [C*L+1], unique counts [CR], unique offsets [CR+1].
     index_t* unused = nullptr;
@@ -161,10 +185,13 @@ class plan_storage {
     scratch_.keys = a;
     scratch_.sorted_keys = a + n;
     scratch_.order = a + 2 * n;
-    if (dedup) {
+    if (dedup || w.ranks_per_node > 0) {
       p.unique_slot = a + 3 * n;
       scratch_.first_of = a + 4 * n;
     }
+    if (w.ranks_per_node > 0) p.node_slot = a + 5 * n;
+    p.node_token = node_token_.data();
+    p.node_mask = node_mask_.data();
     p.row_token = row_token_.data();
     p.unique_token = unique_token_.data();
     p.meta = meta_.data();
@@ -192,8 +219,8 @@ class plan_storage {
   plan_scratch scratch_{};
   mirror<index_t> send_, recv_;
   mirror<std::int32_t> routes_;
-  buffer<std::int32_t> assignment_, row_token_, unique_token_;
-  buffer<std::int64_t> meta_;
+  buffer<std::int32_t> assignment_, row_token_, unique_token_, node_token_;
+  buffer<std::int64_t> meta_, node_mask_;
   buffer<index_t> counts_;
   buffer<char> sort_;
 };
