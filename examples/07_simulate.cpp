@@ -5,6 +5,8 @@
 // in 8 nodes, Zipf 1.2: which rank straggles, by how much, and how much replication and
 // overlap recover (the flags spelled out):
 //   epmoe_simulate --ranks 64 --nodes 8 --experts 256 --top-k 8 --skew 1.2
+// --hierarchical sets the two-level exchange beside the flat ones (docs/simulator.md):
+//   epmoe_simulate --skew 0 --node-limit 4 --hierarchical
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -42,6 +44,8 @@ struct args {
   std::string topology = "h100_nvlink_ib", trace, stats, calibrate;
   double skew = 1.2;
   bool dedup = false, compare = false, validate = false, topology_set = false;
+  bool hierarchical = false;  // the two-level exchange, and a flat / dedup / two-level table
+  int node_limit = 0;         // > 0: each token's experts on at most this many nodes' groups
   bool compare_set = false, single = false;  // --compare / --no-compare; --placement/--schedule
   int passes = 5, shared = 0, rounds = 11, max_recv_rows = 0;
   std::uint64_t seed = 1;
@@ -52,6 +56,10 @@ constexpr const char* usage_text =
     "usage: epmoe_simulate [--ranks R] [--nodes N] [--experts E] [--top-k K] [--hidden H]\n"
     "  [--ffn F] [--tokens T per rank] [--placement block|round_robin|balanced|mirrored]\n"
     "  [--extra-slots S (balanced; default R)] [--capacity dropless|FACTOR] [--dedup]\n"
+    "  [--hierarchical]: the two-level exchange (one row per (token, node), fanned out in the\n"
+    "      node), and flat vs dedup vs two-level side by side (bytes per link class, times)\n"
+    "  [--node-limit M]: node-limited routing (DeepSeek-V3: 4): the experts in --nodes equal\n"
+    "      groups, each token's top-k within its M groups (with --skew's load)\n"
     "  [--schedule sequential|pipelined] [--chunks C] [--max-recv-rows N] [--skew ZIPF]\n"
     "  [--stats FILE (recorded stats lines instead of --skew)] [--seed N]\n"
     "  [--topology h100_nvlink_ib|h200|cpu_cluster|FILE] [--trace out.json] [--show N]\n"
@@ -127,6 +135,10 @@ args parse(int argc, char** argv) {
       a.seed = static_cast<std::uint64_t>(cl.integer());
     else if (cl.is("--dedup"))
       a.dedup = true;
+    else if (cl.is("--hierarchical"))
+      a.hierarchical = true;
+    else if (cl.is("--node-limit"))
+      a.node_limit = integer();
     else if (cl.is("--lose-ranks"))
       for (long long r : cl.integers()) a.lost.push_back(static_cast<int>(r));
     else if (cl.is("--compare"))
@@ -142,6 +154,12 @@ args parse(int argc, char** argv) {
   if (a.placement != "block" && a.placement != "round_robin" && a.placement != "balanced" &&
       a.placement != "mirrored")
     cl.fail("--placement must be block, round_robin, balanced or mirrored, not " + a.placement);
+  if (a.node_limit < 0 || a.node_limit > a.nodes)
+    cl.fail("--node-limit must be in [1, --nodes] (0: off), not " + std::to_string(a.node_limit));
+  if (a.node_limit > 0 && a.experts % a.nodes != 0)
+    cl.fail("--node-limit needs --nodes to divide --experts (a group of experts per node)");
+  if (a.node_limit > 0 && !a.stats.empty())
+    cl.fail("--node-limit routes its own tokens: not with --stats");
   if (a.schedule != "sequential" && a.schedule != "pipelined")
     cl.fail("--schedule must be sequential or pipelined, not " + a.schedule);
   if (a.capacity != "dropless") {
@@ -166,7 +184,7 @@ args parse(int argc, char** argv) {
   }
   // Without --placement or --schedule the tool answers the comparison (block vs balanced x
   // sequential vs pipelined); naming one runs just that configuration.
-  if (!a.compare_set) a.compare = !a.single;
+  if (!a.compare_set) a.compare = !a.single && !a.hierarchical;
   if (a.extra_slots < 0) a.extra_slots = a.ranks;  // one spare slot per rank
   return a;
 }
@@ -202,17 +220,35 @@ placement::table mirrored(const layer_config& cfg) {
   return placement::table(cfg.experts, cfg.ranks, std::move(phy));
 }
 
+// How rows cross: one per assignment, one per (token, rank), or one per (token, node).
+enum class exchange { flat, dedup, hierarchical };
+exchange exchange_of(const args& a) {
+  return a.hierarchical ? exchange::hierarchical : a.dedup ? exchange::dedup : exchange::flat;
+}
+const char* exchange_name(exchange x) {
+  return x == exchange::hierarchical ? ", hierarchical" : x == exchange::dedup ? ", dedup" : "";
+}
+
 template <class Placement, class Source>
 sim::result run_with(const args& a, const layer_config& cfg, const sim::topology& topo,
-                     const Source& src, const Placement& where, int chunks) {
+                     const Source& src, const Placement& where, int chunks,
+                     exchange x = exchange::flat) {
   const sim::options opt{.chunks = chunks};
+  if (x == exchange::hierarchical) {
+    if (a.capacity == "dropless")
+      return sim::simulate<sim::hierarchical_policies<Placement, capacity::dropless>>(
+          cfg, topo, src, opt, where);
+    return sim::simulate<sim::hierarchical_policies<Placement, capacity::factor<false>>>(
+        cfg, topo, src, opt, where);
+  }
+  const bool dedup = x == exchange::dedup;
   if (a.capacity == "dropless") {
-    if (a.dedup)
+    if (dedup)
       return sim::simulate<sim::policies<Placement, capacity::dropless, true>>(cfg, topo, src, opt,
                                                                                where);
     return sim::simulate<sim::policies<Placement, capacity::dropless>>(cfg, topo, src, opt, where);
   }
-  if (a.dedup)
+  if (dedup)
     return sim::simulate<sim::policies<Placement, capacity::factor<false>, true>>(cfg, topo, src,
                                                                                   opt, where);
   return sim::simulate<sim::policies<Placement, capacity::factor<false>>>(cfg, topo, src, opt,
@@ -221,13 +257,61 @@ sim::result run_with(const args& a, const layer_config& cfg, const sim::topology
 
 template <class Source>
 sim::result run(const args& a, const std::string& where, int chunks, const layer_config& cfg,
-                const sim::topology& topo, const Source& src) {
-  if (where == "block") return run_with(a, cfg, topo, src, placement::block(cfg), chunks);
+                const sim::topology& topo, const Source& src, exchange x) {
+  if (where == "block") return run_with(a, cfg, topo, src, placement::block(cfg), chunks, x);
   if (where == "round_robin")
-    return run_with(a, cfg, topo, src, placement::round_robin(cfg), chunks);
-  if (where == "balanced") return run_with(a, cfg, topo, src, balanced(a, src), chunks);
-  if (where == "mirrored") return run_with(a, cfg, topo, src, mirrored(cfg), chunks);
+    return run_with(a, cfg, topo, src, placement::round_robin(cfg), chunks, x);
+  if (where == "balanced") return run_with(a, cfg, topo, src, balanced(a, src), chunks, x);
+  if (where == "mirrored") return run_with(a, cfg, topo, src, mirrored(cfg), chunks, x);
   usage_error("unknown placement " + where + " (block, round_robin, balanced, mirrored)");
+}
+
+// The fullest port of one link class over the ranks, in or out (dispatch bytes).
+double busiest_port(const sim::result& x, int l) {
+  double b = 0;
+  for (const auto& m : x.per_rank)
+    b = std::max({b, m.dispatch_bytes.out[l], m.dispatch_bytes.in[l]});
+  return b;
+}
+double sum(const std::vector<double>& v) { return std::accumulate(v.begin(), v.end(), 0.0); }
+
+// Flat, dedup and two-level side by side on one configuration: what crosses each link class
+// and what it costs.
+template <class Source>
+void two_level(const args& a, const std::string& where, int chunks, const layer_config& cfg,
+               const sim::topology& topo, const Source& src) {
+  const exchange kinds[3] = {exchange::flat, exchange::dedup, exchange::hierarchical};
+  sim::result r[3];
+  for (int i = 0; i < 3; ++i) r[i] = run(a, where, chunks, cfg, topo, src, kinds[i]);
+  std::printf("\ntwo-level dispatch (placement %s, capacity %s, %s, C=%d; %d nodes of %d ranks):\n",
+              where.c_str(), a.capacity.c_str(), chunks > 1 ? "pipelined" : "sequential", chunks,
+              topo.nodes, topo.ranks_per_node);
+  std::printf("  %-34s %12s %12s %12s %10s %10s\n", "", "flat", "dedup", "hierarchical",
+              "hier/flat", "hier/dedup");
+  using sim::result;
+  const struct {
+    const char* what;
+    double (*value)(const result&);
+  } rows[] = {
+      {"inter-node rows, all ranks (k)", [](const result& x) { return x.dispatch_rows[1] / 1e3; }},
+      {"inter-node bytes, all ranks (MB)",
+       [](const result& x) { return x.dispatch_bytes[1] / 1e6; }},
+      {"intra-node bytes, all ranks (MB)",
+       [](const result& x) { return x.dispatch_bytes[0] / 1e6; }},
+      {"busiest NIC, in or out (MB)", [](const result& x) { return busiest_port(x, 1) / 1e6; }},
+      {"busiest NVLink, in or out (MB)", [](const result& x) { return busiest_port(x, 0) / 1e6; }},
+      {"dispatch (us)", [](const result& x) { return sum(x.stages.dispatch) * 1e6; }},
+      {"combine (us)", [](const result& x) { return sum(x.stages.combine) * 1e6; }},
+      {"layer latency (us)", [](const result& x) { return x.latency * 1e6; }}};
+  for (const auto& row : rows) {
+    double v[3];
+    for (int i = 0; i < 3; ++i) v[i] = row.value(r[i]);
+    std::printf("  %-34s %12.1f %12.1f %12.1f %10.3f %10.3f\n", row.what, v[0], v[1], v[2],
+                v[0] > 0 ? v[2] / v[0] : 0.0, v[1] > 0 ? v[2] / v[1] : 0.0);
+  }
+  std::printf(
+      "  (dispatch bytes: rows and, with dedup, 8 B of metadata per assignment; the combine "
+      "sends the rows back)\n");
 }
 
 void print(const sim::result& r, int show) {
@@ -315,8 +399,11 @@ void what_if(const args& a, const layer_config& cfg, const sim::topology& topo, 
   }
   layer_config cfg2 = cfg;
   cfg2.ranks = after.ranks();
-  const sim::result r0 = run_with(a, cfg, topo, src, where, 1);
-  const sim::result r1 = run_with(a, cfg2, sim::surviving(topo, lost), src, after, 1);
+  // Survivors leave nodes of unequal size, which the two-level exchange does not take.
+  const exchange x = a.dedup || a.hierarchical ? exchange::dedup : exchange::flat;
+  if (a.hierarchical) std::printf("  (flat dedup exchange: the survivors' nodes are unequal)\n");
+  const sim::result r0 = run_with(a, cfg, topo, src, where, 1, x);
+  const sim::result r1 = run_with(a, cfg2, sim::surviving(topo, lost), src, after, 1, x);
   const int gone = where.slots() - after.slots();
   std::printf(
       "  capacity lost: %d of %d expert slots (%.1f%%), the tokens of %d rank(s); %zu expert(s) "
@@ -442,6 +529,9 @@ int main(int argc, char** argv) try {
   auto go = [&](const auto& src) {
     std::printf("%d experts, top-%d, H=%d F=%d, %d tokens/rank on %d ranks in %d nodes (%s)\n",
                 a.experts, a.top_k, a.hidden, a.ffn, a.tokens, a.ranks, a.nodes, topo.name.c_str());
+    if (a.node_limit > 0)
+      std::printf("node-limited routing: each token's experts in %d of %d groups of %d experts\n",
+                  a.node_limit, a.nodes, a.experts / a.nodes);
     if (a.compare) {
       // The question of issue 9 in one run: who straggles, by how much, and what replication
       // (balanced table) and overlap (pipelined) recover.
@@ -450,12 +540,12 @@ int main(int argc, char** argv) try {
       const char* places[2] = {"block", "balanced"};
       for (int p = 0; p < 2; ++p)
         for (int s = 0; s < 2; ++s) {
-          auto r = run(a, places[p], s ? a.chunks : 1, cfg, topo, src);
+          auto r = run(a, places[p], s ? a.chunks : 1, cfg, topo, src, exchange_of(a));
           lat[p][s] = r.latency;
           if (p == 0 && s == 0) base = std::move(r);
         }
       std::printf("placement block, capacity %s%s, sequential:\n", a.capacity.c_str(),
-                  a.dedup ? ", dedup" : "");
+                  exchange_name(exchange_of(a)));
       print(base, a.show);
       write_trace(a.trace, base);
       const std::string bal = "balanced +" + std::to_string(a.extra_slots) + " slots";
@@ -474,24 +564,31 @@ int main(int argc, char** argv) try {
           base.latency * 1e3, base.latency / base.balanced_latency, base.balanced_latency * 1e3,
           bal.c_str(), pct(lat[1][0]), lat[1][0] * 1e3, a.chunks, pct(lat[0][1]), lat[0][1] * 1e3,
           pct(lat[1][1]), lat[1][1] * 1e3);
+      if (a.hierarchical) two_level(a, "block", 1, cfg, topo, src);
       if (!a.lost.empty()) what_if(a, cfg, topo, src);
       return;
     }
     const auto t0 = std::chrono::steady_clock::now();
     const int chunks = a.schedule == "pipelined" ? a.chunks : 1;
-    const auto r = run(a, a.placement, chunks, cfg, topo, src);
+    const auto r = run(a, a.placement, chunks, cfg, topo, src, exchange_of(a));
     const double secs =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("placement %s, capacity %s%s, %s (C=%d); simulated in %.3f s\n",
-                a.placement.c_str(), a.capacity.c_str(), a.dedup ? ", dedup" : "",
+                a.placement.c_str(), a.capacity.c_str(), exchange_name(exchange_of(a)),
                 a.schedule.c_str(), chunks, secs);
     print(r, a.show);
     write_trace(a.trace, r);
+    if (a.hierarchical) two_level(a, a.placement, chunks, cfg, topo, src);
     if (!a.lost.empty()) what_if(a, cfg, topo, src);
   };
   if (!a.stats.empty()) {
     std::ifstream f(a.stats);
     go(sim::recorded_source(sim::read_stats(f), 0, a.seed));
+  } else if (a.node_limit > 0) {  // the groups follow block placement's nodes
+    auto load = a.skew > 0 ? sim::zipf_load(a.experts, a.skew, a.seed)
+                           : std::vector<double>(static_cast<std::size_t>(a.experts), 1.0);
+    go(sim::group_limited_source(std::move(load), a.top_k, a.tokens, a.nodes, a.node_limit,
+                                 a.seed));
   } else if (a.skew > 0) {
     go(sim::zipf(a.experts, a.skew, a.top_k, a.tokens, a.seed));
   } else {

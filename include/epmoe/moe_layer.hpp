@@ -417,6 +417,7 @@ class moe_layer {
     epmoe::placement::table where = epmoe::placement::surviving(placement_, lost);
     layer_config cfg = cfg_;
     cfg.ranks = where.ranks();
+    cfg.ranks_per_node = 0;  // the survivors' nodes are uneven: one node (a flat exchange)
     return moe_layer(cfg, comm_.exclude(lost), w_, router_, capacity_, std::move(where), space_);
   }
 

@@ -1,5 +1,6 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -17,6 +18,7 @@
 #include <epmoe/comm/any.hpp>
 #include <epmoe/comm/local.hpp>
 #include <epmoe/comm/threads.hpp>
+#include <epmoe/comm/throttled.hpp>
 #include <epmoe/core/concepts.hpp>
 #include <epmoe/core/error.hpp>
 
@@ -461,4 +463,56 @@ TEST_CASE("any: more exchanges pending than its slots is a comm_error, not a han
       CHECK(r2 == 1.f);
     });
   });
+}
+
+TEST_CASE("throttled: two link classes price each part of an exchange at its own link",
+          "[comm][throttled]") {
+  // 4 ranks as 2 nodes x 2: rank 0's node peer is rank 1; ranks 2 and 3 are across the NIC.
+  const epmoe::comm::node_links links{.intra = {.bandwidth = 1000.0, .latency = 1.0},
+                                      .inter = {.bandwidth = 10.0, .latency = 2.0},
+                                      .ranks_per_node = 2};
+  using throttled = epmoe::comm::throttled<threads>;
+  std::vector<double> got;  // read on rank 0's thread, checked here (Catch is not thread-safe)
+  int per_node = -1, one_per_node = -1, any_per_node = -1, any_plain = -1;
+  threads_world world(4);
+  world.run([&](threads c) {
+    if (c.rank() != 0) return;
+    const throttled t(c, links);
+    per_node = t.ranks_per_node();
+    const index_t none[4] = {0, 0, 0, 0}, intra[4] = {5, 2000, 0, 0}, inter[4] = {0, 0, 30, 10},
+                  both[4] = {0, 2000, 10, 10};
+    got = {t.seconds<float>(intra, none), t.seconds<float>(none, inter),
+           t.seconds<float>(both, both), t.seconds<float>(none, none)};
+    const throttled one(c, links.inter);  // one class, as before: every link is `inter`
+    one_per_node = one.ranks_per_node();
+    got.push_back(one.seconds<float>(intra, none));
+    // comm::any passes the nodes on from the comm it wraps.
+    epmoe::comm::endpoint_of<throttled> ep(t);
+    any_per_node = epmoe::comm::any(ep).ranks_per_node();
+    epmoe::comm::endpoint_of<threads> plain(c);
+    any_plain = epmoe::comm::any(plain).ranks_per_node();
+  });
+  CHECK(per_node == 2);
+  CHECK(one_per_node == 0);
+  CHECK(any_per_node == 2);
+  CHECK(any_plain == 0);
+  REQUIRE(got.size() == 5);
+  // 4-byte floats; the count to itself never moves.
+  CHECK(got[0] == Approx(1.0 + 8000.0 / 1000.0));
+  CHECK(got[1] == Approx(2.0 + 160.0 / 10.0));
+  CHECK(got[2] == Approx(std::max(1.0 + 8.0, 2.0 + 8.0)));  // the classes side by side
+  CHECK(got[3] == Approx(2.0));                             // an empty exchange: latency
+  CHECK(got[4] == Approx(2.0 + 8000.0 / 10.0));
+  std::string error;
+  threads_world three(3);
+  three.run([&](threads c) {
+    if (c.rank() != 0) return;
+    try {
+      throttled bad(c, links);
+    } catch (const epmoe::config_error& e) {
+      error = e.what();
+    }
+  });
+  CHECK_THAT(error, Catch::Contains("node_links.ranks_per_node = 2") &&
+                        Catch::Contains("divide the comm's size (3)"));
 }

@@ -35,14 +35,17 @@
 namespace {
 using namespace epmoe;
 
-template <class Capacity, class Schedule = schedule::sequential, bool Dedup = false>
+template <class Capacity, class Schedule = schedule::sequential, bool Dedup = false,
+          bool Hier = false>
 struct nccl_policies : default_policies {
   using space = epmoe::space::cuda<float>;
   using comm = epmoe::comm::nccl;
   using capacity = Capacity;
   using schedule = Schedule;
-  static constexpr layer_options options{.dedup = Dedup};
+  static constexpr layer_options options{.dedup = Dedup, .hierarchical = Hier};
 };
+// Issue 24: every GPU its own node (ranks_per_node 1): both levels run over NCCL.
+using hier_policies = nccl_policies<capacity::dropless, schedule::pipelined<2>, true, true>;
 
 template <class T>
 device_buffer<T> upload(const float* p, index_t n) {
@@ -111,6 +114,7 @@ double run(int gpus, int max_recv_rows = 0) {
   using Capacity = typename P::capacity;
   layer_config cfg = nccl_layer(gpus, 128);
   cfg.max_recv_rows = max_recv_rows;
+  if (P::options.hierarchical) cfg.ranks_per_node = 1;
   const auto w = reference::full_weights::random(cfg, 7);
   const index_t T = 128, H = cfg.hidden;
   const std::vector<float> x = reference::random_tokens(T * gpus, H, 8);
@@ -147,6 +151,7 @@ template <class P>
 double run_backward(int gpus) {
   layer_config cfg = nccl_layer(gpus, 64);
   cfg.training = true;
+  if (P::options.hierarchical) cfg.ranks_per_node = 1;
   const auto w = reference::full_weights::random(cfg, 17);
   const index_t T = 64, H = cfg.hidden, F = cfg.ffn, E = cfg.experts, L = E / gpus;
   const std::vector<float> x = reference::random_tokens(T * gpus, H, 18);
@@ -284,13 +289,16 @@ int main() {
   const double train = run_backward<nccl_policies<capacity::dropless>>(gpus);
   const double train_piped =
       run_backward<nccl_policies<capacity::dropless, schedule::pipelined<2>, true>>(gpus);
+  const double hier = run<hier_policies>(gpus);
+  const double train_hier = run_backward<hier_policies>(gpus);
   std::printf(
       "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
-      "rounds %.2e; backward %.2e, backward pipelined+dedup %.2e\n",
-      gpus, dynamic, fixed, piped, rounds, train, train_piped);
+      "rounds %.2e; backward %.2e, backward pipelined+dedup %.2e; hierarchical %.2e, its "
+      "backward %.2e\n",
+      gpus, dynamic, fixed, piped, rounds, train, train_piped, hier, train_hier);
   const bool faults = run_faults(gpus);  // last: it aborts its communicators
   return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 && train <= 1e-4 &&
-                 train_piped <= 1e-4 && faults
+                 train_piped <= 1e-4 && hier <= 1e-4 && train_hier <= 1e-4 && faults
              ? 0
              : 1;
 }

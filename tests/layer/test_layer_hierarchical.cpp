@@ -2,10 +2,12 @@
 // SPDX-License-Identifier: Apache-2.0
 #include <catch2/catch.hpp>
 #include <functional>
+#include <limits>
 #include <set>
 #include <utility>
 
 #include "harness.hpp"
+#include <epmoe/comm/throttled.hpp>
 #include <epmoe/placement/table.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
@@ -25,6 +27,12 @@ struct policies : test::threads_policies<K, Capacity> {
 template <int K, class Capacity = capacity::dropless, class Schedule = schedule::sequential,
           class Placement = placement::block>
 using flat = policies<K, Capacity, Schedule, Placement, false>;
+
+template <int K, bool Hier>
+struct limited_policies
+    : policies<K, capacity::dropless, schedule::sequential, placement::block, Hier> {
+  using router = epmoe::router::sigmoid_bias<K>;
+};
 
 layer_config shape(int ranks, int per_node, int top_k, double cf = 1.0) {
   return {.hidden = 13,
@@ -189,4 +197,101 @@ TEST_CASE("hierarchical: rows and bytes per level match a hand count", "[layer][
   CHECK(h3.inter_node.bytes_received == 1 * meta);  // t1's metadata goes straight to rank 3
   CHECK(h0.combine_bytes_received == 3 * row);
   CHECK(h2.combine_bytes_sent == 2 * row);  // the sums of t1 (ranks 2 and 3) and t2 home
+}
+
+TEST_CASE("hierarchical: node-limited routing crosses at most M nodes per token",
+          "[layer][hierarchical]") {
+  // DeepSeek-V3's group limit with one group per node: 8 ranks as 4 nodes x 2, 32 experts in
+  // 4 groups (block placement: group n = node n's experts), top-4 within the best M = 2.
+  constexpr int K = 4, M = 2, R = 8, G = 2;
+  layer_config cfg = shape(R, G, K);
+  cfg.experts = 32;
+  using node_limited = limited_policies<K, true>;
+  using flat_limited = limited_policies<K, false>;
+  const epmoe::router::sigmoid_bias<K> limited{.groups = R / G, .top_groups = M};
+  const auto w = reference::full_weights::random(cfg, 77);
+  const auto g = tokens_for(R, cfg.hidden, 78);
+  node_pairs pairs{std::vector<index_t>(R), std::vector<index_t>(R)};
+  const auto hier = test::run_layer<node_limited>(
+      cfg, w, g, {.router = limited, .between = count_pairs<node_limited>(pairs, G)});
+  const auto plain = test::run_layer<flat_limited>(cfg, w, g, {.router = limited});
+  CHECK(test::relative_error(hier.y, plain.y) <= 1e-6);
+  CHECK(test::relative_error(
+            hier.y, test::run_reference<flat_limited>(cfg, w, g, {.router = limited})) <= 1e-4);
+  int ranks = 0;
+  index_t crossed = 0, flat_crossed = 0;
+  for (int r = 0; r < R; ++r) {
+    const pass_stats& s = hier.stats[r][0];
+    CAPTURE(r);
+    CHECK(s.inter_node.rows_sent == pairs.other[r]);
+    CHECK(s.inter_node.rows_sent + pairs.own[r] <= s.tokens * M);  // every node it reaches
+    CHECK(s.inter_node.rows_sent <= s.tokens * M);
+    crossed += s.inter_node.rows_sent;
+    flat_crossed += plain.stats[r][0].inter_node.rows_sent;
+    ++ranks;
+  }
+  CHECK(ranks == R);
+  CHECK(crossed < flat_crossed);  // top-4 over 2 nodes of 2 ranks: some tokens share a node
+}
+
+// The two-level bundle over comm::throttled (which knows its nodes from node_links).
+struct over_links : policies<2> {
+  using comm = epmoe::comm::throttled<epmoe::comm::threads>;
+};
+
+// One hierarchical pass of moe_layer<P> on `world`'s ranks, each comm made by make(threads):
+// every rank's outputs (global order) and stats.
+template <class P, class Make>
+std::pair<std::vector<float>, std::vector<pass_stats>> pass_on(comm::threads_world& world,
+                                                               const layer_config& cfg,
+                                                               const reference::full_weights& w,
+                                                               const test::global_tokens& g,
+                                                               Make make) {
+  std::vector<float> y(g.x.size(), std::numeric_limits<float>::quiet_NaN());
+  std::vector<pass_stats> stats(static_cast<std::size_t>(cfg.ranks));
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    const placement::block where(cfg);
+    test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
+    moe_layer<P> layer(cfg, make(c), arrays.views(cfg, where.slots_per_rank()));
+    const index_t T = g.per_rank[r], H = cfg.hidden;
+    layer.forward({g.x.data() + g.offset(r) * H, T, H}, {y.data() + g.offset(r) * H, T, H});
+    stats[r] = layer.stats();
+  });
+  return {y, stats};
+}
+
+TEST_CASE("hierarchical: the nodes come from the comm when the config leaves them at 0",
+          "[layer][hierarchical]") {
+  layer_config cfg = shape(4, 0, 2);
+  const auto w = reference::full_weights::random(cfg, 3);
+  const auto g = tokens_for(4, cfg.hidden, 4);
+  layer_config two = cfg;
+  two.ranks_per_node = 2;
+  const auto flat2 = test::run_layer<flat<2>>(two, w, g);
+  // comm::threads of a world with emulated nodes; comm::throttled with two link classes
+  // (fast links keep it quick).
+  comm::threads_world nodes(4, 2);
+  const auto by_world = pass_on<policies<2>>(nodes, cfg, w, g, [](comm::threads c) { return c; });
+  using Throttled = comm::throttled<comm::threads>;
+  const comm::node_links links{.intra = {.bandwidth = 1e12, .latency = 0},
+                               .inter = {.bandwidth = 1e12, .latency = 0},
+                               .ranks_per_node = 2};
+  comm::threads_world plain(4);
+  const auto by_links =
+      pass_on<over_links>(plain, cfg, w, g, [&](comm::threads c) { return Throttled(c, links); });
+  int ranks = 0;
+  for (const auto* run : {&by_world, &by_links}) {
+    CHECK(test::relative_error(run->first, flat2.y) <= 1e-6);
+    for (int r = 0; r < 4; ++r) {
+      CHECK(run->second[r].ranks_per_node == 2);
+      CHECK(run->second[r].inter_node.rows_sent <= flat2.stats[r][0].inter_node.rows_sent);
+      ++ranks;
+    }
+  }
+  CHECK(ranks == 8);
+  // Nodes that do not divide the ranks: named, from the config and from the world.
+  CHECK_THROWS_WITH(shape(4, 3, 2).validate(),
+                    Catch::Contains("ranks_per_node = 3") && Catch::Contains("must divide ranks"));
+  CHECK_THROWS_WITH(comm::threads_world(4, 3), Catch::Contains("ranks_per_node = 3"));
 }

@@ -41,6 +41,9 @@ class endpoint {
   /// This rank failed mid-pass (why: its error): tell the peers, where the endpoint can, so
   /// that their waiting exchanges throw comm_aborted. The default does nothing.
   virtual void abort(const std::string& /*why*/) {}
+  /// Ranks of one node (fast links among them; rank r on node r / G), or 0 when unknown: the
+  /// layer then takes its config's layer_config::ranks_per_node (docs/architecture.md).
+  virtual int ranks_per_node() const { return 0; }
 };
 
 /// The comm policy over an endpoint: element counts become byte counts, in slots owned here
@@ -61,6 +64,7 @@ class any {
   endpoint& native() const { return *ep_; }
   void set_timeout(double seconds) { ep_->set_timeout(seconds); }
   void abort(const std::string& why) { ep_->abort(why); }
+  int ranks_per_node() const { return ep_->ranks_per_node(); }
 
   /// n elements to every rank, block r of send to rank r.
   template <class T>
@@ -239,6 +243,12 @@ class endpoint_of final : public endpoint {
   }
   void abort(const std::string& why) override {
     if constexpr (requires { comm_.abort(why); }) comm_.abort(why);
+  }
+  int ranks_per_node() const override {
+    if constexpr (requires { comm_.ranks_per_node(); })
+      return comm_.ranks_per_node();
+    else
+      return 0;
   }
 
  private:

@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <initializer_list>
 #include <memory>
 #include <numeric>
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "epmoe/core/error.hpp"
+#include "epmoe/core/transport.hpp"
 #include "epmoe/core/view.hpp"
 
 namespace epmoe::comm {
@@ -137,6 +139,21 @@ class mpi_block_type {
   bool owned_ = false;
 };
 
+/// EPMOE_RANKS_PER_NODE as this process reads it: 0 when unset, else its value, or -1 when
+/// that is not a positive integer dividing `size` (then `value` and `rule` say why).
+inline int env_ranks_per_node(int size, std::string& value, std::string& rule) {
+  const char* text = std::getenv("EPMOE_RANKS_PER_NODE");
+  if (!text) return 0;
+  value = text;
+  rule = "must be a positive integer that divides the communicator's size (" +
+         std::to_string(size) + " ranks): rank r then sits on node r / EPMOE_RANKS_PER_NODE";
+  // Digits only, at most 9 of them: no sign, no spaces, no suffix, no int overflow.
+  const bool digits = !value.empty() && value.size() <= 9 &&
+                      value.find_first_not_of("0123456789") == std::string::npos;
+  const int g = digits ? std::stoi(value) : 0;
+  return g > 0 && size % g == 0 ? g : -1;
+}
+
 struct mpi_test_access;  // lets tests lower the int limit to exercise the derived-type path
 
 }  // namespace detail
@@ -151,6 +168,12 @@ struct mpi_test_access;  // lets tests lower the int limit to exercise the deriv
 /// (MPI_ERRORS_RETURN) leaves the caller's communicator untouched. The duplicate is freed by
 /// the destructor, which must run before MPI_Finalize (e.g. before mpi_session ends).
 ///
+/// Nodes: the ranks that share memory (MPI_Comm_split_type, MPI_COMM_TYPE_SHARED), unless
+/// the environment variable EPMOE_RANKS_PER_NODE = G (a positive integer dividing the size)
+/// pretends nodes of G consecutive ranks (rank r on node r / G), e.g. to run a hierarchical
+/// layer on one machine. Every rank must read the same value: a bad or differing one throws
+/// config_error on every rank. See ranks_per_node(), node_comm() and cross_comm().
+///
 /// No exchange waits forever: every one is posted non-blocking and waited for in a loop
 /// that also watches (a) a deadline (set_timeout; on expiry comm_timeout names the call) and
 /// (b) abort messages: a rank that fails mid-pass calls abort(why), which sends its text to
@@ -162,28 +185,40 @@ class mpi {
   class request;
 
   /// `max_in_flight`: how many ialltoallv may be pending at once (their int counts are kept
-  /// in slots allocated here, so posting allocates nothing).
-  explicit mpi(MPI_Comm comm, int max_in_flight = 4) {
+  /// in slots allocated here, so posting allocates nothing). 8: a pipelined hierarchical pass
+  /// holds up to 5 (chunk c+1's rows, masks and metadata; the combines of c-1 and c), and a
+  /// backward adds its gradient exchanges.
+  explicit mpi(MPI_Comm comm, int max_in_flight = 8) {
     if (max_in_flight < 0)
       throw config_error("max_in_flight", std::to_string(max_in_flight), "must be >= 0");
     detail::mpi_check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
-    detail::mpi_check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
-    detail::mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
-    detail::mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
-    // Slot 0 serves the blocking calls; slots 1.. the pending non-blocking ones.
-    ints_.resize(4 * static_cast<std::size_t>(size_) * (1 + max_in_flight));
-    busy_.resize(static_cast<std::size_t>(max_in_flight));
-    // A receive for a peer's abort message, pending for the comm's life.
-    state_ = std::make_unique<failure>();
-    detail::mpi_check(MPI_Irecv(state_->inbox, sizeof state_->inbox, MPI_CHAR, MPI_ANY_SOURCE,
-                                abort_tag, comm_, &state_->listen),
-                      "MPI_Irecv");
+    try {  // the destructor will not run: free what was made
+      detail::mpi_check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
+                        "MPI_Comm_set_errhandler");
+      detail::mpi_check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+      detail::mpi_check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+      find_nodes();
+      // Slot 0 serves the blocking calls; slots 1.. the pending non-blocking ones.
+      ints_.resize(8 * static_cast<std::size_t>(size_) * (1 + max_in_flight));
+      busy_.resize(static_cast<std::size_t>(max_in_flight));
+      // A receive for a peer's abort message, pending for the comm's life.
+      state_ = std::make_unique<failure>();
+      detail::mpi_check(MPI_Irecv(state_->inbox, sizeof state_->inbox, MPI_CHAR, MPI_ANY_SOURCE,
+                                  abort_tag, comm_, &state_->listen),
+                        "MPI_Irecv");
+    } catch (...) {
+      release();
+      throw;
+    }
   }
 
   mpi(mpi&& o) noexcept
       : comm_(std::exchange(o.comm_, MPI_COMM_NULL)),
+        node_(std::exchange(o.node_, MPI_COMM_NULL)),
+        cross_(std::exchange(o.cross_, MPI_COMM_NULL)),
         rank_(o.rank_),
         size_(o.size_),
+        ranks_per_node_(o.ranks_per_node_),
         int_limit_(o.int_limit_),
         ints_(std::move(o.ints_)),
         busy_(std::move(o.busy_)),
@@ -193,8 +228,11 @@ class mpi {
     if (this != &o) {
       release();
       comm_ = std::exchange(o.comm_, MPI_COMM_NULL);
+      node_ = std::exchange(o.node_, MPI_COMM_NULL);
+      cross_ = std::exchange(o.cross_, MPI_COMM_NULL);
       rank_ = o.rank_;
       size_ = o.size_;
+      ranks_per_node_ = o.ranks_per_node_;
       int_limit_ = o.int_limit_;
       ints_ = std::move(o.ints_);
       busy_ = std::move(o.busy_);
@@ -212,6 +250,16 @@ class mpi {
   /// The duplicated communicator the exchanges run on.
   MPI_Comm native() const { return comm_; }
 
+  /// G when every node holds G consecutive ranks (rank = node * G + index in the node), else
+  /// 0; the same on every rank. The layer's ranks_per_node when its config's is 0.
+  int ranks_per_node() const { return ranks_per_node_; }
+  /// This rank's node: its ranks in rank order (the second level of a hierarchical exchange).
+  MPI_Comm node_comm() const { return node_; }
+  /// The ranks with this rank's index in their node, one per node, in rank order (the first
+  /// level). Neither has an abort listener or a deadline of its own: exchanges posted there
+  /// are to be waited for through this comm, which watches both.
+  MPI_Comm cross_comm() const { return cross_; }
+
   /// Fixed-size all-to-all (MPI_Alltoall): n elements to every rank, block r of send to rank r.
   template <class T>
   void alltoall(const T* send, T* recv, index_t n) {
@@ -227,20 +275,27 @@ class mpi {
 
   /// All-to-all-v (MPI_Alltoallv); counts and displacements per rank, in elements. The
   /// receive counts must match what each peer sends (normally from a preceding alltoall).
+  /// With a level (exchange_level::node / cross, ranks_per_node() > 0): the exchange reaches
+  /// only that level's ranks and runs on node_comm() / cross_comm(); a count outside it throws
+  /// comm_error. Every rank of the level must post it at that level.
   template <class T>
   void alltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
-                 const index_t* recv_counts, const index_t* recv_displs) {
+                 const index_t* recv_counts, const index_t* recv_displs,
+                 exchange_level level = exchange_level::all) {
     int* c = ints_.data();
     const detail::mpi_block_type<T> type(
         to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
-    const int R = size_;
     usable();
+    int n = size_;
+    const MPI_Comm on = at_level(level, c, n);
     MPI_Request req = MPI_REQUEST_NULL;
-    detail::mpi_check(MPI_Ialltoallv(send, c, c + R, type.get(), recv, c + 2 * R, c + 3 * R,
-                                     type.get(), comm_, &req),
+    detail::mpi_check(MPI_Ialltoallv(send, c, c + n, type.get(), recv, c + 2 * n, c + 3 * n,
+                                     type.get(), on, &req),
                       "MPI_Ialltoallv");
     wait_for(req, "MPI_Ialltoallv");
   }
+  /// Exchanges posted at each level so far (all, node, cross).
+  long posted(exchange_level level) const { return posted_[static_cast<int>(level)]; }
 
   /// Seconds an exchange may wait for its peers before it throws comm_timeout (0: no limit,
   /// the default of the comm; the layer sets layer_config::exchange_timeout).
@@ -282,7 +337,8 @@ class mpi {
   /// buffers must stay untouched until the returned request's wait() (or its destructor).
   template <class T>
   request ialltoallv(const T* send, const index_t* send_counts, const index_t* send_displs, T* recv,
-                     const index_t* recv_counts, const index_t* recv_displs);
+                     const index_t* recv_counts, const index_t* recv_displs,
+                     exchange_level level = exchange_level::all);
 
  private:
   friend struct detail::mpi_test_access;
@@ -307,8 +363,46 @@ class mpi {
       MPI_Cancel(&state_->listen);
       MPI_Wait(&state_->listen, MPI_STATUS_IGNORE);
     }
-    if (comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
-    comm_ = MPI_COMM_NULL;
+    for (MPI_Comm* c : {&cross_, &node_, &comm_}) {
+      if (*c != MPI_COMM_NULL && !finalized) MPI_Comm_free(c);
+      *c = MPI_COMM_NULL;
+    }
+  }
+
+  // node_, cross_ and ranks_per_node_ (collective on comm_). Each rank reads its own
+  // environment: the ranks agree on the value before any acts on it, so that one with another
+  // value throws with the others instead of leaving them waiting in a split.
+  void find_nodes() {
+    std::string value, rule;
+    const int pretend = detail::env_ranks_per_node(size_, value, rule);
+    int range[2] = {pretend, -pretend};  // max and -min over the ranks
+    detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, range, 2, MPI_INT, MPI_MAX, comm_),
+                      "MPI_Allreduce");
+    if (pretend < 0) throw config_error("EPMOE_RANKS_PER_NODE", value, rule);
+    if (range[0] != -range[1])
+      throw config_error("EPMOE_RANKS_PER_NODE", value.empty() ? "(unset)" : value,
+                         "must be the same on every rank (another rank read a different or "
+                         "invalid value)");
+    if (pretend > 0)
+      detail::mpi_check(MPI_Comm_split(comm_, rank_ / pretend, rank_, &node_), "MPI_Comm_split");
+    else
+      detail::mpi_check(
+          MPI_Comm_split_type(comm_, MPI_COMM_TYPE_SHARED, rank_, MPI_INFO_NULL, &node_),
+          "MPI_Comm_split_type");
+    int local = 0, count = 1, first = rank_;
+    detail::mpi_check(MPI_Comm_rank(node_, &local), "MPI_Comm_rank");
+    detail::mpi_check(MPI_Comm_size(node_, &count), "MPI_Comm_size");
+    detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, &first, 1, MPI_INT, MPI_MIN, node_),
+                      "MPI_Allreduce");
+    detail::mpi_check(MPI_Comm_split(comm_, local, rank_, &cross_), "MPI_Comm_split");
+    // One number names the layout only when nodes are blocks of G consecutive ranks. A
+    // launcher may place ranks otherwise (nodes of different sizes, or round-robin over the
+    // hosts, so a node's ranks are not consecutive): then 0, and the layer takes all ranks
+    // as one node unless layer_config::ranks_per_node says otherwise.
+    int shape[3] = {count, -count, rank_ == first + local ? 0 : 1};
+    detail::mpi_check(MPI_Allreduce(MPI_IN_PLACE, shape, 3, MPI_INT, MPI_MAX, comm_),
+                      "MPI_Allreduce");
+    ranks_per_node_ = shape[0] == -shape[1] && shape[2] == 0 ? count : 0;
   }
 
   // Throws the error of an earlier failure.
@@ -364,6 +458,34 @@ class mpi {
 
   // The four arrays as ints, in one common unit, into out[0, 4R); returns the unit. Peers may
   // pick different units: MPI matches type signatures (n floats), not datatypes.
+  // The communicator of `level` (all ranks without nodes), with the 4R counts and
+  // displacements at c moved to the level's n ranks, in its rank order (c then points there:
+  // the slot's second half).
+  MPI_Comm at_level(exchange_level level, int*& c, int& n) {
+    n = size_;
+    posted_[static_cast<int>(
+        level == exchange_level::all || ranks_per_node_ == 0 ? exchange_level::all : level)] += 1;
+    if (level == exchange_level::all || ranks_per_node_ == 0) return comm_;
+    const int R = size_, G = ranks_per_node_, node = rank_ / G, local = rank_ % G;
+    const bool in_node = level == exchange_level::node;
+    n = in_node ? G : R / G;
+    int* out = c + 4 * R;
+    std::fill(out, out + 4 * n, 0);
+    for (int p = 0; p < R; ++p) {
+      const bool inside = in_node ? p / G == node : p % G == local;
+      if (inside) {
+        const int i = in_node ? p % G : p / G;
+        for (int a = 0; a < 4; ++a) out[a * n + i] = c[a * R + p];
+      } else if (c[p] != 0 || c[2 * R + p] != 0) {
+        throw comm_error("epmoe: comm::mpi: an exchange posted on " +
+                         std::string(in_node ? "this rank's node" : "its cross-node peers") +
+                         " moves rows with rank " + std::to_string(p) + ", outside it");
+      }
+    }
+    c = out;
+    return in_node ? node_ : cross_;
+  }
+
   index_t to_ints(const index_t* sc, const index_t* sd, const index_t* rc, const index_t* rd,
                   int* out) const {
     const std::size_t R = static_cast<std::size_t>(size_);
@@ -374,10 +496,15 @@ class mpi {
   }
 
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Comm node_ = MPI_COMM_NULL;   // this rank's node
+  MPI_Comm cross_ = MPI_COMM_NULL;  // one rank per node: those of this rank's local index
   int rank_ = 0;
   int size_ = 1;
+  int ranks_per_node_ = 0;
   index_t int_limit_ = INT_MAX;
-  std::vector<int> ints_;            // 4R ints per slot: counts, displs (send, then receive)
+  std::vector<int> ints_;  // 8R ints per slot: counts, displs (send, then receive); then the
+                           //   same for the ranks of one level
+  long posted_[3] = {0, 0, 0};
   std::vector<unsigned char> busy_;  // one flag per non-blocking slot
   std::unique_ptr<failure> state_;
   double timeout_ = 0;
@@ -463,7 +590,8 @@ class mpi::request {
 
 template <class T>
 mpi::request mpi::ialltoallv(const T* send, const index_t* send_counts, const index_t* send_displs,
-                             T* recv, const index_t* recv_counts, const index_t* recv_displs) {
+                             T* recv, const index_t* recv_counts, const index_t* recv_displs,
+                             exchange_level level) {
   std::size_t slot = 0;
   while (slot < busy_.size() && busy_[slot]) ++slot;
   if (slot == busy_.size())
@@ -472,14 +600,15 @@ mpi::request mpi::ialltoallv(const T* send, const index_t* send_counts, const in
                      "larger max_in_flight");
   // MPI reads the count arrays until the exchange completes: they live in the slot till then.
   usable();
-  int* c = ints_.data() + 4 * static_cast<std::size_t>(size_) * (slot + 1);
+  int* c = ints_.data() + 8 * static_cast<std::size_t>(size_) * (slot + 1);
   const detail::mpi_block_type<T> type(
       to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
-  const int R = size_;
+  int n = size_;
+  const MPI_Comm on = at_level(level, c, n);
   MPI_Request req = MPI_REQUEST_NULL;
-  detail::mpi_check(MPI_Ialltoallv(send, c, c + R, type.get(), recv, c + 2 * R, c + 3 * R,
-                                   type.get(), comm_, &req),
-                    "MPI_Ialltoallv");
+  detail::mpi_check(
+      MPI_Ialltoallv(send, c, c + n, type.get(), recv, c + 2 * n, c + 3 * n, type.get(), on, &req),
+      "MPI_Ialltoallv");
   busy_[slot] = 1;
   return request(req, &busy_[slot], this);
 }

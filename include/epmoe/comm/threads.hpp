@@ -35,13 +35,21 @@ class threads;
 /// and so do the other waiting ranks.
 class threads_world {
  public:
-  explicit threads_world(int ranks) : ranks_(ranks), slots_(static_cast<std::size_t>(ranks)) {
+  /// `ranks_per_node` > 0 emulates nodes of that many consecutive ranks (issue 24): the
+  /// ranks' comm::threads report it, and a layer with options.hierarchical exchanges in two
+  /// levels without the config naming them.
+  explicit threads_world(int ranks, int ranks_per_node = 0)
+      : ranks_(ranks), per_node_(ranks_per_node), slots_(static_cast<std::size_t>(ranks)) {
     if (ranks < 1) throw config_error("ranks", std::to_string(ranks), "must be >= 1");
+    if (ranks_per_node < 0 || (ranks_per_node > 0 && ranks % ranks_per_node != 0))
+      throw config_error("ranks_per_node", std::to_string(ranks_per_node),
+                         "must be 0 (one node) or divide ranks (" + std::to_string(ranks) + ")");
   }
   threads_world(const threads_world&) = delete;
   threads_world& operator=(const threads_world&) = delete;
 
   int size() const { return ranks_; }
+  int ranks_per_node() const { return per_node_; }
 
   /// Runs fn(comm::threads) on `size()` threads, one per rank, and joins them.
   template <class Fn>
@@ -194,6 +202,7 @@ class threads_world {
   }
 
   int ranks_;
+  int per_node_ = 0;  // emulated nodes (0: none)
   std::vector<slot> slots_;
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -224,6 +233,8 @@ class threads {
 
   int rank() const { return rank_; }
   int size() const { return world_->size(); }
+  /// The world's emulated nodes (0: none).
+  int ranks_per_node() const { return world_->ranks_per_node(); }
 
   /// Fixed-size all-to-all: n elements to every rank, block r of send goes to rank r.
   template <class T>

@@ -259,6 +259,9 @@ class exchange {
     x_expert_ = space.template allocate<value_type>(w.expert_rows * H);
     G_ = w.ranks_per_node;
     hier_ = G_ > 0;
+    // The comm's own nodes are the layer's: each level may run on its communicator.
+    if constexpr (requires { comm.ranks_per_node(); })
+      levels_ = hier_ && comm.ranks_per_node() == G_;
     N_ = hier_ ? static_cast<int>(R / G_) : 1;
     const index_t P =
         exchange_ops::count_message::per_peer(static_cast<int>(L), static_cast<int>(C), G_);
@@ -415,10 +418,10 @@ class exchange {
     if (bounded_) layout_unit(x, u);
     rank_counts& n = counts_[k];
     if (hier_) {  // first level: node rows and their masks to the peers
-      tr_.start(dispatch_req_[k], x_send_.data(), n.a_send_n, n.a_send_d, x_relay_.data(),
-                n.a_recv_n, n.a_recv_d);
-      tr_.start(mask_req_[k], x.plan.node_mask, n.m_send_n, n.m_send_d, mask_relay_.data(),
-                n.m_recv_n, n.m_recv_d);
+      start_at(exchange_level::cross, dispatch_req_[k], x_send_.data(), n.a_send_n, n.a_send_d,
+               x_relay_.data(), n.a_recv_n, n.a_recv_d);
+      start_at(exchange_level::cross, mask_req_[k], x.plan.node_mask, n.m_send_n, n.m_send_d,
+               mask_relay_.data(), n.m_recv_n, n.m_recv_d);
     } else {
       tr_.start(dispatch_req_[k], x_send_.data(), n.send_n, n.send_d, x_recv_.data(), n.recv_n,
                 n.recv_d);
@@ -516,8 +519,8 @@ class exchange {
     // (hierarchical: to the relay, which sums them in wait_combine and sends them home).
     rank_counts& n = counts_[k];
     if (hier_)
-      tr_.start(combine_req_[k], x_recv_.data(), n.b_recv_n, n.b_recv_d, x_fan_.data(), n.b_send_n,
-                n.b_send_d);
+      start_at(exchange_level::node, combine_req_[k], x_recv_.data(), n.b_recv_n, n.b_recv_d,
+               x_fan_.data(), n.b_send_n, n.b_send_d);
     else
       tr_.start(combine_req_[k], x_recv_.data(), n.recv_n, n.recv_d, x_send_.data(), n.send_n,
                 n.send_d);
@@ -602,8 +605,8 @@ class exchange {
     x.space.exclusive_scan(f.flags, f.at, G_ * f.n);
     x.space.for_each_row(f.n, w_.hidden,
                          exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G_, f.relay, f.fan});
-    tr_.start(dispatch_req_[c], x_fan_.data(), n.b_send_n, n.b_send_d, x_recv_.data(), n.b_recv_n,
-              n.b_recv_d);
+    start_at(exchange_level::node, dispatch_req_[c], x_fan_.data(), n.b_send_n, n.b_send_d,
+             x_recv_.data(), n.b_recv_n, n.b_recv_d);
     return modeled + tr_.wait(dispatch_req_[c]);
   }
 
@@ -616,9 +619,20 @@ class exchange {
         f.n, w_.hidden,
         exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G_, f.relay, f.fan, true});
     std::optional<typename transport_type::request> back;
-    tr_.start(back, x_relay_.data(), n.a_recv_n, n.a_recv_d, x_send_.data(), n.a_send_n,
-              n.a_send_d);
+    start_at(exchange_level::cross, back, x_relay_.data(), n.a_recv_n, n.a_recv_d, x_send_.data(),
+             n.a_send_n, n.a_send_d);
     return tr_.wait(back);
+  }
+
+  // An exchange of one level: on the comm's communicator of it when the comm's nodes are the
+  // layer's, else over every rank (zero counts outside the level).
+  template <class T>
+  void start_at(exchange_level level, std::optional<typename transport_type::request>& req,
+                const T* send, const index_t* sn, const index_t* sd, T* recv, const index_t* rn,
+                const index_t* rd) {
+    if constexpr (requires { tr_.start(req, send, sn, sd, recv, rn, rd, level); })
+      if (levels_) return tr_.start(req, send, sn, sd, recv, rn, rd, level);
+    tr_.start(req, send, sn, sd, recv, rn, rd);
   }
 
   struct fan_view {
@@ -885,7 +899,7 @@ class exchange {
       n.m_send_d[r] = n.a_send_d[r];
       n.m_recv_n[r] = n.a_recv_n[r];
       n.m_recv_d[r] = n.a_recv_d[r];
-      for (index_t* v : {n.a_send_n, n.a_send_d, n.a_recv_n, n.a_recv_d}) v[r] *= H;
+      n.a_send_n[r] *= H, n.a_send_d[r] *= H, n.a_recv_n[r] *= H, n.a_recv_d[r] *= H;
     }
   }
 
@@ -972,9 +986,10 @@ class exchange {
           l.rows_received += (n.a_recv_n[r] + n.b_recv_n[r]) / w_.row_stride;
         }
       }
-    for (link_traffic* l : {&st.intra_node, &st.inter_node}) {
-      l->bytes_sent += l->rows_sent * row_bytes;
-      l->bytes_received += l->rows_received * row_bytes;
+    for (int i = 0; i < 2; ++i) {
+      link_traffic& l = i == 0 ? st.intra_node : st.inter_node;
+      l.bytes_sent += l.rows_sent * row_bytes;
+      l.bytes_received += l.rows_received * row_bytes;
     }
   }
 
@@ -1078,6 +1093,7 @@ class exchange {
   bool backward_ = false;
   // Hierarchical exchange: G ranks per node, N nodes.
   bool hier_ = false;
+  bool levels_ = false;  // the comm runs each level on its own communicator
   int G_ = 0, N_ = 1;
   buffer<value_type> x_relay_;       // node rows this rank relays, per (chunk, source node)
   buffer<value_type> x_fan_;         // their copies per (chunk, local rank, source node)

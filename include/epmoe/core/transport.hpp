@@ -14,6 +14,12 @@
 // own specialisations (space/cuda/transport.cuh: NCCL, and in-process ranks on one GPU).
 namespace epmoe {
 
+/// Which ranks an exchange reaches (issue 24): all of them, or only this rank's node (the
+/// second level of a hierarchical exchange), or only the ranks with its local index on the
+/// other nodes (the first). A comm with a communicator per level (comm::mpi) posts there;
+/// the others run it over all ranks, with zero counts outside the level.
+enum class exchange_level : unsigned char { all, node, cross };
+
 namespace detail {
 /// The request of an exchange that completed when it started (a blocking transport).
 struct done_request {
@@ -68,6 +74,17 @@ class transport {
       req.emplace(comm_->ialltoallv(send, sn, sd, recv, rn, rd));
     else
       comm_->alltoallv(send, sn, sd, recv, rn, rd);
+  }
+  /// The same within one level, on the comm's communicator of that level where it has one.
+  template <class T>
+  void start(std::optional<request>& req, const T* send, const index_t* sn, const index_t* sd,
+             T* recv, const index_t* rn, const index_t* rd, exchange_level level) {
+    if constexpr (async && requires { comm_->ialltoallv(send, sn, sd, recv, rn, rd, level); })
+      req.emplace(comm_->ialltoallv(send, sn, sd, recv, rn, rd, level));
+    else if constexpr (!async && requires { comm_->alltoallv(send, sn, sd, recv, rn, rd, level); })
+      comm_->alltoallv(send, sn, sd, recv, rn, rd, level);
+    else
+      start(req, send, sn, sd, recv, rn, rd);
   }
   /// Completes it; returns the link model's time where the comm has one (comm::throttled),
   /// else 0.

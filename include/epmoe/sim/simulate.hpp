@@ -42,6 +42,14 @@ struct policies {
   static constexpr layer_options options{.dedup = Dedup};
 };
 
+/// The same with the two-level exchange (options.hierarchical, which implies dedup): one row
+/// per (token, node) between nodes, fanned out inside the node (topology::ranks_per_node).
+template <class Placement = placement::block, class Capacity = capacity::dropless,
+          class Expert = expert::swiglu>
+struct hierarchical_policies : policies<Placement, Capacity, true, Expert> {
+  static constexpr layer_options options{.dedup = true, .hierarchical = true};
+};
+
 struct options {
   int chunks = 1;                 // C: 1 = schedule::sequential, > 1 = schedule::pipelined<C>
   bool keep_peer_counts = false;  // keep [R, R] rows sent (tests; R*R numbers)
@@ -57,6 +65,9 @@ inline constexpr const char* stage_names[stage_count] = {
 /// One rank's pass: its own stage times (summed over chunks, waits excluded) and counts.
 /// dispatch and combine are the row exchanges plus the rank's local row copies (its rows to
 /// itself, the regroup by expert and back); counts is the counts all-to-all before them.
+/// Hierarchical: send rows are its node rows (one per (token, node)), self rows those for its
+/// own node (it relays them itself), and rows_out/rows_in count both levels (node rows on the
+/// inter-node link, the rows it relays to its node's ranks on the intra-node one).
 struct rank_result {
   double route = 0, permute = 0, shared = 0, counts = 0;  // seconds
   double dispatch = 0, experts = 0, combine = 0, reduce = 0;
@@ -67,6 +78,8 @@ struct rank_result {
   index_t peak_recv_rows = 0;             // pass_stats': the fullest round's, else the pass's
   index_t padded_rows_computed = 0;       // padding included (what the GEMMs cost)
   traffic dispatch_bytes, combine_bytes;  // to and from other ranks, per link class
+  index_t rows_out[2] = {0, 0}, rows_in[2] = {0, 0};  // dispatch rows to / from other ranks,
+                                                      // per link class (the combine's: back)
   double time(stage s) const {
     const double t[stage_count] = {route,    permute, shared,  counts,
                                    dispatch, experts, combine, reduce};
@@ -101,6 +114,8 @@ struct result {
   imbalance rows_imbalance;           // of rows computed per rank
   double dispatch_bytes[2] = {0, 0};  // sent over each link class, all ranks
   double combine_bytes[2] = {0, 0};
+  index_t dispatch_rows[2] = {0, 0};  // rows sent over each link class, all ranks
+  bool hierarchical = false;          // priced as the two-level exchange
   index_t assignments = 0, dropped = 0;
 };
 
@@ -119,14 +134,16 @@ struct expert_of<P> {
 
 /// The one plan workspace simulate() reuses for every rank.
 struct plan_workspace {
-  std::vector<std::int32_t> slot, phys, row_token, unique_slot, unique_token;
+  std::vector<std::int32_t> slot, phys, row_token, unique_slot, unique_token, node_slot, node_token;
   std::vector<index_t> kept, send_counts, send_valid, send_offsets, recv_counts, recv_valid,
-      recv_offsets, expert_offsets, regroup_offsets, routed, unique_counts, unique_offsets;
-  std::vector<std::int64_t> meta;
+      recv_offsets, expert_offsets, regroup_offsets, routed, unique_counts, unique_offsets,
+      node_counts, node_offsets;
+  std::vector<std::int64_t> meta, node_mask;
   dispatch_plan plan;
   host_plan_scratch scratch;
 
-  plan_workspace(int R, int L, int K, int C, int E) {
+  /// G > 0: ranks per node of the hierarchical plan (node rows per chunk and node too).
+  plan_workspace(int R, int L, int K, int C, int E, int G = 0) {
     const auto B = static_cast<std::size_t>(C) * R * L;
     kept.resize(static_cast<std::size_t>(R) * L);
     for (auto* v : {&send_counts, &send_valid, &recv_counts, &recv_valid, &regroup_offsets})
@@ -137,6 +154,11 @@ struct plan_workspace {
     routed.resize(static_cast<std::size_t>(E));
     unique_counts.resize(static_cast<std::size_t>(C) * R);
     unique_offsets.resize(static_cast<std::size_t>(C) * R + 1);
+    if (G > 0) {
+      node_counts.resize(static_cast<std::size_t>(C) * (R / G));
+      node_offsets.resize(static_cast<std::size_t>(C) * (R / G) + 1);
+    }
+    plan.ranks_per_node = G;
     plan.ranks = R;
     plan.local_experts = L;
     plan.top_k = K;
@@ -147,6 +169,10 @@ struct plan_workspace {
     const auto TK = static_cast<std::size_t>(T * K);
     if (slot.size() < TK) {
       for (auto* v : {&slot, &phys, &unique_slot, &unique_token}) v->resize(TK);
+      if (plan.ranks_per_node > 0) {  // node rows: at most one per assignment
+        for (auto* v : {&node_slot, &node_token}) v->resize(TK);
+        node_mask.resize(TK);
+      }
     }
     if (row_token.size() < static_cast<std::size_t>(rows)) {
       row_token.resize(static_cast<std::size_t>(rows));
@@ -161,6 +187,9 @@ struct plan_workspace {
     p.routed = routed.data(), p.unique_slot = unique_slot.data();
     p.unique_token = unique_token.data(), p.unique_counts = unique_counts.data();
     p.unique_offsets = unique_offsets.data(), p.meta = meta.data();
+    p.node_slot = node_slot.data(), p.node_token = node_token.data();
+    p.node_mask = node_mask.data(), p.node_counts = node_counts.data();
+    p.node_offsets = node_offsets.data();
   }
 };
 
@@ -169,7 +198,44 @@ struct plan_workspace {
 struct rank_chunk_counts {
   double rows_out[2] = {0, 0}, rows_in[2] = {0, 0}, meta_out[2] = {0, 0}, meta_in[2] = {0, 0};
   double self_rows = 0;
+  double fan_rows = 0;  // hierarchical: relayed rows copied out, one per rank reached (itself in)
 };
+
+// Hierarchical, home rank r, chunk c of plan p: its node rows to the peer with its local
+// index on each node (itself on its own node), and each peer's copies of them to the node's
+// ranks that hold one of the token's experts: per rank e, r's unique rows to e.
+inline void add_node_rows(const dispatch_plan& p, const topology& topo, int r, int c, int C,
+                          std::vector<rank_chunk_counts>& counts, rank_result& me) {
+  const int R = p.ranks, G = p.ranks_per_node, N = p.nodes();
+  auto at = [&](int q) -> rank_chunk_counts& {
+    return counts[static_cast<std::size_t>(q) * C + c];
+  };
+  for (int n = 0; n < N; ++n) {
+    const auto rows = double(p.node_counts[c * N + n]);
+    const int f = n * G + r % G;
+    me.send_rows += p.node_counts[c * N + n];
+    if (f == r) {  // its own node: it relays them itself
+      at(r).self_rows += rows;
+      me.self_rows += p.node_counts[c * N + n];
+      continue;
+    }
+    const int l = static_cast<int>(topo.between(r, f));
+    at(r).rows_out[l] += rows;
+    at(f).rows_in[l] += rows;
+  }
+  for (int e = 0; e < R; ++e) {
+    const auto rows = double(p.unique_counts[c * R + e]);
+    const int f = e / G * G + r % G;
+    at(f).fan_rows += rows;
+    if (e == f) {  // the relay's own slots: a copy
+      at(f).self_rows += rows;
+      continue;
+    }
+    const int l = static_cast<int>(topo.between(f, e));
+    at(f).rows_out[l] += rows;
+    at(e).rows_in[l] += rows;
+  }
+}
 
 // With a receive bound: what round i of chunk c moves (grown as rounds appear).
 struct round_counts {
@@ -294,10 +360,12 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   using placement_type = typename Policies::placement;
   using capacity_type = typename Policies::capacity;
   using expert_type = typename detail::expert_of<Policies>::type;
-  constexpr bool dedup = epmoe::detail::options_of<Policies>().dedup;
+  constexpr bool hierarchical = epmoe::detail::options_of<Policies>().hierarchical;
+  constexpr bool dedup = epmoe::detail::options_of<Policies>().dedup || hierarchical;
   static_assert(!(dedup && capacity_type::pads),
-                "epmoe::sim: per-rank dedup does not combine with padded capacity (as in the "
-                "layer): use capacity::factor<false> or capacity::dropless with dedup");
+                "epmoe::sim: per-rank dedup (and so the hierarchical exchange) does not combine "
+                "with padded capacity (as in the layer): use capacity::factor<false> or "
+                "capacity::dropless with dedup");
   cfg.validate();
   topo.validate();
   if constexpr (placement_with_validate<placement_type>) where.validate(cfg);
@@ -309,6 +377,17 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                          "must be >= 0 (0: the hardware's)");
   const int R = cfg.ranks, K = cfg.top_k, E = cfg.experts, C = opt.chunks;
   const int L = where.slots_per_rank(), P = R * L;
+  const int G = hierarchical ? topo.ranks_per_node : 0;  // the planner's nodes: rank / G
+  if constexpr (hierarchical) {
+    epmoe::detail::require(topo.rank_nodes.empty(), "topology.rank_nodes", topo.rank_nodes.size(),
+                           "must be empty with options.hierarchical (every node holds "
+                           "ranks_per_node ranks)");
+    epmoe::detail::require(G <= 64, "topology.ranks_per_node", G,
+                           "must be <= 64 with options.hierarchical (as in the layer)");
+    epmoe::detail::require(cfg.ranks_per_node == 0 || cfg.ranks_per_node == G,
+                           "config ranks_per_node", cfg.ranks_per_node,
+                           "must be 0 or the topology's ranks_per_node");
+  }
   // The receive bound, as the layer splits it: every (source, destination) pair moves at most
   // `quota` rows per round; the schedule keeps 1 (sequential) or 3 (pipelined) rounds in flight.
   const index_t bound = cfg.max_recv_rows;
@@ -318,7 +397,8 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                            "does not combine with padded capacity (as in the layer): use "
                            "capacity::factor<false> or capacity::dropless");
     epmoe::detail::require(!dedup, "max_recv_rows", bound,
-                           "does not combine with per-rank dedup (as in the layer)");
+                           "does not combine with per-rank dedup or the hierarchical exchange "
+                           "(as in the layer)");
     epmoe::detail::require(bound >= index_t{R} * live, "max_recv_rows", bound,
                            live == 1 ? "must be >= ranks"
                                      : "must be >= 3 * ranks (a pipelined schedule keeps 3 "
@@ -329,7 +409,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   const double meta_bytes = dedup ? double(sizeof(std::int64_t)) : 0.0;
 
   result out;
-  out.ranks = R, out.chunks = C, out.slots_per_rank = L;
+  out.ranks = R, out.chunks = C, out.slots_per_rank = L, out.hierarchical = hierarchical;
   out.per_rank.resize(static_cast<std::size_t>(R));
   if (opt.keep_peer_counts) {
     out.rows_sent.assign(static_cast<std::size_t>(R) * R, 0);
@@ -343,7 +423,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   parts.reserve(static_cast<std::size_t>(W));
   for (int w = 0; w < W; ++w) parts.emplace_back(R, C, P);
   auto plan_ranks = [&](int r0, int r1, detail::partial_counts& part, auto& look) {
-    detail::plan_workspace ws(R, L, K, C, E);
+    detail::plan_workspace ws(R, L, K, C, E, G);
     std::vector<std::int32_t> ids;
     std::vector<float> weights;
     for (int r = r0; r < r1; ++r) {
@@ -382,6 +462,13 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
             out.rows_sent[static_cast<std::size_t>(r) * R + s] += rows;
             out.assignment_rows_sent[static_cast<std::size_t>(r) * R + s] += assigned;
           }
+          if constexpr (hierarchical) {  // the metadata goes straight to the expert rank
+            if (s == r) continue;
+            const int l = static_cast<int>(topo.between(r, s));
+            part.counts[static_cast<std::size_t>(r) * C + c].meta_out[l] += double(assigned);
+            part.counts[static_cast<std::size_t>(s) * C + c].meta_in[l] += double(assigned);
+            continue;
+          }
           me.send_rows += rows;
           if (quota > 0) {  // the pair's rows in rounds of `quota`, spanning s's slots in order
             const index_t n = assigned;
@@ -417,6 +504,8 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
           mine.rows_out[l] += double(rows), mine.meta_out[l] += double(assigned);
           theirs.rows_in[l] += double(rows), theirs.meta_in[l] += double(assigned);
         }
+      if constexpr (hierarchical)
+        for (int c = 0; c < C; ++c) detail::add_node_rows(p, topo, r, c, C, part.counts, me);
     }
   };
   auto plan_part = [&](int w) {
@@ -460,6 +549,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
         a.meta_out[l] += b.meta_out[l], a.meta_in[l] += b.meta_in[l];
       }
       a.self_rows += b.self_rows;
+      a.fan_rows += b.fan_rows;
     }
     for (std::size_t i = 0; i < all.slot_chunk_rows.size(); ++i)
       all.slot_chunk_rows[i] += q.slot_chunk_rows[i];
@@ -523,9 +613,10 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     v->assign(static_cast<std::size_t>(U), 0.0);
   out.stages.sequential_units = mean.sequential_units = C == 1;
   // The counts all-to-all: per chunk, L padded counts, L real counts and a unique count, as
-  // index_t, to every rank.
-  const double counts_time =
-      counts_seconds(topo, double(C) * (2 * L + 1) * double(sizeof(index_t)));
+  // index_t, to every rank (hierarchical: and the node rows and the unique rows to each rank of
+  // the peer's node).
+  const double counts_time = counts_seconds(
+      topo, double(C) * (2 * L + 1 + (hierarchical ? 1 + G : 0)) * double(sizeof(index_t)));
   const int N = cfg.shared_experts;
   // Each expert priced by its own policy's FLOPs (and so weight bytes).
   const double expert_flops = expert_type::flops_per_row(cfg.hidden, cfg.ffn);
@@ -558,6 +649,9 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
         me.dispatch_bytes.out[l] += d.out[l], me.dispatch_bytes.in[l] += d.in[l];
         me.combine_bytes.out[l] += m.out[l], me.combine_bytes.in[l] += m.in[l];
         out.dispatch_bytes[l] += d.out[l], out.combine_bytes[l] += m.out[l];
+        me.rows_out[l] += static_cast<index_t>(n.rows_out[l]);
+        me.rows_in[l] += static_cast<index_t>(n.rows_in[l]);
+        out.dispatch_rows[l] += static_cast<index_t>(n.rows_out[l]);
       }
       double x = 0, received = 0;  // received: assignment rows of this chunk, padding in
       for (int j = 0; j < L; ++j) {
@@ -566,17 +660,36 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
         received += rows;
       }
       // Local copies: its rows to itself, and every received row regrouped by expert (and
-      // back before the combine).
-      const double local = regroup_seconds(topo, n.self_rows + received, row_bytes);
+      // back before the combine); hierarchical: and the relayed rows' copies for the node.
+      const double local = regroup_seconds(topo, n.self_rows + n.fan_rows + received, row_bytes);
       out.unit_rows[i] = static_cast<index_t>(received);
       // Rows landing in its receive buffer (unique rows with dedup): pass_stats' peak is the
-      // fullest round with a bound, else the whole pass.
-      const auto landed = static_cast<index_t>(n.self_rows + n.rows_in[0] + n.rows_in[1]);
+      // fullest round with a bound, else the whole pass. Hierarchical: the relays' copies
+      // (its own relayed copies are its fan rows not sent).
+      const auto landed =
+          static_cast<index_t>(hierarchical ? n.rows_in[0] + n.fan_rows - n.rows_out[0]
+                                            : n.self_rows + n.rows_in[0] + n.rows_in[1]);
       me.peak_recv_rows =
           quota > 0 ? std::max(me.peak_recv_rows, landed) : me.peak_recv_rows + landed;
-      out.rank_dispatch[i] = exchange_seconds(topo, d) + local;
+      if constexpr (hierarchical) {
+        // Two exchanges one after the other, as the layer waits the first before the relays
+        // fan out: the node rows between nodes with all the metadata, then the relayed rows
+        // inside the node; the combine in reverse.
+        traffic first = d, second;
+        first.out[0] = n.meta_out[0] * meta_bytes, first.in[0] = n.meta_in[0] * meta_bytes;
+        second.out[0] = n.rows_out[0] * row_bytes, second.in[0] = n.rows_in[0] * row_bytes;
+        traffic back_first = m, back_second;
+        back_first.out[0] = back_first.in[0] = 0;
+        back_second.out[0] = second.in[0], back_second.in[0] = second.out[0];
+        out.rank_dispatch[i] =
+            exchange_seconds(topo, first) + exchange_seconds(topo, second) + local;
+        out.rank_combine[i] =
+            exchange_seconds(topo, back_second) + exchange_seconds(topo, back_first) + local;
+      } else {
+        out.rank_dispatch[i] = exchange_seconds(topo, d) + local;
+        out.rank_combine[i] = exchange_seconds(topo, m) + local;
+      }
       out.rank_experts[i] = x;
-      out.rank_combine[i] = exchange_seconds(topo, m) + local;
       me.dispatch += out.rank_dispatch[i], me.experts += x, me.combine += out.rank_combine[i];
       out.stages.dispatch[c] = std::max(out.stages.dispatch[c], out.rank_dispatch[i]);
       out.stages.experts[c] = std::max(out.stages.experts[c], x);

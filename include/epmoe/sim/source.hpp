@@ -161,6 +161,127 @@ inline weighted_source zipf(int experts, double exponent, int top_k, index_t tok
   return {zipf_load(experts, exponent, seed, shuffle), top_k, tokens_per_rank, seed};
 }
 
+/// Group-limited routing, as DeepSeek-V3 sends each token to at most 4 of its 8 nodes: the
+/// experts form `groups` contiguous equal groups; a token picks `top_groups` distinct groups
+/// (group g with probability proportional to its summed load, among those not yet picked),
+/// then K distinct experts of those groups (expert e proportional to load[e]). With groups =
+/// nodes and block placement, a token reaches at most top_groups nodes.
+class group_limited_source {
+ public:
+  group_limited_source(std::vector<double> load, int top_k, index_t tokens_per_rank, int groups,
+                       int top_groups, std::uint64_t seed = 1)
+      : load_(std::move(load)),
+        top_k_(top_k),
+        groups_(groups),
+        top_groups_(top_groups),
+        tokens_(tokens_per_rank),
+        seed_(seed) {
+    using epmoe::detail::require;
+    const int E = experts();
+    require(groups >= 1 && E % groups == 0, "source.groups", groups,
+            "must be >= 1 and divide the experts (groups are contiguous and equal)");
+    require(top_groups >= 1 && top_groups <= groups, "source.top_groups", top_groups,
+            "must be in [1, groups]");
+    require(top_k >= 1 && top_k <= E, "source.top_k", top_k, "must be in [1, experts]");
+    require(tokens_per_rank >= 0, "source.tokens", tokens_per_rank, "must be >= 0");
+    const int S = E / groups;
+    cdf_.resize(load_.size());
+    group_cdf_.resize(static_cast<std::size_t>(groups));
+    last_.assign(static_cast<std::size_t>(groups), -1);
+    std::vector<int> positive;  // experts with a load, per group that has any
+    double sum = 0;
+    for (int g = 0; g < groups; ++g) {
+      int n = 0;
+      for (int e = g * S; e < (g + 1) * S; ++e) {
+        require(std::isfinite(load_[e]) && load_[e] >= 0, "source.load", load_[e],
+                "must be finite and >= 0");
+        cdf_[e] = sum += load_[e];
+        if (load_[e] > 0) ++n, last_[g] = e;
+      }
+      group_cdf_[g] = sum;
+      if (n > 0) positive.push_back(n);
+    }
+    // Every choice of groups must hold K experts with a load: the top_groups smallest do.
+    std::sort(positive.begin(), positive.end());
+    const int fewest = static_cast<int>(positive.size()) < top_groups
+                           ? 0
+                           : std::accumulate(positive.begin(), positive.begin() + top_groups, 0);
+    require(fewest >= top_k, "source.load", fewest,
+            "every top_groups groups with a load need top_k experts with a load > 0");
+  }
+
+  int experts() const { return static_cast<int>(load_.size()); }
+  int top_k() const { return top_k_; }
+  int groups() const { return groups_; }
+  int top_groups() const { return top_groups_; }
+  index_t tokens(int /*rank*/) const { return tokens_; }
+  /// Expected assignments per expert of one rank's tokens, as weighted_source's (exact for
+  /// groups of equal load; otherwise the group limit moves load towards the heavy groups).
+  std::vector<double> expected_load() const {
+    std::vector<double> v(load_.size());
+    const double scale = static_cast<double>(tokens_) * top_k_ / cdf_.back();
+    for (std::size_t e = 0; e < v.size(); ++e) v[e] = load_[e] * scale;
+    return v;
+  }
+
+  /// Fills ids and weights [tokens(rank), K] for `rank`.
+  void route(int rank, mutable_routing_view out) const {
+    std::uint64_t state = math::hash4(seed_, static_cast<std::uint64_t>(rank), 0x67726f7570ull, 0);
+    const int K = top_k_, S = experts() / groups_;
+    std::vector<int> picked(static_cast<std::size_t>(top_groups_));
+    std::vector<double> mass(picked.size());  // cumulative load of the picked groups
+    for (index_t t = 0; t < out.tokens(); ++t) {
+      for (int i = 0; i < top_groups_; ++i) {
+        int g;
+        do {  // rejection of repeats (a picked group keeps its share)
+          g = pick(group_cdf_.data(), 0, groups_, uniform(state) * group_cdf_.back());
+          if (g >= groups_ || last_[g] < 0) g = last_group();
+        } while (std::find(picked.begin(), picked.begin() + i, g) != picked.begin() + i);
+        picked[i] = g;
+        mass[i] = (i ? mass[i - 1] : 0.0) + group_load(g);
+      }
+      std::int32_t* ids = &out.ids(t, 0);
+      for (int k = 0; k < K; ++k) {
+        int e;
+        do {
+          const double u = uniform(state) * mass.back();
+          int i = 0;
+          while (i + 1 < top_groups_ && mass[i] <= u) ++i;
+          const int g = picked[i];
+          const double base = g ? group_cdf_[g - 1] : 0.0;
+          e = pick(cdf_.data(), g * S, (g + 1) * S, base + (u - (i ? mass[i - 1] : 0.0)));
+          if (e >= (g + 1) * S) e = last_[g];  // rounding at the group's end
+        } while (std::find(ids, ids + k, e) != ids + k);
+        ids[k] = e;
+        out.weights(t, k) = 1.f / static_cast<float>(K);
+      }
+    }
+  }
+
+ private:
+  static double uniform(std::uint64_t& x) {  // [0, 1), 53 bits of splitmix64
+    std::uint64_t z = (x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return static_cast<double>((z ^ (z >> 31)) >> 11) * 0x1p-53;
+  }
+  // The first index in [lo, hi) whose cumulative load exceeds `x` (zero loads never win).
+  static int pick(const double* cdf, int lo, int hi, double x) {
+    return static_cast<int>(std::upper_bound(cdf + lo, cdf + hi, x) - cdf);
+  }
+  double group_load(int g) const { return group_cdf_[g] - (g ? group_cdf_[g - 1] : 0.0); }
+  int last_group() const {
+    int g = groups_ - 1;
+    while (last_[g] < 0) --g;
+    return g;
+  }
+  std::vector<double> load_, cdf_, group_cdf_;
+  std::vector<int> last_;  // [groups]: its last expert with a load, -1 if none
+  int top_k_, groups_, top_groups_;
+  index_t tokens_;
+  std::uint64_t seed_;
+};
+
 // --- recorded stats: one JSON object per line, per (pass, rank) ---
 
 /// One rank's routing counts of one pass, as the layer's pass_stats holds them.
