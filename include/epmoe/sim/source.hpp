@@ -23,6 +23,18 @@
 // simulated in any order and a layer run can be fed the very same routing.
 namespace epmoe::sim {
 
+namespace detail {
+/// Expected assignments per expert of `tokens` tokens of top_k picks each, drawn by `load`
+/// (sum `total`): the first pick's share (sampling without replacement flattens it a little).
+inline std::vector<double> expected_load(const std::vector<double>& load, double total,
+                                         index_t tokens, int top_k) {
+  std::vector<double> v(load.size());
+  const double scale = static_cast<double>(tokens) * top_k / total;
+  for (std::size_t e = 0; e < v.size(); ++e) v[e] = load[e] * scale;
+  return v;
+}
+}  // namespace detail
+
 /// Tokens drawn independently: each picks K distinct experts, expert e with probability
 /// proportional to load[e] among those not yet picked (sampling without replacement, as a
 /// top-k over noisy logits does). Uniform, Zipf and explicit load vectors are all this.
@@ -55,10 +67,7 @@ class weighted_source {
   /// Expected assignments per expert of one rank's tokens (the first pick's share; with
   /// K > 1 sampling without replacement flattens it a little): what a balancer plans from.
   std::vector<double> expected_load() const {
-    std::vector<double> v(load_.size());
-    const double scale = static_cast<double>(tokens_) * top_k_ / cdf_.back();
-    for (std::size_t e = 0; e < v.size(); ++e) v[e] = load_[e] * scale;
-    return v;
+    return detail::expected_load(load_, cdf_.back(), tokens_, top_k_);
   }
 
   /// Fills ids and weights [tokens(rank), K] for `rank`.
@@ -218,10 +227,7 @@ class group_limited_source {
   /// Expected assignments per expert of one rank's tokens, as weighted_source's (exact for
   /// groups of equal load; otherwise the group limit moves load towards the heavy groups).
   std::vector<double> expected_load() const {
-    std::vector<double> v(load_.size());
-    const double scale = static_cast<double>(tokens_) * top_k_ / cdf_.back();
-    for (std::size_t e = 0; e < v.size(); ++e) v[e] = load_[e] * scale;
-    return v;
+    return detail::expected_load(load_, cdf_.back(), tokens_, top_k_);
   }
 
   /// Fills ids and weights [tokens(rank), K] for `rank`.
