@@ -18,12 +18,7 @@
 #include "epmoe/core/routing.hpp"
 #include "epmoe/core/stats.hpp"
 
-// Token sources: what each simulated rank's router would answer, as expert ids [T, K] and
-// weights. A source is deterministic per rank (seeded from (seed, rank)), so ranks can be
-// simulated in any order and a layer run can be fed the very same routing.
-namespace epmoe::sim {
-
-namespace detail {
+namespace epmoe::detail {
 /// Expected assignments per expert of `tokens` tokens of top_k picks each, drawn by `load`
 /// (sum `total`): the first pick's share (sampling without replacement flattens it a little).
 inline std::vector<double> expected_load(const std::vector<double>& load, double total,
@@ -33,7 +28,12 @@ inline std::vector<double> expected_load(const std::vector<double>& load, double
   for (std::size_t e = 0; e < v.size(); ++e) v[e] = load[e] * scale;
   return v;
 }
-}  // namespace detail
+}  // namespace epmoe::detail
+
+// Token sources: what each simulated rank's router would answer, as expert ids [T, K] and
+// weights. A source is deterministic per rank (seeded from (seed, rank)), so ranks can be
+// simulated in any order and a layer run can be fed the very same routing.
+namespace epmoe::sim {
 
 /// Tokens drawn independently: each picks K distinct experts, expert e with probability
 /// proportional to load[e] among those not yet picked (sampling without replacement, as a
@@ -67,7 +67,7 @@ class weighted_source {
   /// Expected assignments per expert of one rank's tokens (the first pick's share; with
   /// K > 1 sampling without replacement flattens it a little): what a balancer plans from.
   std::vector<double> expected_load() const {
-    return detail::expected_load(load_, cdf_.back(), tokens_, top_k_);
+    return epmoe::detail::expected_load(load_, cdf_.back(), tokens_, top_k_);
   }
 
   /// Fills ids and weights [tokens(rank), K] for `rank`.
@@ -227,7 +227,7 @@ class group_limited_source {
   /// Expected assignments per expert of one rank's tokens, as weighted_source's (exact for
   /// groups of equal load; otherwise the group limit moves load towards the heavy groups).
   std::vector<double> expected_load() const {
-    return detail::expected_load(load_, cdf_.back(), tokens_, top_k_);
+    return epmoe::detail::expected_load(load_, cdf_.back(), tokens_, top_k_);
   }
 
   /// Fills ids and weights [tokens(rank), K] for `rank`.
