@@ -593,10 +593,17 @@ class moe_layer {
     return workspace_layout::of(
         cfg, width, L, chunks, units_in_flight, capacity_type::pads,
         [&](index_t T) { return capacity.limit(cfg, T); }, router_cap, sizeof(value_type),
-        node_size, hierarchical);
+        node_size, hierarchical, dedup);
   }
   // Most exchange units of a pass (chunks, or with a bound every round of every chunk).
-  int units_max() const { return chunks_max_ * static_cast<int>(layout_.max_rounds); }
+  int units_max() const { return static_cast<int>(layout_.max_units); }
+  // Windows of tokens per schedule chunk when a receive bound meets dedup (token rounds):
+  // each holds at most `quota` tokens of every rank whatever its T.
+  int rounds_per_chunk() const {
+    if (!layout_.token_rounds) return 1;
+    const index_t per_chunk = (cfg_.max_tokens + chunks_ - 1) / chunks_;
+    return static_cast<int>((per_chunk + layout_.quota - 1) / layout_.quota);
+  }
 
   void check_inputs(matrix_view<const value_type> x, matrix_view<value_type> y) const {
     detail::require(x.rows <= cfg_.max_tokens, "x.rows", x.rows,
@@ -671,7 +678,8 @@ class moe_layer {
     token_ids_ = bad ? std::span<const std::int64_t>{} : token_ids;
     given_ = bad ? nullptr : routing;
     routing_given_ = given_ != nullptr;
-    plan_.host().chunks = chunks_;
+    plan_.host().rounds = rounds_per_chunk();
+    plan_.host().chunks = chunks_ * plan_.host().rounds;
     stats_.chunks = chunks_;
     drive(stage_runner{*this}, true);
     ++pass_;
@@ -796,9 +804,6 @@ class moe_layer {
       detail::require(!capacity_type::pads, "max_recv_rows", cfg.max_recv_rows,
                       "must be 0 with padded capacity (its blocks are fixed): use "
                       "capacity::dropless or capacity::factor<false> for a receive bound");
-      detail::require(!dedup, "max_recv_rows", cfg.max_recv_rows,
-                      "must be 0 with per-rank dedup (rounds split assignment rows, not unique "
-                      "rows): use options.dedup = false for a receive bound");
       detail::require(cfg.max_recv_rows >= cfg.ranks * units_in_flight, "max_recv_rows",
                       cfg.max_recv_rows,
                       ("must be >= ranks * " + std::to_string(units_in_flight) +
@@ -1561,8 +1566,7 @@ class moe_layer {
         space_.for_each(r.n, exchange_ops::dedup_weight_grad<value_type>{
                                  r.expert_row,
                                  r.meta,
-                                 rows.offsets[0],
-                                 {rows.data - rows.offsets[0] * S, layout_.expert_rows, H, S},
+                                 {rows.data, rows.rows(), H, S},
                                  {saved_out_.data() + at, rows.rows(), H, S},
                                  ex_.weight_grad_recv() + r.first});
       }

@@ -112,8 +112,11 @@ class MoE(nn.Module):
     top-k: Mixtral, Qwen3, OLMoE/Qwen norm_topk_prob, DBRX, Granite, JetMoE), softmax_raw (the
     top-k probabilities as they are: Qwen1.5/2-MoE, Jamba, OLMoE, Switch), sigmoid_bias
     (DeepSeek-V3), sparsemixer (PhiMoE, forward only), sinkhorn; expert in swiglu, mlp_relu,
-    mlp_relu_bias; capacity in dropless, factor, padded; schedule in sequential, pipelined.
-    An unknown combination raises ValueError listing the menu.
+    mlp_relu_bias; capacity in dropless, factor, padded; schedule in sequential, pipelined;
+    exchange in flat, dedup (a token sends one row to each rank holding any of its experts),
+    hierarchical (one row per node of `ranks_per_node` consecutive ranks crosses between
+    nodes, fanned out inside the node; docs/architecture.md). An unknown combination raises
+    ValueError listing the menu.
 
     Ranks: `group` a torch.distributed ProcessGroup (this process holds experts/R of them;
     every process calls forward and backward together), or `ranks` threads of this process
@@ -135,7 +138,8 @@ class MoE(nn.Module):
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
                  router: str = "softmax", expert: str = "swiglu", capacity: str = "dropless",
-                 schedule: str = "sequential", placement: Union[str, Sequence[int]] = "block",
+                 schedule: str = "sequential", exchange: str = "flat", ranks_per_node: int = 0,
+                 placement: Union[str, Sequence[int]] = "block",
                  capacity_factor: float = 1.0, chunks: int = 0, shared_experts: int = 0,
                  shared_ffn: int = 0, shared_gate: bool = False, output_bias: bool = False,
                  groups: int = 1, top_groups: int = 1, norm_p: float = 1.0, scaling: float = 1.0,
@@ -163,8 +167,11 @@ class MoE(nn.Module):
             raise ValueError(f"epmoe: group_by = {group_by!r}: must be 'top2_sum' or 'max'")
         if group_mask not in ("minus_inf", "zero"):
             raise ValueError(f"epmoe: group_mask = {group_mask!r}: must be 'minus_inf' or 'zero'")
+        if exchange not in ("flat", "dedup", "hierarchical"):
+            raise ValueError(f"epmoe: exchange = {exchange!r}: must be 'flat', 'dedup' or "
+                             "'hierarchical'")
         entry = dict(router=router, top_k=int(top_k), expert=expert, capacity=capacity,
-                     schedule=schedule)
+                     schedule=schedule, exchange=exchange)
         found = [b for b in _epmoe.menu() if all(b[k] == v for k, v in entry.items())]
         trains = bool(found and found[0]["trains"])
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
@@ -176,7 +183,7 @@ class MoE(nn.Module):
                            shared_experts=shared_experts, shared_ffn=shared_ffn,
                            shared_gate=bool(shared_gate), output_bias=bool(output_bias),
                            aux_loss_coef=float(aux_loss_coef), seq_len=seq_len, chunks=chunks,
-                           max_recv_rows=int(max_recv_rows),
+                           max_recv_rows=int(max_recv_rows), ranks_per_node=int(ranks_per_node),
                            training=trains, recompute=bool(recompute))
         self.router_args = dict(groups=groups, top_groups=top_groups, norm_p=float(norm_p),
                                 scaling=float(scaling), group_by_max=group_by == "max",

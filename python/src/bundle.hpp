@@ -16,7 +16,14 @@
 
 namespace epmoe::py {
 
-template <class Router, class Expert, class Capacity, class Schedule>
+/// The exchange of a bundle: flat, per-rank dedup, or hierarchical (docs/architecture.md).
+enum class exchange_kind { flat, dedup, hierarchical };
+inline const char* name_of(exchange_kind x) {
+  return x == exchange_kind::flat ? "flat" : x == exchange_kind::dedup ? "dedup" : "hierarchical";
+}
+
+template <class Router, class Expert, class Capacity, class Schedule,
+          exchange_kind X = exchange_kind::flat>
 struct policies : default_policies {
   using router = Router;
   using expert = Expert;
@@ -24,6 +31,8 @@ struct policies : default_policies {
   using schedule = Schedule;
   using placement = epmoe::placement::table;
   using comm = epmoe::comm::any;
+  static constexpr layer_options options{.dedup = X == exchange_kind::dedup,
+                                         .hierarchical = X == exchange_kind::hierarchical};
 };
 
 /// The router with the fields it has set from the menu's run-time arguments.
@@ -52,9 +61,9 @@ inline constexpr bool trains = requires {
 }
 &&(!Router::uses_gate || router_with_backward<Router>);
 
-template <class Router, class Expert, class Capacity, class Schedule>
+template <class Router, class Expert, class Capacity, class Schedule, exchange_kind X>
 class layer_of final : public any_layer {
-  using P = policies<Router, Expert, Capacity, Schedule>;
+  using P = policies<Router, Expert, Capacity, Schedule, X>;
   using layer = moe_layer<P>;
 
  public:
@@ -140,11 +149,13 @@ class layer_of final : public any_layer {
 };
 
 /// The menu entry of one bundle.
-template <class Router, class Expert, class Capacity, class Schedule>
+template <class Router, class Expert, class Capacity, class Schedule,
+          exchange_kind X = exchange_kind::flat>
 bundle entry(std::string router, std::string expert, std::string capacity, std::string schedule,
              std::vector<std::string> tensors) {
-  using L = layer_of<Router, Expert, Capacity, Schedule>;
+  using L = layer_of<Router, Expert, Capacity, Schedule, X>;
   bundle b;
+  b.exchange = name_of(X);
   b.router = std::move(router);
   b.top_k = Router::top_k;
   b.expert = std::move(expert);

@@ -110,6 +110,7 @@ struct bundle {
   std::string expert;                       // swiglu, mlp_relu, mlp_relu_bias, mlp_gelu, ...
   std::string capacity;                     // dropless, factor, padded
   std::string schedule;                     // sequential, pipelined
+  std::string exchange = "flat";            // flat, dedup, hierarchical
   std::vector<std::string> expert_tensors;  // names, in rank_weights order
   bool trains = true;                       // has a backward
   std::function<std::unique_ptr<any_layer>(const layer_args&, comm::any, const rank_weights&)> make;
@@ -117,18 +118,20 @@ struct bundle {
 
   std::string key() const {
     return "router=" + router + " top_k=" + std::to_string(top_k) + " expert=" + expert +
-           " capacity=" + capacity + " schedule=" + schedule;
+           " capacity=" + capacity + " schedule=" + schedule + " exchange=" + exchange;
   }
 };
 
 // Each bundles_*.cpp adds its entries.
 void add_softmax_bundles(std::vector<bundle>& menu);
 void add_other_bundles(std::vector<bundle>& menu);
+void add_exchange_bundles(std::vector<bundle>& menu);
 
 inline std::vector<bundle> menu() {
   std::vector<bundle> m;
   add_softmax_bundles(m);
   add_other_bundles(m);
+  add_exchange_bundles(m);
   return m;
 }
 

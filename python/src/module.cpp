@@ -206,6 +206,14 @@ rank_grads grads_of(const ::py::dict& d, const std::string& who) {
   d["rank_imbalance"] = s.rank_imbalance.max_over_mean;
   d["chunks"] = s.chunks;
   d["rounds"] = s.rounds;
+  d["ranks_per_node"] = s.ranks_per_node;
+  for (const auto& [name, l] :
+       {std::pair{"intra_node", &s.intra_node}, std::pair{"inter_node", &s.inter_node}}) {
+    ::py::dict t;  // rows and bytes over one link class (both levels when hierarchical)
+    t["rows_sent"] = l->rows_sent, t["rows_received"] = l->rows_received;
+    t["bytes_sent"] = l->bytes_sent, t["bytes_received"] = l->bytes_received;
+    d[name] = t;
+  }
   d["comm_seconds"] = s.comm_seconds;
   d["exposed_comm_seconds"] = s.exposed_comm_seconds;
   d["overlap"] = s.overlap;
@@ -237,6 +245,7 @@ layer_config config_of(const ::py::dict& c) {
   cfg.seq_len = c["seq_len"].cast<int>();
   cfg.chunks = c["chunks"].cast<int>();
   cfg.max_recv_rows = c["max_recv_rows"].cast<int>();
+  if (c.contains("ranks_per_node")) cfg.ranks_per_node = c["ranks_per_node"].cast<int>();
   cfg.training = c["training"].cast<bool>();
   cfg.recompute = c["recompute"].cast<bool>();
   return cfg;
@@ -257,22 +266,23 @@ router_args router_of(const ::py::dict& r) {
   return a;
 }
 
-/// The menu entry named by (router, top_k, expert, capacity, schedule), or a ValueError
-/// listing the entries there are.
+/// The menu entry named by (router, top_k, expert, capacity, schedule, exchange), or a
+/// ValueError listing the entries there are.
 const bundle& find_bundle(const std::vector<bundle>& m, const ::py::dict& b) {
   const auto router = b["router"].cast<std::string>(), expert = b["expert"].cast<std::string>();
   const auto capacity = b["capacity"].cast<std::string>();
   const auto schedule = b["schedule"].cast<std::string>();
+  const auto exchange = b.contains("exchange") ? b["exchange"].cast<std::string>() : "flat";
   const int k = b["top_k"].cast<int>();
   for (const bundle& e : m)
     if (e.router == router && e.top_k == k && e.expert == expert && e.capacity == capacity &&
-        e.schedule == schedule)
+        e.schedule == schedule && e.exchange == exchange)
       return e;
   std::string list;
   for (const bundle& e : m) list += "\n  " + e.key();
   value_error("no precompiled bundle router=" + router + " top_k=" + std::to_string(k) +
               " expert=" + expert + " capacity=" + capacity + " schedule=" + schedule +
-              "; the menu has:" + list);
+              " exchange=" + exchange + "; the menu has:" + list);
 }
 
 /// The layer of one process: one rank on a process group, or `ranks` ranks on threads.
@@ -537,7 +547,7 @@ PYBIND11_MODULE(_epmoe, m) {
     for (const ep::bundle& b : ep::menu()) {
       ::py::dict d;
       d["router"] = b.router, d["top_k"] = b.top_k, d["expert"] = b.expert;
-      d["capacity"] = b.capacity, d["schedule"] = b.schedule;
+      d["capacity"] = b.capacity, d["schedule"] = b.schedule, d["exchange"] = b.exchange;
       d["expert_tensors"] = b.expert_tensors, d["trains"] = b.trains;
       out.append(d);
     }

@@ -59,13 +59,27 @@ CASES = {
                          capacity="factor", capacity_factor=1.0),
     "round robin": dict(experts=8, top_k=2, placement="round_robin"),
     "permuted table": dict(experts=8, top_k=2, placement=[3, 1, 7, 5, 0, 2, 6, 4]),
+    "dedup": dict(experts=8, top_k=2, exchange="dedup"),
+    # Nodes of 2 ranks (of min(2, ranks)): one row per (token, node) between them.
+    "hierarchical": dict(experts=8, top_k=2, exchange="hierarchical", ranks_per_node=2),
+    "hierarchical pipelined rounds": dict(experts=8, top_k=2, exchange="hierarchical",
+                                          ranks_per_node=2, schedule="pipelined", chunks=2,
+                                          max_recv_rows=24),  # windows of 2 tokens
+    "hierarchical, a node per rank": dict(experts=8, top_k=2, exchange="hierarchical",
+                                          ranks_per_node=1),
+    "deepseek hierarchical": dict(experts=8, top_k=4, router="sigmoid_bias", groups=4,
+                                  top_groups=2, scaling=2.5, exchange="hierarchical",
+                                  ranks_per_node=2),
 }
 
 
 def build(case, ranks, seed=0, **kw):
     """The module of a case; packed expert weights (in train mode too) unless kw says else."""
     torch.manual_seed(seed)
-    moe = MoE(H, F, **{**CASES[case], "pack_weights": True, **kw}, ranks=ranks, max_tokens=64)
+    args = {**CASES[case], "pack_weights": True, **kw}
+    if "ranks_per_node" in args:  # nodes must divide the ranks
+        args["ranks_per_node"] = min(args["ranks_per_node"], ranks)
+    moe = MoE(H, F, **args, ranks=ranks, max_tokens=64)
     g = torch.Generator().manual_seed(seed + 1)
     moe.reset_parameters(generator=g)
     with torch.no_grad():  # nonzero biases, so their gradients and values are checked
@@ -348,14 +362,31 @@ def _two_ranks(rank, world, group, case, tokens):
     for p in moe.replicated_parameters():
         name = next(n for n in moe._param_names if getattr(moe, n) is p)
         close(p.grad, ref["grads"][name], f"d{name} (summed)")
-    return moe.stats()["rows_sent"]
+    return moe.stats()
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2 shared, gate, bias", "pipelined",
                                   "receive rounds"])
 def test_two_processes_equal_the_reference(case):
-    rows = run_ranks(_two_ranks, 2, args=(case, [7, 12]))
+    stats = run_ranks(_two_ranks, 2, args=(case, [7, 12]))
+    rows = [s["rows_sent"] for s in stats]
     assert sum(rows[0]) == 7 * CASES[case]["top_k"] and sum(rows[1]) == 12 * CASES[case]["top_k"]
+
+
+@pytest.mark.parametrize("case", ["dedup", "hierarchical, a node per rank"])
+def test_two_processes_dedup_and_hierarchical(case):
+    """Fewer rows than assignments (one per (token, rank) or (token, node)); the hierarchical
+    exchange's node rows are the only rows between the two nodes, at most one per token."""
+    tokens = [7, 12]
+    stats = run_ranks(_two_ranks, 2, args=(case, tokens))
+    for s, T in zip(stats, tokens):
+        assert 0 < sum(s["rows_sent"]) <= T * CASES[case]["top_k"]
+        assert s["inter_node"]["rows_sent"] <= T
+        if case != "dedup":
+            assert s["ranks_per_node"] == 1 and s["intra_node"]["rows_sent"] == 0
+    # Without nodes (dedup) the two ranks are one node: every row is intra-node.
+    link = "intra_node" if case == "dedup" else "inter_node"
+    assert sum(s[link]["rows_sent"] for s in stats) > 0
 
 
 def _bad_on_one_rank(rank, world, group):

@@ -313,8 +313,8 @@ reference::gradients reference_step(const layer_config& cfg, const reference::fu
 }
 
 template <class P>
-void check_step(const layer_config& cfg, const train_options<P>& opt = {},
-                std::vector<index_t> per_rank = {}, std::uint64_t seed = 7) {
+train_result check_step(const layer_config& cfg, const train_options<P>& opt = {},
+                        std::vector<index_t> per_rank = {}, std::uint64_t seed = 7) {
   const auto w = reference::full_weights::random(cfg, seed);
   if (per_rank.empty()) per_rank.assign(static_cast<std::size_t>(cfg.ranks), 24);
   const auto g = test::make_tokens(per_rank, cfg.hidden, seed + 1);
@@ -333,6 +333,7 @@ void check_step(const layer_config& cfg, const train_options<P>& opt = {},
   check_against<typename P::expert>(got, reference_step<P>(cfg, w, g, dy, opt), cfg,
                                     P::router::uses_gate, noise);
   CHECK(got.reduced_agree);
+  return got;
 }
 
 layer_config train_layer(int ranks, int top_k = 2, int experts = 8) {
@@ -430,6 +431,13 @@ TEST_CASE("layer backward: per-rank dedup, one dy row per (token, rank) and weig
   layer_config chunks = train_layer(2, 4);
   chunks.chunks = 2;
   check_step<dedup_policies<capacity::dropless, schedule::pipelined<2>>>(chunks);
+  // A receive bound: windows of 3 tokens (pipelined: 3 units in flight), weights home per
+  // window.
+  chunks.max_recv_rows = 2 * 3 * 3;
+  const auto bounded =
+      check_step<dedup_policies<capacity::dropless, schedule::pipelined<2>>>(chunks);
+  CHECK(bounded.backward_stats[0].rounds == 6);  // 16-token chunks
+  CHECK(bounded.backward_stats[0].recv_buffer_rows <= 18);
 }
 
 template <class Capacity = capacity::dropless, class Schedule = schedule::sequential>
@@ -455,6 +463,18 @@ TEST_CASE("layer backward: hierarchical, dy crosses once per (token, node), dx s
   drops.capacity_factor = 1.0;
   drops.chunks = 2;
   check_step<hierarchical_policies<capacity::dropless, schedule::pipelined<2>>>(drops);
+  // A receive bound: windows of 2 tokens per rank, each level's rows in their slots.
+  drops.max_recv_rows = 4 * 3 * 2;
+  const auto windows =
+      check_step<hierarchical_policies<capacity::dropless, schedule::pipelined<2>>>(drops);
+  CHECK(windows.forward_stats[1].rounds == 8);  // 16-token chunks in windows of 2
+  CHECK(windows.backward_stats[1].rounds == 8);
+  drops.capacity_factor = 0.6;
+  drops.chunks = 1;
+  drops.max_recv_rows = 4 * 5;
+  const auto sequential = check_step<hierarchical_policies<capacity::factor<false>>>(drops);
+  CHECK(sequential.forward_stats[3].rounds == 7);  // 32 tokens in windows of 5
+  CHECK(sequential.forward_stats[3].peak_recv_rows <= 20);
   CHECK(steps == 3);
 }
 

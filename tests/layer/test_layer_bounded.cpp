@@ -165,6 +165,12 @@ TEMPLATE_LIST_TEST_CASE("bounded: repeated passes reuse the rounds workspace", "
 }
 
 #ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
+// Dedup: a round is a window of tokens (each sends one row per rank), 8 tokens of every rank.
+TEST_CASE("bounded: all tokens to one expert on 8 ranks, dedup in windows of tokens",
+          "[layer][bounded]") {
+  check_bounded_all_to_one<dedup_p>(1);
+}
+
 TEST_CASE("bounded: invalid max_recv_rows and unsupported combinations are rejected",
           "[layer][bounded][error]") {
   layer_config cfg{.hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 2, .max_tokens = 8};
@@ -201,7 +207,6 @@ TEST_CASE("bounded: invalid max_recv_rows and unsupported combinations are rejec
   c.max_recv_rows = 64;
   CHECK(rejected.operator()<policies<2, schedule::sequential, capacity::factor<true>>>(
             c, "capacity::dropless") == 2);
-  CHECK(rejected.operator()<dedup_p>(c, "dedup = false") == 2);
 }
 
 TEST_CASE("bounded: ranks that disagree on max_recv_rows all throw naming it",

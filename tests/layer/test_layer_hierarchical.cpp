@@ -153,6 +153,73 @@ TEST_CASE("hierarchical: composes with capacity drops, replicas and the pipeline
         1e-4);
 }
 
+TEST_CASE("hierarchical and dedup: a receive bound (max_recv_rows) moves windows of tokens",
+          "[layer][hierarchical][rounds]") {
+  // With dedup a token sends at most one row per rank (and one per node), so a round is a
+  // window of q tokens of every rank: q = max_recv_rows / (R x units in flight).
+  using C = capacity::factor<false>;
+  using Seq = schedule::sequential;
+  using Pipe = schedule::pipelined<3>;
+  int checked = 0;
+  for (const auto& [R, G] : {std::pair{4, 2}, std::pair{8, 4}, std::pair{8, 2}})
+    for (const double cf : {1.0, 0.8}) {
+      CAPTURE(R, G, cf);
+      layer_config cfg = shape(R, G, 2, cf);
+      const auto w = reference::full_weights::random(cfg, 40 + R + G);
+      const auto g = tokens_for(R, cfg.hidden, 41 + R * G);
+      const auto free = test::run_layer<flat<2, C>>(cfg, w, g);
+      CHECK(test::relative_error(free.y, test::run_reference<flat<2, C>>(cfg, w, g)) <= 1e-4);
+      cfg.max_recv_rows = 9 * R;  // sequential: q = 9, 5 rounds; pipelined<3>: q = 3, 14-token
+                                  // chunks in 5 rounds
+      node_pairs pairs{std::vector<index_t>(R), std::vector<index_t>(R)};
+      const auto hs = test::run_layer<policies<2, C, Seq>>(
+          cfg, w, g, {.between = count_pairs<policies<2, C, Seq>>(pairs, G)});
+      const auto hp = test::run_layer<policies<2, C, Pipe>>(cfg, w, g, {.passes = 2});
+      const auto fs = test::run_layer<flat<2, C, Seq>>(cfg, w, g);
+      const auto fp = test::run_layer<flat<2, C, Pipe>>(cfg, w, g, {.passes = 2});
+      for (const auto* run : {&hs, &hp, &fs, &fp}) {
+        const bool pipe = run == &hp || run == &fp;
+        const index_t q = pipe ? 3 : 9;
+        for (const auto& y : run->ys) CHECK(test::relative_error(y, free.y) <= 1e-6);
+        for (int r = 0; r < R; ++r)
+          for (const pass_stats& s : run->stats[r]) {
+            CAPTURE(r, pipe);
+            CHECK(s.rounds == 5);
+            CHECK(s.chunks == (pipe ? 3 : 1));
+            CHECK(s.recv_buffer_rows <= cfg.max_recv_rows);
+            CHECK(s.peak_recv_rows <= R * q);
+            CHECK(s.dropped == free.stats[r][0].dropped);
+            CHECK(s.rows_per_local_expert == free.stats[r][0].rows_per_local_expert);
+            // Every window's exchange ran, one event each way per unit.
+            index_t dispatches = 0;
+            for (const auto& e : s.timeline) dispatches += e.stage == stage_kind::dispatch;
+            CHECK(dispatches == 5 * s.chunks);
+            ++checked;
+          }
+      }
+      for (int r = 0; r < R; ++r) CHECK(hs.stats[r][0].inter_node.rows_sent == pairs.other[r]);
+    }
+  CHECK(checked == 2 * (4 + 8 + 8) * (1 + 2 + 1 + 2));
+  // Replicas (a copy of experts 0..3 on each node) under the bound.
+  const layer_config base = shape(4, 2, 2);
+  const auto w = reference::full_weights::random(base, 5);
+  const auto g = tokens_for(4, base.hidden, 6);
+  std::vector<int> slots;
+  for (int r = 0; r < 4; ++r) {
+    for (int j = 0; j < 4; ++j) slots.push_back(4 * r + j);
+    slots.push_back(r % 2);
+  }
+  const placement::table table(16, 4, slots, 2);
+  using Tab = policies<2, capacity::dropless, Pipe, placement::table>;
+  using TabFlat = flat<2, capacity::dropless, Seq, placement::table>;
+  layer_config bounded = base;
+  bounded.max_recv_rows = 4 * 3 * 2;
+  const auto ht = test::run_layer<Tab>(bounded, w, g, {.placement = table});
+  CHECK(ht.stats[0][0].rounds == 7);  // 14-token chunks in windows of 2
+  CHECK(test::relative_error(ht.y, test::run_layer<TabFlat>(base, w, g, {.placement = table}).y) <=
+        1e-6);
+}
+
 TEST_CASE("hierarchical: rows and bytes per level match a hand count", "[layer][hierarchical]") {
   // 4 ranks as 2 nodes x 2, one expert per rank, top-2, the gate the identity. Rank 0 holds:
   //   t0 -> (1, 0): rank 1, rank 0: its own node only
@@ -259,6 +326,49 @@ std::pair<std::vector<float>, std::vector<pass_stats>> pass_on(comm::threads_wor
     stats[r] = layer.stats();
   });
   return {y, stats};
+}
+
+// comm::threads that delivers every non-blocking exchange when it starts (MPI may, any time
+// before the wait): a receive slot the layer still reads when a later unit's rows arrive
+// shows up as a wrong output here, where comm::threads itself delivers at the wait.
+struct eager : comm::threads {
+  explicit eager(comm::threads c) : comm::threads(c) {}
+  struct request {
+    void wait() {}
+    bool test() { return true; }
+  };
+  template <class T>
+  request ialltoallv(const T* send, const index_t* sn, const index_t* sd, T* recv,
+                     const index_t* rn, const index_t* rd) {
+    alltoallv(send, sn, sd, recv, rn, rd);
+    return {};
+  }
+};
+template <bool Hier>
+struct eager_policies
+    : policies<2, capacity::dropless, schedule::pipelined<3>, placement::block, Hier> {
+  using comm = eager;
+};
+
+TEST_CASE("hierarchical and dedup: a receive bound's slots hold while later windows arrive",
+          "[layer][hierarchical][rounds]") {
+  layer_config cfg = shape(4, 2, 2);
+  const auto w = reference::full_weights::random(cfg, 12);
+  const auto g = tokens_for(4, cfg.hidden, 13);
+  const auto free = test::run_layer<flat<2>>(cfg, w, g);
+  cfg.max_recv_rows = 4 * 3 * 2;  // windows of 2 tokens, 3 in flight
+  int runs = 0;
+  for (const bool hier : {true, false}) {
+    CAPTURE(hier);
+    comm::threads_world world(4);
+    const auto make = [](comm::threads c) { return eager(c); };
+    const auto run = hier ? pass_on<eager_policies<true>>(world, cfg, w, g, make)
+                          : pass_on<eager_policies<false>>(world, cfg, w, g, make);
+    CHECK(test::relative_error(run.first, free.y) <= 1e-6);
+    CHECK(run.second[0].rounds == 7);  // 14-token chunks
+    ++runs;
+  }
+  CHECK(runs == 2);
 }
 
 TEST_CASE("hierarchical: the nodes come from the comm when the config leaves them at 0",

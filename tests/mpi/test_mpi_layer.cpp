@@ -512,6 +512,13 @@ TEST_CASE("mpi layer: hierarchical on 2 nodes x 2, from the config or the comm, 
     const pass_stats piped = check_hierarchical<mpi_hier_pipelined_policies>(cfg, w, g);
     CHECK(piped.chunks == 3);
     CHECK(piped.dropped == capped.dropped);
+    // A receive bound: windows of 2 tokens of every rank, both levels' rows in their slots.
+    layer_config bounded = cfg;
+    bounded.max_recv_rows = R * 3 * 2;
+    const pass_stats windows = check_hierarchical<mpi_hier_pipelined_policies>(bounded, w, g);
+    CHECK(windows.rounds == 5);  // 10-token chunks in windows of 2
+    CHECK(windows.recv_buffer_rows <= bounded.max_recv_rows);
+    CHECK(windows.dropped == capped.dropped);
     // Rank r holds its 4 experts and a copy of the first expert of rank (r + 2) % 4, on the
     // other node: tokens use the copy on their own node, so fewer rows cross.
     std::vector<int> slots;

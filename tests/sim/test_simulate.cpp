@@ -37,6 +37,11 @@ struct pipelined_policies : policies<Placement> {
   using schedule = epmoe::schedule::pipelined<C>;
 };
 
+template <class Placement, int C>
+struct dedup_pipelined_policies : policies<Placement, capacity::dropless, true> {
+  using schedule = epmoe::schedule::pipelined<C>;
+};
+
 // The layer reproduces a simulated routing through a hand-made gate: with H >= E, gate row
 // e = unit vector e and a token that is K - k at its k-th expert (0 elsewhere), top-k picks
 // exactly the source's experts, in the source's order.
@@ -182,6 +187,18 @@ TEST_CASE("sim: counts equal a real layer pass on threads, rank by rank", "[sim]
     const auto load = sim::zipf(8, 1.2, 2, 40, 5).expected_load();
     const auto t = placement::balance(load, {.ranks = 4, .nodes = 2, .extra_slots = 4}).refined;
     CHECK(check_against_layer<P>(cfg, t) == 4);
+  }
+  // Dedup with a receive bound: windows of tokens, unit by unit (the rows every window's
+  // experts compute, its peak, the count of windows).
+  SECTION("hierarchical, a receive bound: windows of 3 tokens") {
+    cfg.ranks_per_node = 2;
+    cfg.max_recv_rows = 12;
+    CHECK(check_against_layer<hier_policies<placement::block>>(cfg, placement::block(cfg)) == 4);
+  }
+  SECTION("dedup, a receive bound, pipelined in 2 chunks: windows of 2 tokens") {
+    cfg.max_recv_rows = 24;
+    using P = dedup_pipelined_policies<placement::block, 2>;
+    check_against_layer<P>(cfg, placement::block(cfg), {}, 2);
   }
   SECTION("flat dedup split by the same nodes") {
     cfg.ranks_per_node = 2;
@@ -745,7 +762,9 @@ TEST_CASE("sim: the hierarchical exchange refuses what the layer refuses", "[sim
   topo.ranks_per_node = 4;
   using H = sim::hierarchical_policies<>;
   CHECK_NOTHROW(sim::simulate<H>(cfg, topo, src));
-  cfg.max_recv_rows = 64;
+  cfg.max_recv_rows = 8;  // a window of one token per rank, as in the layer
+  CHECK(sim::simulate<H>(cfg, topo, src).rounds == 16);
+  cfg.max_recv_rows = 7;
   CHECK_THROWS_WITH(sim::simulate<H>(cfg, topo, src), Catch::Contains("max_recv_rows"));
   cfg.max_recv_rows = 0;
   cfg.ranks_per_node = 2;

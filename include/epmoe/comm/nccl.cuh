@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "epmoe/core/error.hpp"
@@ -39,17 +40,46 @@ namespace comm {
 /// polls the stream, NCCL's asynchronous error (a peer that failed) and the deadline
 /// (set_timeout), and on either aborts the communicator (ncclCommAbort: the user then must not
 /// destroy it again) and throws comm_aborted or comm_timeout.
+///
+/// Nodes (issue 24): with `ranks_per_node` G > 0 the ranks are nodes of G consecutive ranks,
+/// and the hierarchical exchange runs each of its levels on a communicator of its own, split
+/// from `comm` here (ncclCommSplit): the node's G ranks, and the N = size / G ranks of the same
+/// local index. The constructor is then collective (every rank constructs at once, with the
+/// same G: agreed first, a differing or bad G throws config_error on every rank); the split
+/// communicators live as long as the last copy of this comm::nccl.
 class nccl {
  public:
-  explicit nccl(ncclComm_t comm, cudaStream_t stream = nullptr) : comm_(comm), stream_(stream) {
+  explicit nccl(ncclComm_t comm, cudaStream_t stream = nullptr, int ranks_per_node = 0)
+      : comm_(comm), stream_(stream) {
     EPMOE_CUDA_CHECK(ncclCommUserRank(comm, &rank_));
     EPMOE_CUDA_CHECK(ncclCommCount(comm, &size_));
+    if (ranks_per_node != 0) split(ranks_per_node);
   }
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   ncclComm_t get() const { return comm_; }
   cudaStream_t stream() const { return stream_; }
+  /// G: consecutive ranks per node (0: not told).
+  int ranks_per_node() const { return levels_ ? levels_->G : 0; }
+
+  /// One level's communicator and where its ranks sit in this one: its rank i is this comm's
+  /// rank first + i * stride.
+  struct level_comm {
+    ncclComm_t comm;
+    int n, first, stride;
+  };
+  level_comm at(exchange_level level) const {
+    if (level == exchange_level::all || !levels_) return {comm_, size_, 0, 1};
+    const int G = levels_->G;
+    const ncclComm_t c = level == exchange_level::node ? levels_->node : levels_->cross;
+    if (!c)
+      throw comm_aborted("epmoe: comm::nccl: rank " + std::to_string(rank_) +
+                             ": an exchange on an aborted node or cross-node communicator",
+                         -1);
+    if (level == exchange_level::node) return {c, G, rank_ / G * G, 1};
+    return {c, size_ / G, rank_ % G, G};
+  }
 
   /// Host arrays, n elements to every rank (start-up agreement, router load): staged
   /// through device memory, synchronous. Not used by a forward pass's rows.
@@ -108,6 +138,11 @@ class nccl {
   void abort(const std::string& /*why*/) {
     if (std::exchange(aborted_, true)) return;
     ncclCommAbort(comm_);
+    if (levels_) {  // a peer may wait on a level's communicator
+      ncclComm_t* on[2] = {&levels_->node, &levels_->cross};
+      for (ncclComm_t* c : on)
+        if (*c) ncclCommAbort(std::exchange(*c, nullptr));
+    }
   }
 
   /// Waits for stream s (what: the work, for the message) like cudaStreamSynchronize, but
@@ -120,8 +155,7 @@ class nccl {
       if (q == cudaSuccess) return;
       if (q != cudaErrorNotReady) EPMOE_CUDA_CHECK(q);
       ncclResult_t async = ncclSuccess;
-      if (!aborted_)
-        cuda_detail::check(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError");
+      if (!aborted_) async = async_error();
       if (aborted_ || (async != ncclSuccess && async != ncclInProgress)) {
         abort("");
         throw comm_aborted("epmoe: comm::nccl: rank " + std::to_string(rank_) + ": waiting for " +
@@ -157,12 +191,58 @@ class nccl {
   }
 
  private:
+  // The levels' communicators, shared by the copies; destroyed with the last one (or aborted).
+  struct levels {
+    int G = 0;
+    ncclComm_t node = nullptr, cross = nullptr;
+    levels() = default;
+    levels(const levels&) = delete;
+    levels& operator=(const levels&) = delete;
+    ~levels() {
+      if (node) ncclCommDestroy(node);
+      if (cross) ncclCommDestroy(cross);
+    }
+  };
+
+  // Agrees on G over the whole communicator, then splits the two levels' communicators.
+  void split(int G) {
+    std::vector<int> mine(static_cast<std::size_t>(size_), G), all(mine.size());
+    alltoall(mine.data(), all.data(), 1);
+    for (int r = 0; r < size_; ++r)
+      if (all[r] != G)
+        throw config_error("ranks_per_node", std::to_string(G),
+                           "must be the same on every rank of comm::nccl (rank " +
+                               std::to_string(r) + " passed " + std::to_string(all[r]) + ")");
+    if (G < 0 || G > size_ || size_ % G != 0)
+      throw config_error(
+          "ranks_per_node", std::to_string(G),
+          "must be 0 (no nodes) or divide the communicator's " + std::to_string(size_) + " ranks");
+    auto l = std::make_shared<levels>();
+    l->G = G;
+    EPMOE_CUDA_CHECK(ncclCommSplit(comm_, rank_ / G, rank_ % G, &l->node, nullptr));
+    EPMOE_CUDA_CHECK(ncclCommSplit(comm_, rank_ % G, rank_ / G, &l->cross, nullptr));
+    levels_ = std::move(l);
+  }
+
+  // NCCL's asynchronous error of this communicator or of a level's.
+  ncclResult_t async_error() const {
+    ncclResult_t e = ncclSuccess;
+    cuda_detail::check(ncclCommGetAsyncError(comm_, &e), "ncclCommGetAsyncError");
+    if (!levels_) return e;
+    const ncclComm_t on[2] = {levels_->node, levels_->cross};
+    for (ncclComm_t c : on)
+      if (c && (e == ncclSuccess || e == ncclInProgress))
+        cuda_detail::check(ncclCommGetAsyncError(c, &e), "ncclCommGetAsyncError");
+    return e;
+  }
+
   ncclComm_t comm_;
   cudaStream_t stream_;
   int rank_ = 0, size_ = 1;
   double timeout_ = 0;
   bool aborted_ = false;
   std::shared_ptr<device_buffer<char>> staging_;  // grows on first host alltoall
+  std::shared_ptr<levels> levels_;                // with nodes: the levels' communicators
 };
 
 }  // namespace comm
@@ -185,19 +265,24 @@ class transport<comm::nccl, space::cuda<T>> {
   void alltoall(const U* send, U* recv, index_t n) {
     comm_->alltoall_device(send, recv, sizeof(U) * static_cast<std::size_t>(n), work_);
   }
+  /// Counts and displacements per rank of the whole communicator; a level's exchange (the
+  /// hierarchical one's) has counts only for that level's ranks and runs on its communicator.
   template <class U>
   void start(std::optional<request>& req, const U* send, const index_t* sn, const index_t* sd,
-             U* recv, const index_t* rn, const index_t* rd) {
+             U* recv, const index_t* rn, const index_t* rd,
+             exchange_level level = exchange_level::all) {
+    const comm::nccl::level_comm on = comm_->at(level);
     cudaEvent_t ready = events_->next(), done = events_->next();
     EPMOE_CUDA_CHECK(cudaEventRecord(ready, work_));
     EPMOE_CUDA_CHECK(cudaStreamWaitEvent(side_, ready));
     const std::size_t e = sizeof(U);
     EPMOE_CUDA_CHECK(ncclGroupStart());
-    for (int r = 0; r < comm_->size(); ++r) {
+    for (int i = 0; i < on.n; ++i) {
+      const int r = on.first + i * on.stride;
       if (sn[r] > 0)
-        EPMOE_CUDA_CHECK(ncclSend(send + sd[r], e * sn[r], ncclInt8, r, comm_->get(), side_));
+        EPMOE_CUDA_CHECK(ncclSend(send + sd[r], e * sn[r], ncclInt8, i, on.comm, side_));
       if (rn[r] > 0)
-        EPMOE_CUDA_CHECK(ncclRecv(recv + rd[r], e * rn[r], ncclInt8, r, comm_->get(), side_));
+        EPMOE_CUDA_CHECK(ncclRecv(recv + rd[r], e * rn[r], ncclInt8, i, on.comm, side_));
     }
     EPMOE_CUDA_CHECK(ncclGroupEnd());
     EPMOE_CUDA_CHECK(cudaEventRecord(done, side_));

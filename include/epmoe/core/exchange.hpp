@@ -88,12 +88,13 @@ EPMOE_HD index_t block_of(const index_t* offsets, index_t b0, index_t n, index_t
 }
 
 /// Dedup, received assignment row i of chunk c: its unique row's index within the chunk's
-/// unique rows (the key of the weighted sums) and its expert-major row.
+/// unique rows (the key of the weighted sums) and its row among the chunk's expert rows.
 struct unique_of_row {
   const index_t* recv_offsets;
   const index_t* regroup_offsets;
   const index_t* recv_unique_offsets;
-  const std::int64_t* meta_recv;
+  const index_t* expert_offsets;
+  const std::int64_t* meta;  // the chunk's received metadata
   int c, R, L;
   std::int32_t* key;
   index_t* expert_row;
@@ -102,8 +103,8 @@ struct unique_of_row {
     const index_t row = first + i, b = block_of(recv_offsets, b0, static_cast<index_t>(R) * L, row);
     const int s = static_cast<int>((b / L) % R);
     key[i] = static_cast<std::int32_t>(recv_unique_offsets[c * R + s] - recv_unique_offsets[c * R] +
-                                       meta_index(meta_recv[row]));
-    expert_row[i] = regroup_offsets[b] + (row - recv_offsets[b]);
+                                       meta_index(meta[i]));
+    expert_row[i] = regroup_offsets[b] + (row - recv_offsets[b]) - expert_offsets[c * L];
   }
 };
 
@@ -201,16 +202,15 @@ struct fan_rows {
 /// the weight (the row the expert's backward takes; one expert row per received row).
 template <class T>
 struct dedup_weight_grad {
-  const index_t* expert_row;  // [n]: expert-buffer row of received row i
+  const index_t* expert_row;  // [n]: row of received row i among the unit's expert rows
   const std::int64_t* meta;   // [n]
-  index_t first;              // the unit's first expert-buffer row (saved row 0)
-  matrix_view<T> expert;
+  matrix_view<T> expert;      // the unit's expert rows
   matrix_view<const T> saved;
   float* g;  // [n]
   EPMOE_HD void operator()(index_t i) const {
     const index_t e = expert_row[i];
     T* dy = expert.row(e);
-    const T* out = saved.row(e - first);
+    const T* out = saved.row(e);
     float d = 0.f;
     for (index_t h = 0; h < expert.cols; ++h) d += to_float(dy[h]) * to_float(out[h]);
     g[i] = d;
@@ -250,8 +250,9 @@ class exchange {
   exchange(Comm& comm, const Space& space, const workspace_layout& w)
       : tr_(comm, space), w_(w), me_(comm.rank()) {
     const index_t R = w.ranks, L = w.local_experts, C = w.chunks, H = w.row_stride;
-    bounded_ = w.quota > 0;
-    slots_ = bounded_ ? w.units_in_flight : static_cast<int>(C);
+    bounded_ = w.quota > 0 && !w.token_rounds;
+    windows_ = w.token_rounds;
+    slots_ = w.quota > 0 ? w.units_in_flight : static_cast<int>(C);
     slot_rows_ = R * w.per_source;
     const index_t recv_rows = w.recv_buffer_rows;
     x_send_ = space.template allocate<value_type>(w.send_rows * H);
@@ -289,7 +290,7 @@ class exchange {
       x_relay_ = space.template allocate<value_type>(w.relay_rows * H);
       x_fan_ = space.template allocate<value_type>(w.fan_rows * H);
       mask_relay_ = space.template allocate<std::int64_t>(w.relay_rows);
-      fan_at_ = space.template allocate<index_t>(2 * (G_ * w.relay_rows + C));
+      fan_at_ = space.template allocate<index_t>(2 * (G_ * w.relay_rows + slots_));
     }
     units_.assign(static_cast<std::size_t>(S), unit_state{});
     if (bounded_) {
@@ -307,8 +308,8 @@ class exchange {
     gback_req_.resize(static_cast<std::size_t>(S));
     marks_.resize(static_cast<std::size_t>(4 * S));
     if constexpr (Dedup) {
-      meta_recv_ = space.template allocate<std::int64_t>(recv_rows);
-      const index_t n = recv_rows;
+      const index_t n = w.recv_assign_rows;
+      meta_recv_ = space.template allocate<std::int64_t>(n);
       sum_key_ = space.template allocate<std::int32_t>(3 * n);
       sum_first_ = space.template allocate<index_t>(2 * (n + 1) + n);
       sum_sort_ = space.template allocate<char>(Space::sort_scratch_bytes(n, n));
@@ -324,12 +325,14 @@ class exchange {
     return bounded_ ? static_cast<int>(first_unit_[p.chunks]) : p.chunks;
   }
   int chunk_of_unit(const dispatch_plan& p, int u) const {
+    if (windows_) return u / p.rounds;
     if (!bounded_) return u;
     return static_cast<int>(std::upper_bound(first_unit_, first_unit_ + p.chunks + 1, u) -
                             first_unit_) -
            1;
   }
   int round_of_unit(const dispatch_plan& p, int u) const {
+    if (windows_) return u % p.rounds;
     return bounded_ ? u - static_cast<int>(first_unit_[chunk_of_unit(p, u)]) : 0;
   }
 
@@ -342,17 +345,18 @@ class exchange {
   void set_backward(bool b) { backward_ = b; }
   float* weight_grad_recv() const { return g_recv_.data(); }
   float* weight_grad_send() const { return g_send_.data(); }
-  /// Dedup: the received assignment rows of chunk c (unbounded): the first's index in the
-  /// pass's receive order, their count, and per row its expert-buffer row and metadata.
+  /// Dedup: the received assignment rows of chunk c (not row-bounded): the first's index in
+  /// the receive-side arrays (weight_grad_recv()), their count, and per row its row among
+  /// the unit's expert rows and its metadata.
   struct received_rows {
     index_t first, n;
     const index_t* expert_row;
     const std::int64_t* meta;
   };
   received_rows received(const dispatch_plan& p, int c) const {
-    const index_t first = p.recv_offsets[p.block(c, 0, 0)];
-    return {first, p.recv_offsets[p.block(c + 1, 0, 0)] - first,
-            sum_first_.data() + 2 * (w_.recv_buffer_rows + 1) + first, meta_recv_.data() + first};
+    const index_t first = p.recv_offsets[p.block(c, 0, 0)], at = first + shift_of(p, c).assign;
+    return {at, p.recv_offsets[p.block(c + 1, 0, 0)] - first,
+            sum_first_.data() + 2 * (w_.recv_assign_rows + 1) + at, meta_recv_.data() + at};
   }
   std::int64_t* meta_recv() const { return meta_recv_.data(); }
 
@@ -376,10 +380,10 @@ class exchange {
     for (auto* reqs : {&dispatch_req_, &meta_req_, &combine_req_, &gback_req_, &mask_req_})
       for (auto& r : *reqs) r.reset();
     const mark t0 = x.clock.now();
-    x.space.for_each(
-        R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
-                                       Dedup ? x.dev.unique_counts : nullptr, R, L, C, w_.quota,
-                                       valid ? 1 : 0, msg_send_.data(), x.dev.node_counts, G_});
+    x.space.for_each(R, exchange_ops::count_message{
+                            x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
+                            Dedup ? x.dev.unique_counts : nullptr, R, L, C, bounded_ ? w_.quota : 0,
+                            valid ? 1 : 0, msg_send_.data(), x.dev.node_counts, G_});
     tr_.alltoall(msg_send_.data(), msg_recv_.device(), P);
     x.space.to_host(msg_recv_, 0, R * P);
     static_rows_ = static_rows;
@@ -415,7 +419,12 @@ class exchange {
   void start_dispatch(context& x, int u) {
     const int k = slot_of(u);
     marks_[4 * k] = x.clock.now();
-    if (bounded_) layout_unit(x, u);
+    if (bounded_) {
+      layout_unit(x, u);
+    } else if (windows_) {
+      claim_slot(k);
+      set_rank_counts(x.plan, u);
+    }
     rank_counts& n = counts_[k];
     if (hier_) {  // first level: node rows and their masks to the peers
       start_at(exchange_level::cross, dispatch_req_[k], x_send_.data(), n.a_send_n, n.a_send_d,
@@ -443,15 +452,12 @@ class exchange {
       const mark w1 = x.clock.now();
       x.clock.exchange(marks_[4 * k], marks_[4 * k + 1], w0, w1, modeled);
       unit_state& us = units_[k];
-      if (expert_owner_ >= 0)
-        throw std::logic_error(
-            "epmoe: the schedule waited two dispatches before the first one's combine_start; a "
-            "receive bound (max_recv_rows) keeps one round in the expert buffer at a time");
-      expert_owner_ = u;
+      take_expert_buffer(u);
       x.space.copy_blocks(slot_view(k), expert_view(), B, us.dev + recv_at(), us.dev + regroup_at(),
                           us.dev);
       rows = us.host[expert_at() + p.local_experts];
     } else {
+      if (windows_) take_expert_buffer(u);
       if constexpr (Dedup) modeled += tr_.wait(meta_req_[k]);
       if (hier_) modeled += fan_out(x, u);
       const mark w1 = x.clock.now();
@@ -484,8 +490,7 @@ class exchange {
       return {x_expert_.data(),     w_.hidden, w_.row_stride, L, us.host + expert_at(),
               us.dev + expert_at(), w_.align};
     }
-    const index_t first = p.expert_offsets[u * L];
-    return {x_expert_.data() + first * w_.row_stride,
+    return {x_expert_.data() + expert_first(p, u) * w_.row_stride,
             w_.hidden,
             w_.row_stride,
             L,
@@ -506,6 +511,7 @@ class exchange {
       expert_owner_ = -1;
     } else if constexpr (Dedup) {
       weighted_unique_sums(x, u);
+      expert_owner_ = -1;
     } else {
       // Back the same way: this rank's own rows straight into its send buffer.
       const int b = u * R * L, m = b + me_ * L;
@@ -585,7 +591,55 @@ class exchange {
   index_t regroup_at() const { return 2 * recv_at(); }
   index_t expert_at() const { return 3 * recv_at(); }
 
-  int slot_of(int u) const { return bounded_ ? u % slots_ : u; }
+  int slot_of(int u) const { return bounded_ || windows_ ? u % slots_ : u; }
+
+  // A bounded unit's receive slot; a schedule that keeps more units in flight than it
+  // declared would overwrite one still in use.
+  void claim_slot(int k) {
+    unit_state& us = units_[k];
+    if (us.busy)
+      throw std::logic_error("epmoe: the schedule keeps more than " + std::to_string(slots_) +
+                             " exchange rounds in flight; a receive bound (max_recv_rows) "
+                             "sizes that many receive slots");
+    us.busy = true;
+  }
+  // Bounded: the expert buffer holds one unit's rows at a time.
+  void take_expert_buffer(int u) {
+    if (expert_owner_ >= 0)
+      throw std::logic_error(
+          "epmoe: the schedule waited two dispatches before the first one's combine_start; a "
+          "receive bound (max_recv_rows) keeps one round in the expert buffer at a time");
+    expert_owner_ = u;
+  }
+
+  // Where unit c's receive-side rows sit: the plan's pass-wide offsets plus these shifts.
+  // Without a bound every shift is 0; with token rounds unit c takes slot c % S of every
+  // receive-side buffer (unique rows, assignment arrays, relay and fan rows).
+  struct shifts {
+    index_t unique = 0, assign = 0, relay = 0, fan = 0;
+  };
+  shifts shift_of(const dispatch_plan& p, int c) const {
+    if (!windows_) return {};
+    const index_t k = slot_of(c);
+    const int R = w_.ranks;
+    shifts s;
+    s.unique = k * R * w_.per_source - p.recv_unique_offsets[c * R];
+    s.assign = k * w_.slot_assign - p.recv_offsets[p.block(c, 0, 0)];
+    if (hier_) {
+      s.relay = k * w_.slot_relay - relay_offsets_[c * N_];
+      s.fan = k * w_.slot_fan - fan_first_[c];
+    }
+    return s;
+  }
+  // Unit c's first row in the expert buffer (token rounds: one unit at a time, from row 0).
+  index_t expert_first(const dispatch_plan& p, int c) const {
+    return windows_ ? 0 : p.expert_offsets[c * p.local_experts];
+  }
+  matrix_view<value_type> unit_expert_view(const dispatch_plan& p, int c) const {
+    const int L = p.local_experts;
+    return {x_expert_.data() + expert_first(p, c) * w_.row_stride,
+            p.expert_offsets[(c + 1) * L] - p.expert_offsets[c * L], w_.hidden, w_.row_stride};
+  }
 
   [[noreturn]] void overflow(index_t rows) const {
     throw comm_error("epmoe: rank " + std::to_string(me_) + " would receive " +
@@ -598,23 +652,24 @@ class exchange {
   // node's ranks (rows in the fan buffer from a scan of the masks), the second level, and
   // its wait. Returns the link model's time.
   double fan_out(context& x, int c) {
-    rank_counts& n = counts_[c];
-    double modeled = tr_.wait(mask_req_[c]);
-    const fan_view f = fan_of(c);
+    const int k = slot_of(c);
+    rank_counts& n = counts_[k];
+    double modeled = tr_.wait(mask_req_[k]);
+    const fan_view f = fan_of(x.plan, c);
     x.space.for_each(G_ * f.n, exchange_ops::mask_bits{f.mask, f.n, f.flags});
     x.space.exclusive_scan(f.flags, f.at, G_ * f.n);
     x.space.for_each_row(f.n, w_.hidden,
                          exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G_, f.relay, f.fan});
-    start_at(exchange_level::node, dispatch_req_[c], x_fan_.data(), n.b_send_n, n.b_send_d,
+    start_at(exchange_level::node, dispatch_req_[k], x_fan_.data(), n.b_send_n, n.b_send_d,
              x_recv_.data(), n.b_recv_n, n.b_recv_d);
-    return modeled + tr_.wait(dispatch_req_[c]);
+    return modeled + tr_.wait(dispatch_req_[k]);
   }
 
   // Hierarchical, chunk c after the node's ranks sent their sums back: each relay row = the
   // sum of its copies, then the first level in reverse, home.
   double fan_in(context& x, int c) {
-    rank_counts& n = counts_[c];
-    const fan_view f = fan_of(c);
+    rank_counts& n = counts_[slot_of(c)];
+    const fan_view f = fan_of(x.plan, c);
     x.space.for_each_row(
         f.n, w_.hidden,
         exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G_, f.relay, f.fan, true});
@@ -642,17 +697,21 @@ class exchange {
     index_t* at;               // [G][n] (+1): each copy's row in `fan`
     matrix_view<value_type> relay, fan;
   };
-  fan_view fan_of(int c) const {
-    const index_t r0 = relay_offsets_[c * N_], n = relay_offsets_[(c + 1) * N_] - r0;
-    const index_t H = w_.row_stride, half = G_ * w_.relay_rows + w_.chunks;
-    index_t* flags = fan_at_.data() + G_ * r0 + c;
-    const index_t f0 = fan_first_[c];
+  fan_view fan_of(const dispatch_plan& p, int c) const {
+    const shifts sh = shift_of(p, c);
+    const index_t n = relay_offsets_[(c + 1) * N_] - relay_offsets_[c * N_];
+    const index_t r0 = relay_offsets_[c * N_] + sh.relay;
+    const index_t H = w_.row_stride, half = G_ * w_.relay_rows + slots_;
+    // [G][n] flags then their scan (+1) per unit: after the earlier units', or in its slot.
+    index_t* flags = fan_at_.data() + (windows_ ? slot_of(c) * (G_ * w_.slot_relay + 1)
+                                                : G_ * relay_offsets_[c * N_] + c);
+    const index_t f0 = fan_first_[c] + sh.fan;
     return {n,
             mask_relay_.data() + r0,
             flags,
             flags + half,
             {x_relay_.data() + r0 * H, n, w_.hidden, H},
-            {x_fan_.data() + f0 * H, fan_first_[c + 1] - f0, w_.hidden, H}};
+            {x_fan_.data() + f0 * H, fan_first_[c + 1] - fan_first_[c], w_.hidden, H}};
   }
 
   // Bytes of rows that crossed to or from other ranks in unit k's exchanges (both levels).
@@ -754,7 +813,7 @@ class exchange {
         fan_first_[c + 1] = fan_first_[c];
         for (int g = 0; g < G_; ++g) fan_first_[c + 1] += fan_counts_[c * G_ + g];
       }
-      if (relay_offsets_[C * N_] > w_.relay_rows || fan_first_[C] > w_.fan_rows)
+      if (!windows_ && (relay_offsets_[C * N_] > w_.relay_rows || fan_first_[C] > w_.fan_rows))
         overflow(relay_offsets_[C * N_]);
     }
     if (bounded_) {
@@ -772,6 +831,20 @@ class exchange {
       }
       x.stats.rounds = static_cast<int>(most);
       x.stats.peak_recv_rows = 0;
+    } else if (windows_) {
+      // Every unit's rows must fit its slot (a peer that passed more tokens would not).
+      index_t most = 0;
+      for (int c = 0; c < C; ++c) {
+        const index_t U = p.recv_unique_offsets[(c + 1) * R] - p.recv_unique_offsets[c * R];
+        const index_t n = p.recv_offsets[p.block(c + 1, 0, 0)] - p.recv_offsets[p.block(c, 0, 0)];
+        const bool relay_fits =
+            !hier_ || (relay_offsets_[(c + 1) * N_] - relay_offsets_[c * N_] <= w_.slot_relay &&
+                       fan_first_[c + 1] - fan_first_[c] <= w_.slot_fan);
+        if (U > R * w_.per_source || n > w_.slot_assign || !relay_fits) overflow(U);
+        most = std::max(most, U);
+      }
+      x.stats.rounds = p.rounds;
+      x.stats.peak_recv_rows = most;
     } else {
       if (p.recv_rows() > w_.recv_buffer_rows) overflow(p.recv_rows());
       for (int c = 0; c < C; ++c) set_rank_counts(p, c);
@@ -790,12 +863,8 @@ class exchange {
     const int R = w_.ranks, L = p.local_experts, k = slot_of(u);
     const int c = chunk_of_unit(p, u), i = round_of_unit(p, u);
     const index_t H = w_.row_stride, lo = i * w_.quota, hi = lo + w_.quota;
+    claim_slot(k);
     unit_state& us = units_[k];
-    if (us.busy)
-      throw std::logic_error("epmoe: the schedule keeps more than " + std::to_string(slots_) +
-                             " exchange rounds in flight; a receive bound (max_recv_rows) "
-                             "sizes that many receive slots");
-    us.busy = true;
     rank_counts& n = counts_[k];
     index_t* count = us.host;
     index_t* recv = us.host + recv_at();
@@ -840,13 +909,15 @@ class exchange {
   void set_rank_counts(const dispatch_plan& p, int c) {
     const int R = w_.ranks;
     const index_t H = w_.row_stride;  // elements per row moved (the padding rides along)
-    rank_counts& n = counts_[c];
+    const shifts sh = shift_of(p, c);
+    rank_counts& n = counts_[slot_of(c)];
     for (int r = 0; r < R; ++r) {
       const int b = p.block(c, r, 0);
       const index_t rows_to = Dedup ? p.unique_counts[c * R + r] : p.send_rows_to(c, r);
       const index_t rows_at = Dedup ? p.unique_offsets[c * R + r] : p.send_offsets[b];
       const index_t rows_from = Dedup ? p.recv_unique_counts[c * R + r] : p.recv_rows_from(c, r);
-      const index_t rows_in = Dedup ? p.recv_unique_offsets[c * R + r] : p.recv_offsets[b];
+      const index_t rows_in =
+          Dedup ? p.recv_unique_offsets[c * R + r] + sh.unique : p.recv_offsets[b];
       n.send_n[r] = rows_to * H;
       n.send_d[r] = rows_at * H;
       n.recv_n[r] = rows_from * H;
@@ -854,23 +925,23 @@ class exchange {
       n.meta_send_n[r] = p.send_rows_to(c, r);
       n.meta_send_d[r] = p.send_offsets[b];
       n.meta_recv_n[r] = p.recv_rows_from(c, r);
-      n.meta_recv_d[r] = p.recv_offsets[b];
+      n.meta_recv_d[r] = p.recv_offsets[b] + sh.assign;
     }
     // Rows to itself skip the exchange (issue 22: one copy less each way; wait_dispatch and
     // start_combine move them between the send and expert buffers). Dedup's unique rows
     // still go through the receive buffer, where its expansion reads them.
     if constexpr (!Dedup) n.send_n[me_] = n.recv_n[me_] = 0;
-    if (hier_) hier_rank_counts(p, c);
+    if (hier_) hier_rank_counts(p, c, sh);
   }
 
   // Hierarchical, chunk c: the rows go in two exchanges instead of one (the metadata still
   // goes straight to the expert ranks). (a) node rows to this rank's peer on each node (same
   // local index), from the peers into the relay buffer; (m) their masks alike; (b) the relay
   // rows' copies to the node's ranks, from the node's ranks into the receive buffer.
-  void hier_rank_counts(const dispatch_plan& p, int c) {
+  void hier_rank_counts(const dispatch_plan& p, int c, const shifts& sh) {
     const int R = w_.ranks, G = G_, N = N_, mine = me_ / G, local = me_ % G;
     const index_t H = w_.row_stride;
-    rank_counts& n = counts_[c];
+    rank_counts& n = counts_[slot_of(c)];
     for (int r = 0; r < R; ++r) {
       n.send_n[r] = n.recv_n[r] = n.send_d[r] = n.recv_d[r] = 0;
       n.a_send_n[r] = n.a_send_d[r] = n.a_recv_n[r] = n.a_recv_d[r] = 0;
@@ -881,9 +952,9 @@ class exchange {
       n.a_send_n[r] = p.node_counts[c * N + m];
       n.a_send_d[r] = p.node_offsets[c * N + m];
       n.a_recv_n[r] = relay_offsets_[c * N + m + 1] - relay_offsets_[c * N + m];
-      n.a_recv_d[r] = relay_offsets_[c * N + m];
+      n.a_recv_d[r] = relay_offsets_[c * N + m] + sh.relay;
     }
-    index_t at = fan_first_[c];
+    index_t at = fan_first_[c] + sh.fan;
     for (int g = 0; g < G; ++g) {  // rank g of this node
       const int r = mine * G + g;
       n.b_send_n[r] = fan_counts_[c * G + g] * H;
@@ -892,7 +963,7 @@ class exchange {
       index_t rows = 0;
       for (int m = 0; m < N; ++m) rows += p.recv_unique_counts[c * R + m * G + g];
       n.b_recv_n[r] = rows * H;
-      n.b_recv_d[r] = p.recv_unique_offsets[c * R + g] * H;
+      n.b_recv_d[r] = (p.recv_unique_offsets[c * R + g] + sh.unique) * H;
     }
     for (int r = 0; r < R; ++r) {  // masks: one element per row
       n.m_send_n[r] = n.a_send_n[r];
@@ -958,7 +1029,7 @@ class exchange {
   // Rows and bytes over each link class (ranks of one node: w_.node_size). Flat: the rows to
   // each other rank; hierarchical: the first level's node rows and the second level's fan
   // rows. The metadata (dedup) goes straight to the expert ranks either way.
-  void level_stats(context& x, index_t row_bytes, index_t meta_bytes) const {
+  void level_stats(context& x, index_t row_bytes, index_t meta_bytes) {
     const dispatch_plan& p = x.plan;
     pass_stats& st = x.stats;
     const int R = w_.ranks, C = p.chunks, G = w_.node_size > 0 ? w_.node_size : R;
@@ -978,7 +1049,8 @@ class exchange {
     }
     if (hier_)
       for (int c = 0; c < C; ++c) {
-        const rank_counts& n = counts_[c];
+        if (windows_) set_rank_counts(p, c);  // (in its slot: no unit is in flight yet)
+        const rank_counts& n = counts_[slot_of(c)];
         for (int r = 0; r < R; ++r) {
           if (r == me_) continue;
           link_traffic& l = level(r);  // (a) only reaches other nodes, (b) only this one
@@ -999,16 +1071,19 @@ class exchange {
     const int R = w_.ranks, L = p.local_experts;
     const index_t first = p.recv_offsets[p.block(c, 0, 0)];
     const index_t n = p.recv_offsets[p.block(c + 1, 0, 0)] - first;
-    // Indexed by the pass's receive row, so a schedule may expand chunk c + 1 first.
-    std::int32_t* key = sum_key_.data() + first;
-    index_t* expert_row = sum_first_.data() + 2 * (w_.recv_buffer_rows + 1) + first;
-    x.space.for_each(n, exchange_ops::unique_of_row{x.dev.recv_offsets, x.dev.regroup_offsets,
-                                                    x.dev.recv_unique_offsets, meta_recv_.data(), c,
-                                                    R, L, key, expert_row});
+    // Indexed by the receive row (in the unit's slot when bounded), so a schedule may expand
+    // chunk c + 1 before chunk c's sums.
+    const index_t at = first + shift_of(p, c).assign;
+    std::int32_t* key = sum_key_.data() + at;
+    index_t* expert_row = sum_first_.data() + 2 * (w_.recv_assign_rows + 1) + at;
+    x.space.for_each(n,
+                     exchange_ops::unique_of_row{x.dev.recv_offsets, x.dev.regroup_offsets,
+                                                 x.dev.recv_unique_offsets, x.dev.expert_offsets,
+                                                 meta_recv_.data() + at, c, R, L, key, expert_row});
     const matrix_view<const value_type> unique = chunk_unique_view(p, c);
     x.space.for_each_row(
         n, w_.hidden,
-        exchange_ops::expand_unique<value_type>{key, expert_row, unique, expert_view()});
+        exchange_ops::expand_unique<value_type>{key, expert_row, unique, unit_expert_view(p, c)});
   }
 
   // Dedup: the expert rank sums each token's weighted outputs, one row per (token, rank).
@@ -1018,27 +1093,28 @@ class exchange {
     const index_t first = p.recv_offsets[p.block(c, 0, 0)];
     const index_t n = p.recv_offsets[p.block(c + 1, 0, 0)] - first;
     const index_t U = p.recv_unique_offsets[(c + 1) * R] - p.recv_unique_offsets[c * R];
-    const index_t cap = w_.recv_buffer_rows;
-    const std::int32_t* key = sum_key_.data() + first;  // from expand_unique_rows
+    const index_t cap = w_.recv_assign_rows, at = first + shift_of(p, c).assign;
+    const std::int32_t* key = sum_key_.data() + at;  // from expand_unique_rows
     std::int32_t* sorted = sum_key_.data() + cap;
     std::int32_t* order = sorted + cap;
     index_t* rows = sum_first_.data();
     index_t* firsts = rows + cap + 1;
-    const index_t* expert_row = firsts + cap + 1 + first;
+    const index_t* expert_row = firsts + cap + 1 + at;
     x.space.count(key, n, U, rows);
     x.space.exclusive_scan(rows, firsts, U);
     x.space.sort_by_key(key, n, U, sorted, order, sum_sort_.data());
-    x.space.for_each_row(U, w_.hidden,
-                         exchange_ops::weighted_unique_sum<value_type>{
-                             order, firsts, expert_row, meta_recv_.data() + first,
-                             const_view(expert_view()), chunk_unique_view(p, c), backward_});
+    x.space.for_each_row(
+        U, w_.hidden,
+        exchange_ops::weighted_unique_sum<value_type>{
+            order, firsts, expert_row, meta_recv_.data() + at, const_view(unit_expert_view(p, c)),
+            chunk_unique_view(p, c), backward_});
   }
 
   matrix_view<value_type> chunk_unique_view(const dispatch_plan& p, int c) const {
     const int R = w_.ranks;
     const index_t u0 = p.recv_unique_offsets[c * R];
-    return {x_recv_.data() + u0 * w_.row_stride, p.recv_unique_offsets[(c + 1) * R] - u0, w_.hidden,
-            w_.row_stride};
+    return {x_recv_.data() + (u0 + shift_of(p, c).unique) * w_.row_stride,
+            p.recv_unique_offsets[(c + 1) * R] - u0, w_.hidden, w_.row_stride};
   }
   matrix_view<value_type> recv_view(const dispatch_plan& p) const {
     return {x_recv_.data(), p.recv_rows(), w_.hidden, w_.row_stride};
@@ -1066,7 +1142,8 @@ class exchange {
   transport_type tr_{};
   workspace_layout w_{};
   int me_ = 0;
-  bool bounded_ = false;
+  bool bounded_ = false;  // rounds split each pair's rows (no dedup)
+  bool windows_ = false;  // rounds are windows of tokens (dedup): workspace token_rounds
   index_t slot_rows_ = 0;
   int slots_ = 1;
   int expert_owner_ = -1;    // bounded: the unit whose rows are in the expert buffer

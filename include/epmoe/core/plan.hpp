@@ -38,6 +38,8 @@ struct dispatch_plan {
   int local_experts = 0;  // L: physical expert slots per rank
   int top_k = 0;          // K: routing slots per token (E for expert choice)
   int chunks = 1;         // C
+  int rounds = 1;         // chunks per schedule chunk (a receive bound with dedup cuts each
+                          //   in windows of tokens: the exchange's rounds)
   index_t tokens = 0;     // T of this pass
 
   std::int32_t* slot = nullptr;        // [T*K]: send row of assignment (t,k); -1 if dropped

@@ -30,17 +30,27 @@ struct workspace_layout {
   index_t send_rows = 0;         // the send buffer: every row of a pass
   index_t from_one_rank = 0;     // most rows one source sends this rank in a pass
   index_t recv_rows = 0;         // unbounded: the receive buffer of a whole pass
+  index_t recv_assign_rows = 0;  // receive-side per-assignment arrays (dedup: metadata, sums)
   int units_in_flight = 1;       // exchange units a schedule keeps in flight
   index_t quota = 0;             // bounded: rows per (source, destination) pair per round
   index_t per_source = 0;        // bounded: rows one source puts in a receive slot
   index_t recv_buffer_rows = 0;  // the receive buffer (bounded: units in flight slots)
   index_t expert_rows = 0;       // most rows the experts compute in one unit
   index_t max_rounds = 1;        // bounded: most rounds one chunk can need
-  int node_size = 0;             // ranks per node, for stats (0: all ranks one node)
-  int ranks_per_node = 0;        // G of the hierarchical exchange (0: flat)
-  index_t node_rows = 0;         // hierarchical: the node rows one pass sends
-  index_t relay_rows = 0;        //   node rows a rank relays for its N peers (N * T)
-  index_t fan_rows = 0;          //   their copies to the node's ranks (each reaches <= min(K, G))
+  index_t max_units = 1;         // most exchange units of a pass
+  // Bounded with dedup, rounds are windows of tokens: each source sends at most one unique
+  // row per (token, rank) and one node row per (token, node), so `quota` tokens per round
+  // bound every buffer of a unit; the plan then cuts a pass in `chunks` windows and each
+  // unit's rows sit in slot (unit % units_in_flight) of every receive-side buffer.
+  bool token_rounds = false;
+  index_t slot_assign = 0;  // token rounds: assignment rows of one slot (R * quota * min(K, L))
+  index_t slot_relay = 0;   //   relay rows of one slot (N * quota), and their copies
+  index_t slot_fan = 0;
+  int node_size = 0;       // ranks per node, for stats (0: all ranks one node)
+  int ranks_per_node = 0;  // G of the hierarchical exchange (0: flat)
+  index_t node_rows = 0;   // hierarchical: the node rows one pass sends
+  index_t relay_rows = 0;  //   node rows a rank relays for its N peers (N * T)
+  index_t fan_rows = 0;    //   their copies to the node's ranks (each reaches <= min(K, G))
 
   /// `limit(T)` is the capacity policy's rows per slot for T tokens; `router_cap` the router's
   /// own bound on a slot's rows (expert choice), or 0.
@@ -49,7 +59,8 @@ struct workspace_layout {
   template <class Limit>
   static workspace_layout of(const layer_config& cfg, int width, int local_experts, int chunks,
                              int units_in_flight, bool pads, Limit&& limit, index_t router_cap,
-                             index_t elem_bytes, int node_size = 0, bool hierarchical = false) {
+                             index_t elem_bytes, int node_size = 0, bool hierarchical = false,
+                             bool dedup = false) {
     workspace_layout w;
     const index_t T = cfg.max_tokens, K = width, R = cfg.ranks, L = local_experts;
     w.tokens = T, w.width = width, w.experts = cfg.experts, w.ranks = cfg.ranks;
@@ -68,23 +79,45 @@ struct workspace_layout {
     w.recv_rows = R * w.from_one_rank;
     w.units_in_flight = units_in_flight;
     const index_t M = cfg.max_recv_rows;
-    if (M > 0) {
+    const index_t G = node_size > 0 ? node_size : R, N = R / G;
+    w.recv_assign_rows = w.recv_rows;
+    w.max_units = chunks;
+    if (M > 0 && (dedup || hierarchical)) {
+      // A window of q tokens of every source per unit: the plan's chunks are C windows of
+      // ceil(T/C) tokens cut in ceil(ceil(T/C)/q) (<= ceil(T/q) + C - 1 in all for C <= chunks).
+      const index_t q = std::max<index_t>(1, M / (R * units_in_flight)), S = units_in_flight;
+      w.token_rounds = true;
+      w.quota = q;
+      w.per_source = std::min(q, T);
+      w.chunks = static_cast<int>((T + q - 1) / q + chunks - 1);
+      w.blocks = w.chunks * R * L;
+      w.max_units = w.chunks;
+      w.max_rounds = (T + q - 1) / q;
+      w.slot_assign = R * w.per_source * std::min(K, L);
+      w.recv_buffer_rows = S * R * w.per_source;
+      w.recv_assign_rows = S * w.slot_assign;
+      w.expert_rows = w.slot_assign;
+      if (hierarchical) {
+        w.slot_relay = N * w.per_source;
+        w.slot_fan = w.slot_relay * std::min(K, G);
+      }
+    } else if (M > 0) {
       w.quota = std::max<index_t>(1, M / (R * units_in_flight));
       w.per_source = std::min(w.quota, w.from_one_rank);
       w.recv_buffer_rows = units_in_flight * R * w.per_source;
       w.expert_rows = R * w.per_source;
       w.max_rounds = (w.from_one_rank + w.quota - 1) / w.quota;
+      w.max_units = chunks * static_cast<int>(w.max_rounds);
     } else {
       w.recv_buffer_rows = w.recv_rows;
       w.expert_rows = w.recv_rows;
     }
     w.node_size = node_size;
     if (hierarchical) {
-      const index_t G = node_size > 0 ? node_size : R, N = R / G;
       w.ranks_per_node = static_cast<int>(G);
       w.node_rows = std::min(T * std::min(K, N), w.send_rows);
-      w.relay_rows = N * T;
-      w.fan_rows = w.relay_rows * std::min(K, G);
+      w.relay_rows = w.token_rounds ? units_in_flight * w.slot_relay : N * T;
+      w.fan_rows = w.token_rounds ? units_in_flight * w.slot_fan : w.relay_rows * std::min(K, G);
     }
     return w;
   }

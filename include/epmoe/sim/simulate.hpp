@@ -375,7 +375,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                          "must be in [1, 1024]");
   epmoe::detail::require(opt.threads >= 0, "threads", opt.threads,
                          "must be >= 0 (0: the hardware's)");
-  const int R = cfg.ranks, K = cfg.top_k, E = cfg.experts, C = opt.chunks;
+  const int R = cfg.ranks, K = cfg.top_k, E = cfg.experts, Cs = opt.chunks;
   const int L = where.slots_per_rank(), P = R * L;
   const int G = hierarchical ? topo.ranks_per_node : 0;  // the planner's nodes: rank / G
   if constexpr (hierarchical) {
@@ -390,26 +390,28 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   }
   // The receive bound, as the layer splits it: every (source, destination) pair moves at most
   // `quota` rows per round; the schedule keeps 1 (sequential) or 3 (pipelined) rounds in flight.
+  // With dedup a round is a window of `quota` tokens of every rank: the plan's chunks.
   const index_t bound = cfg.max_recv_rows;
-  const int live = C > 1 ? 3 : 1;
+  const int live = Cs > 1 ? 3 : 1;
   if (bound > 0) {
     epmoe::detail::require(!capacity_type::pads, "max_recv_rows", bound,
                            "does not combine with padded capacity (as in the layer): use "
                            "capacity::factor<false> or capacity::dropless");
-    epmoe::detail::require(!dedup, "max_recv_rows", bound,
-                           "does not combine with per-rank dedup or the hierarchical exchange "
-                           "(as in the layer)");
     epmoe::detail::require(bound >= index_t{R} * live, "max_recv_rows", bound,
                            live == 1 ? "must be >= ranks"
                                      : "must be >= 3 * ranks (a pipelined schedule keeps 3 "
                                        "rounds in flight)");
   }
   const index_t quota = bound > 0 ? std::max<index_t>(1, bound / (index_t{R} * live)) : 0;
+  const index_t per_chunk = (cfg.max_tokens + Cs - 1) / Cs;
+  const int windows = dedup && quota > 0 ? static_cast<int>((per_chunk + quota - 1) / quota) : 1;
+  const int C = Cs * windows;                            // the plan's chunks
+  const index_t row_quota = dedup ? index_t{0} : quota;  // rounds that split a pair's rows
   const double row_bytes = double(cfg.hidden) * topo.activation_bytes;
   const double meta_bytes = dedup ? double(sizeof(std::int64_t)) : 0.0;
 
   result out;
-  out.ranks = R, out.chunks = C, out.slots_per_rank = L, out.hierarchical = hierarchical;
+  out.ranks = R, out.chunks = Cs, out.slots_per_rank = L, out.hierarchical = hierarchical;
   out.per_rank.resize(static_cast<std::size_t>(R));
   if (opt.keep_peer_counts) {
     out.rows_sent.assign(static_cast<std::size_t>(R) * R, 0);
@@ -470,7 +472,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
             continue;
           }
           me.send_rows += rows;
-          if (quota > 0) {  // the pair's rows in rounds of `quota`, spanning s's slots in order
+          if (row_quota > 0) {  // the pair's rows in rounds of `quota`, spanning s's slots
             const index_t n = assigned;
             const index_t pair_rounds = std::max<index_t>(1, (n + quota - 1) / quota);
             const int l = s == r ? -1 : static_cast<int>(topo.between(r, s));
@@ -576,7 +578,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   // are the most any pair needs: the layer's ranks agree on them in the counts exchange).
   std::vector<detail::rank_chunk_counts> unit_counts;  // [R * U]
   std::vector<index_t> unit_slot_rows;                 // [U * P], padding in
-  if (quota > 0) {
+  if (row_quota > 0) {
     for (int c = 0; c < C; ++c) {
       if (all.rounds.empty() || all.rounds[c].empty()) all.round(c, 0, R, P);
       for (std::size_t i = 0; i < all.rounds[c].size(); ++i) {
@@ -594,7 +596,9 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
       unit_slot_rows.insert(unit_slot_rows.end(), acc.slot_rows.begin(), acc.slot_rows.end());
     }
   } else {
-    for (int c = 0; c < C; ++c) out.unit_chunk.push_back(c), out.unit_round.push_back(0);
+    for (int c = 0; c < C; ++c)  // (dedup with a bound: a chunk's windows)
+      out.unit_chunk.push_back(c / windows), out.unit_round.push_back(c % windows);
+    out.rounds = windows;
     unit_counts = std::move(all.counts);
     unit_slot_rows = std::move(all.slot_chunk_rows);
   }
@@ -611,7 +615,7 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   for (auto* v : {&out.stages.dispatch, &out.stages.experts, &out.stages.combine, &mean.dispatch,
                   &mean.experts, &mean.combine})
     v->assign(static_cast<std::size_t>(U), 0.0);
-  out.stages.sequential_units = mean.sequential_units = C == 1;
+  out.stages.sequential_units = mean.sequential_units = Cs == 1;
   // The counts all-to-all: per chunk, L padded counts, L real counts and a unique count, as
   // index_t, to every rank (hierarchical: and the node rows and the unique rows to each rank of
   // the peer's node).
