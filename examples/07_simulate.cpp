@@ -348,8 +348,9 @@ void print(const sim::result& r, int show) {
     index_t peak = 0;
     for (const auto& m : r.per_rank) peak = std::max(peak, m.peak_recv_rows);
     std::printf(
-        "receive bound: %lld rows per pair per round, %d rounds in the busiest chunk, %d "
-        "exchange units; peak %lld rows received in one round\n",
+        "receive bound: %lld rows per pair per round (with dedup: tokens of every rank per "
+        "window), %d rounds in the busiest chunk, %d exchange units; peak %lld rows received in "
+        "one round\n",
         static_cast<long long>(r.quota), r.rounds, r.units, static_cast<long long>(peak));
   }
   std::printf("layer latency: %.1f us (%.1f us if every rank did the mean rank's work)\n",
