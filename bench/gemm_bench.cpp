@@ -14,10 +14,10 @@
 #include <cstdlib>
 #include <fstream>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "../examples/args.hpp"
 #include <epmoe/space/host.hpp>
 #include <epmoe/space/host_packed.hpp>
 
@@ -32,13 +32,6 @@ std::string cpu_model() {
   for (std::string line; std::getline(in, line);)
     if (line.rfind("model name", 0) == 0) return line.substr(line.find(':') + 2);
   return "unknown CPU";
-}
-
-std::vector<index_t> parse_list(const std::string& s) {
-  std::vector<index_t> out;
-  std::stringstream ss(s);
-  for (std::string item; std::getline(ss, item, ',');) out.push_back(std::stoll(item));
-  return out;
 }
 
 struct timer {
@@ -68,23 +61,28 @@ int main(int argc, char** argv) {
   std::string shape = "all";
   std::vector<index_t> rows = {1, 4, 8, 16, 32, 64, 128, 256, 512};
   int reps = 7;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--shape" && i + 1 < argc)
-      shape = argv[++i];
-    else if (a == "--rows" && i + 1 < argc)
-      rows = parse_list(argv[++i]);
-    else if (a == "--reps" && i + 1 < argc)
-      reps = std::atoi(argv[++i]);
-    else if (a == "--smoke")
+  cli::command_line cl(argc, argv,
+                       "usage: epmoe_bench_gemm [--shape mixtral|deepseek|all] [--rows 1,4,..] "
+                       "[--reps N] [--smoke]\n"
+                       "  One expert projection at every row count: BLAS sgemm, the streaming\n"
+                       "  kernel and the packed kernels, GFLOP/s on one thread.\n");
+  while (cl.next()) {
+    if (cl.is("--shape")) {
+      shape = cl.value();
+    } else if (cl.is("--rows")) {
+      const std::vector<long long> r = cl.integers();
+      rows.assign(r.begin(), r.end());
+    } else if (cl.is("--reps")) {
+      reps = static_cast<int>(cl.integer());
+    } else if (cl.is("--smoke")) {
       rows = {1, 17}, reps = 1, shape = "tiny";
-    else {
-      std::fprintf(stderr,
-                   "usage: epmoe_bench_gemm [--shape mixtral|deepseek|all] [--rows 1,4,..] [--reps "
-                   "N] [--smoke]\n");
-      return 2;
+    } else {
+      cl.unknown();
     }
   }
+  if (shape != "mixtral" && shape != "deepseek" && shape != "all" && shape != "tiny")
+    cl.fail("unknown shape " + shape + " (mixtral, deepseek or all)");
+  if (reps < 1) cl.fail("--reps must be at least 1");
   struct projection {
     const char* name;
     index_t n, k;

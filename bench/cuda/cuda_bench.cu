@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "../../examples/args.hpp"
 #include <epmoe/capacity/dropless.hpp>
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/moe_layer.hpp>
@@ -493,33 +494,31 @@ std::string to_json(const options& o, const cudaDeviceProp& prop,
 
 options parse(int argc, char** argv) {
   options o;
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    const auto value = [&]() -> std::string {
-      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
-      return argv[++i];
-    };
-    if (a == "--smoke") {
+  cli::command_line cl(
+      argc, argv,
+      "usage: epmoe_cuda_bench [--smoke] [--reps N] [--tokens 16,512,8192] [--json FILE]\n"
+      "  The CUDA layer's grouped GEMM and row kernels against their ceilings, and the layer\n"
+      "  at Mixtral-8x7B widths (bf16). Without a usable GPU: says why, exits 77.\n");
+  while (cl.next()) {
+    if (cl.is("--smoke")) {
       o.smoke = true;
       o.reps = 3;
       o.warmup = 1;
       o.tokens = {16, 64};
       o.hidden = 256;
       o.ffn = 512;
-    } else if (a == "--reps") {
-      o.reps = std::max(1, std::stoi(value()));
-    } else if (a == "--tokens") {
-      o.tokens.clear();
-      std::stringstream ss(value());
-      for (std::string t; std::getline(ss, t, ',');) o.tokens.push_back(std::stoll(t));
-    } else if (a == "--json") {
-      o.json = value();
+    } else if (cl.is("--reps")) {
+      o.reps = std::max(1, static_cast<int>(cl.integer()));
+    } else if (cl.is("--tokens")) {
+      const std::vector<long long> t = cl.integers();
+      o.tokens.assign(t.begin(), t.end());
+    } else if (cl.is("--json")) {
+      o.json = cl.value();
     } else {
-      throw std::invalid_argument("unknown option " + a +
-                                  " (use --smoke, --reps N, --tokens a,b,c, --json FILE)");
+      cl.unknown();
     }
   }
-  if (o.tokens.empty()) throw std::invalid_argument("--tokens: give at least one count");
+  if (o.tokens.empty()) cl.fail("--tokens: give at least one count");
   return o;
 }
 

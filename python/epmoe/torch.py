@@ -9,15 +9,22 @@ group's all-to-all) or, in one process, `ranks` threads.
 """
 from __future__ import annotations
 
+import datetime
+import inspect
 import math
 from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from . import _epmoe
 
-__all__ = ["MoE", "RouterLosses", "menu"]
+__all__ = ["MoE", "RouterLosses", "menu", "CommError", "CommTimeout", "CommAborted"]
+
+# A failed exchange (RuntimeErrors): CommTimeout past exchange_timeout, CommAborted when a
+# peer failed (or this module failed earlier: it refuses every later call).
+CommError, CommTimeout, CommAborted = _epmoe.CommError, _epmoe.CommTimeout, _epmoe.CommAborted
 
 # Each expert kind's tensors, in the layer's order, and their shapes ([slots, rows, cols]).
 EXPERT_TENSORS = {
@@ -64,6 +71,51 @@ def _placement_table(placement, experts: int, ranks: int):
     return table
 
 
+_abort_keys = {}  # global ranks -> modules built over them in this process
+
+
+def _exchange_group(group, exchange_group, exchange_timeout: float):
+    """The group the layer exchanges on, the store where a failing rank tells its peers, and
+    that layer's key there. By default a group of its own over group's ranks (new_group), so
+    that the user's collectives on group (DDP's gradient buckets) never pair with its
+    all-to-alls; its gloo timeout (past the layer's deadline) ends a given-up exchange."""
+    import torch.distributed as dist
+
+    try:
+        ranks = sorted(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a group torch.distributed did not make
+        ranks = None
+    if exchange_group is None:
+        kw = {"backend": dist.get_backend(group)}
+        if exchange_timeout > 0:
+            kw["timeout"] = datetime.timedelta(seconds=2 * exchange_timeout + 10)
+        if ranks is None:
+            raise ValueError("epmoe: group was not made by torch.distributed: pass "
+                             "exchange_group= (a group over the same ranks, or group itself)")
+        if len(ranks) == dist.get_world_size():
+            exchange_group = dist.new_group(**kw)  # every process builds the module: all call it
+        elif "use_local_synchronization" in inspect.signature(dist.new_group).parameters:
+            exchange_group = dist.new_group(ranks, use_local_synchronization=True, **kw)
+        else:
+            raise ValueError(
+                f"epmoe: group holds {len(ranks)} of the job's {dist.get_world_size()} processes: "
+                "this torch's new_group must be called by every process with the same ranks, so "
+                "the module cannot make a group of its own here: pass exchange_group= (made with "
+                "torch.distributed.new_group on every process, or group itself to share it)")
+    elif (exchange_group.size(), exchange_group.rank()) != (group.size(), group.rank()):
+        raise ValueError(f"epmoe: exchange_group has rank {exchange_group.rank()} of "
+                         f"{exchange_group.size()}: must match group's ({group.rank()} of "
+                         f"{group.size()})")
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store (MPI): the deadline alone bounds a wait
+        return exchange_group, None, ""
+    # The peers build their modules over these ranks in the same order: the same key.
+    where = ",".join(map(str, ranks)) if ranks is not None else f"size {group.size()}"
+    n = _abort_keys[where] = _abort_keys.get(where, 0) + 1
+    return exchange_group, store, f"epmoe/abort/{where}/{n}"
+
+
 class _MoEFunction(torch.autograd.Function):
     """y, aux, seq_aux, z = MoE(x); backward runs the layer's backward (collective)."""
 
@@ -78,6 +130,7 @@ class _MoEFunction(torch.autograd.Function):
         return y, x.new_tensor(aux), x.new_tensor(seq), x.new_tensor(z)
 
     @staticmethod
+    @once_differentiable  # the layer's backward builds no graph: a double backward raises
     def backward(ctx, dy, daux, dseq, dz):
         module: MoE = ctx.module
         if ctx.pass_id != module._passes or module._consumed == ctx.pass_id:
@@ -90,7 +143,7 @@ class _MoEFunction(torch.autograd.Function):
         fused = module.fuse_grad_accumulation
         grads, accumulate = module._grad_targets(fused)
         per_rank = module._rank_grads(grads, accumulate)
-        dx = torch.empty_like(dy)
+        dx = torch.empty_like(dy, memory_format=torch.contiguous_format)  # dy may be strided
         scale = 1.0 / n  # the losses are the ranks' mean
         module._layer.backward(dy.contiguous(), dx, per_rank, float(daux) * scale,
                                float(dseq) * scale, float(dz) * scale, accumulate)
@@ -120,7 +173,13 @@ class MoE(nn.Module):
 
     Ranks: `group` a torch.distributed ProcessGroup (this process holds experts/R of them;
     every process calls forward and backward together), or `ranks` threads of this process
-    (the module then holds every expert). Parameters: gate [E, H]; w1, w3 [L, F, H], w2
+    (the module then holds every expert). With a group the layer exchanges on
+    `exchange_group`: by default a group of its own over the same ranks (made here with
+    torch.distributed.new_group, so every process must build the module; the user's
+    collectives on `group`, DDP's, may be in flight meanwhile), or the one passed (`group`
+    itself to share it). exchange_timeout: seconds an exchange waits for its peers before
+    raising CommTimeout (0: no deadline); a rank that fails mid-pass makes its peers' waits
+    raise CommAborted (docs/pytorch.md, "Errors"). Parameters: gate [E, H]; w1, w3 [L, F, H], w2
     [L, H, F] (this process's slots in slot order; `expert_ids` names each slot's expert);
     shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H].
 
@@ -148,11 +207,13 @@ class MoE(nn.Module):
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
                  max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
                  fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = "auto",
-                 group=None,
+                 exchange_timeout: float = 600.0, group=None, exchange_group=None,
                  ranks: Optional[int] = None):
         super().__init__()
         if group is not None and ranks is not None:
             raise ValueError("epmoe: pass group (torch.distributed ranks) or ranks (threads), not both")
+        if exchange_group is not None and group is None:
+            raise ValueError("epmoe: exchange_group needs group (the torch.distributed ranks)")
         R = group.size() if group is not None else (ranks or 1)
         rank = group.rank() if group is not None else 0
         for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("top_k", top_k),
@@ -184,7 +245,8 @@ class MoE(nn.Module):
                            shared_gate=bool(shared_gate), output_bias=bool(output_bias),
                            aux_loss_coef=float(aux_loss_coef), seq_len=seq_len, chunks=chunks,
                            max_recv_rows=int(max_recv_rows), ranks_per_node=int(ranks_per_node),
-                           training=trains, recompute=bool(recompute))
+                           training=trains, recompute=bool(recompute),
+                           exchange_timeout=float(exchange_timeout))
         self.router_args = dict(groups=groups, top_groups=top_groups, norm_p=float(norm_p),
                                 scaling=float(scaling), group_by_max=group_by == "max",
                                 normalize=bool(normalize), group_mask_zero=group_mask == "zero",
@@ -216,8 +278,12 @@ class MoE(nn.Module):
         self._passes = 0
         self._consumed = 0
         self._bound = None
+        self.exchange_group, store, abort_key = (
+            _exchange_group(group, exchange_group, float(exchange_timeout)) if group is not None
+            else (None, None, ""))
         self._layer = _epmoe.Layer(entry, self.config, self.phy_to_log, self.router_args,
-                                   self._rank_weights(), group, 0 if group is not None else R)
+                                   self._rank_weights(), self.exchange_group,
+                                   0 if group is not None else R, store, abort_key)
         self._bound = self._pointers()
         if pack_weights not in ("auto", True, False, "bf16"):
             raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "

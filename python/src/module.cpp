@@ -10,9 +10,9 @@
 #include <memory>
 #include <string>
 #include <thread>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <vector>
 
+#include "c10d_endpoint.hpp"
 #include "epmoe/comm/threads.hpp"
 #include "epmoe/space/host_packed.hpp"
 #include "layers.hpp"
@@ -21,106 +21,6 @@ namespace py = pybind11;
 
 namespace epmoe::py {
 namespace {
-
-/// A torch.distributed process group as the layer's endpoint: each exchange is one
-/// alltoall_base of bytes on the group (gloo on CPU); views of the layer's buffers, no copy
-/// when the blocks lie back to back (the layer's usual case), else staged through buffers
-/// owned here (grown once). Several may be in flight (a pipelined schedule).
-class c10d_endpoint final : public comm::endpoint {
- public:
-  explicit c10d_endpoint(c10::intrusive_ptr<c10d::ProcessGroup> pg)
-      : pg_(std::move(pg)), rank_(pg_->getRank()), size_(pg_->getSize()), slots_(8) {}
-
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
-
-  void alltoallv(const std::byte* send, const index_t* sc, const index_t* sd, std::byte* recv,
-                 const index_t* rc, const index_t* rd) override {
-    wait(start(send, sc, sd, recv, rc, rd));
-  }
-
-  int start(const std::byte* send, const index_t* sc, const index_t* sd, std::byte* recv,
-            const index_t* rc, const index_t* rd) override {
-    std::size_t k = 0;
-    while (k < slots_.size() && slots_[k].work) ++k;
-    if (k == slots_.size())
-      throw comm_error("epmoe: torch.distributed endpoint: more than " +
-                       std::to_string(slots_.size()) + " exchanges in flight");
-    slot& s = slots_[k];
-    const auto R = static_cast<std::size_t>(size_);
-    s.send_split.assign(sc, sc + R);
-    s.recv_split.assign(rc, rc + R);
-    const index_t sn = total(sc), rn = total(rc);
-    const std::byte* in = send + (R ? sd[0] : 0);
-    if (!back_to_back(sc, sd)) {  // pack the blocks in rank order
-      s.send_stage.resize(static_cast<std::size_t>(sn));
-      index_t at = 0;
-      for (std::size_t r = 0; r < R; ++r)
-        std::copy_n(send + sd[r], sc[r], s.send_stage.data() + at), at += sc[r];
-      in = s.send_stage.data();
-    }
-    s.unpack = !back_to_back(rc, rd);
-    std::byte* out = recv + (R ? rd[0] : 0);
-    if (s.unpack) {
-      s.recv_stage.resize(static_cast<std::size_t>(rn));
-      out = s.recv_stage.data();
-      s.recv = recv, s.rc = rc, s.rd = rd;
-    }
-    const auto bytes = at::TensorOptions().dtype(at::kByte);
-    at::Tensor tin = at::from_blob(const_cast<std::byte*>(in), {sn}, bytes);
-    at::Tensor tout = at::from_blob(out, {rn}, bytes);
-    try {
-      s.work = pg_->alltoall_base(tout, tin, s.recv_split, s.send_split);
-    } catch (const std::exception& e) {
-      throw comm_error(std::string("epmoe: torch.distributed alltoall_base failed: ") + e.what());
-    }
-    return static_cast<int>(k);
-  }
-
-  void wait(int ticket) override {
-    slot& s = slots_[static_cast<std::size_t>(ticket)];
-    c10::intrusive_ptr<c10d::Work> work = std::move(s.work);
-    s.work.reset();
-    try {
-      work->wait();
-    } catch (const std::exception& e) {
-      throw comm_error(std::string("epmoe: torch.distributed all-to-all failed: ") + e.what());
-    }
-    if (s.unpack) {
-      index_t at = 0;
-      for (int r = 0; r < size_; ++r)
-        std::copy_n(s.recv_stage.data() + at, s.rc[r], s.recv + s.rd[r]), at += s.rc[r];
-    }
-  }
-
-  bool test(int ticket) override {
-    return slots_[static_cast<std::size_t>(ticket)].work->isCompleted();
-  }
-
- private:
-  struct slot {
-    c10::intrusive_ptr<c10d::Work> work;
-    std::vector<std::int64_t> send_split, recv_split;
-    std::vector<std::byte> send_stage, recv_stage;
-    bool unpack = false;
-    std::byte* recv = nullptr;
-    const index_t *rc = nullptr, *rd = nullptr;
-  };
-  index_t total(const index_t* n) const {
-    index_t t = 0;
-    for (int r = 0; r < size_; ++r) t += n[r];
-    return t;
-  }
-  bool back_to_back(const index_t* n, const index_t* d) const {
-    for (int r = 1; r < size_; ++r)
-      if (d[r] != d[r - 1] + n[r - 1]) return false;
-    return true;
-  }
-
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  int rank_, size_;
-  std::vector<slot> slots_;
-};
 
 // --- tensors to views -----------------------------------------------------------------------
 
@@ -248,6 +148,7 @@ layer_config config_of(const ::py::dict& c) {
   if (c.contains("ranks_per_node")) cfg.ranks_per_node = c["ranks_per_node"].cast<int>();
   cfg.training = c["training"].cast<bool>();
   cfg.recompute = c["recompute"].cast<bool>();
+  if (c.contains("exchange_timeout")) cfg.exchange_timeout = c["exchange_timeout"].cast<double>();
   return cfg;
 }
 
@@ -288,8 +189,11 @@ const bundle& find_bundle(const std::vector<bundle>& m, const ::py::dict& b) {
 /// The layer of one process: one rank on a process group, or `ranks` ranks on threads.
 class layer {
  public:
+  /// group: a process group, or None for `ranks` thread ranks; store and abort_key: where a
+  /// rank that fails mid-pass leaves its reason for the group's peers (c10d_endpoint).
   layer(const ::py::dict& bundle_spec, const ::py::dict& config, std::vector<int> phy_to_log,
-        const ::py::dict& router, const ::py::list& weights, const ::py::object& group, int ranks)
+        const ::py::dict& router, const ::py::list& weights, const ::py::object& group, int ranks,
+        const ::py::object& store, const std::string& abort_key)
       : menu_(menu()), bundle_(&find_bundle(menu_, bundle_spec)) {
     args_.cfg = config_of(config);
     args_.phy_to_log = std::move(phy_to_log);
@@ -297,7 +201,11 @@ class layer {
     if (!group.is_none()) {
       auto pg = group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
       args_.cfg.ranks = pg->getSize();
-      endpoints_.push_back(std::make_unique<c10d_endpoint>(std::move(pg)));
+      c10::intrusive_ptr<c10d::Store> st;
+      if (!store.is_none()) st = store.cast<c10::intrusive_ptr<c10d::Store>>();
+      auto ep = std::make_unique<c10d_endpoint>(std::move(pg), std::move(st), abort_key);
+      c10d_ = ep.get();
+      endpoints_.push_back(std::move(ep));
     } else {
       if (ranks < 1) value_error("ranks = " + std::to_string(ranks) + ": must be >= 1");
       args_.cfg.ranks = ranks;
@@ -323,6 +231,17 @@ class layer {
       layers_[0] = bundle_->make(args_, comm::any(*endpoints_[0]), w[0]);
     }
   }
+
+  // An exchange given up on a timeout or an abort may still run in torch's worker and write
+  // into the layer's buffers when a late peer arrives (c10d cannot cancel it): then the
+  // layer, the endpoint and their buffers are left allocated.
+  ~layer() {
+    if (!c10d_ || !c10d_->still_running()) return;
+    for (auto& l : layers_) (void)l.release();
+    for (auto& e : endpoints_) (void)e.release();
+  }
+  layer(const layer&) = delete;
+  layer& operator=(const layer&) = delete;
 
   int local_ranks() const { return world_ ? world_->size() : 1; }
   int rank() const { return world_ ? 0 : endpoints_[0]->rank(); }
@@ -381,6 +300,16 @@ class layer {
     each_rank([&](int r) { layers_[r]->update_router(); });
   }
   std::vector<float> router_bias() { return layers_[0]->router_bias(); }
+
+  /// The process group endpoint's exchanges and the copies it staged them through (None
+  /// with thread ranks).
+  ::py::object exchange_copies() const {
+    if (!c10d_) return ::py::none();
+    const c10d_endpoint::copy_counts& c = c10d_->copies();
+    ::py::dict d;
+    d["exchanges"] = c.exchanges, d["send_copies"] = c.sends, d["receive_copies"] = c.receives;
+    return d;
+  }
 
   ::py::list stats() const {
     ::py::list out;
@@ -471,6 +400,7 @@ class layer {
   layer_args args_;
   std::unique_ptr<comm::threads_world> world_;
   std::vector<std::unique_ptr<comm::endpoint>> endpoints_;
+  c10d_endpoint* c10d_ = nullptr;  // endpoints_[0] on a process group
   std::vector<std::unique_ptr<any_layer>> layers_;
 };
 
@@ -563,16 +493,24 @@ PYBIND11_MODULE(_epmoe, m) {
         ::py::arg("ranks"), ::py::arg("weights"), ::py::arg("x"), ::py::arg("tokens_per_rank"),
         ::py::arg("dy") = ::py::none(), ::py::arg("aux") = 0.0, ::py::arg("seq_aux") = 0.0,
         ::py::arg("z") = 0.0);
+  // Communication failures as Python exceptions (RuntimeErrors, as torch's own).
+  const ::py::object comm_failed =
+      ::py::register_local_exception<epmoe::comm_error>(m, "CommError", PyExc_RuntimeError);
+  ::py::register_local_exception<epmoe::comm_timeout>(m, "CommTimeout", comm_failed);
+  ::py::register_local_exception<epmoe::comm_aborted>(m, "CommAborted", comm_failed);
   ::py::class_<ep::layer>(m, "Layer")
       .def(::py::init<const ::py::dict&, const ::py::dict&, std::vector<int>, const ::py::dict&,
-                      const ::py::list&, const ::py::object&, int>(),
+                      const ::py::list&, const ::py::object&, int, const ::py::object&,
+                      const std::string&>(),
            ::py::arg("bundle"), ::py::arg("config"), ::py::arg("phy_to_log"), ::py::arg("router"),
-           ::py::arg("weights"), ::py::arg("group"), ::py::arg("ranks"))
+           ::py::arg("weights"), ::py::arg("group"), ::py::arg("ranks"),
+           ::py::arg("store") = ::py::none(), ::py::arg("abort_key") = "")
       .def("forward", &ep::layer::forward)
       .def("backward", &ep::layer::backward)
       .def("rebind", &ep::layer::rebind)
       .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("bf16") = false)
       .def("stats", &ep::layer::stats)
+      .def("exchange_copies", &ep::layer::exchange_copies)
       .def("global_load", &ep::layer::global_load)
       .def("update_router", &ep::layer::update_router)
       .def("router_bias", &ep::layer::router_bias)

@@ -202,6 +202,37 @@ def test_backward_of_an_older_forward_raises():
     assert torch.isfinite(x.grad).all()
 
 
+def test_a_non_contiguous_gradient():
+    """A dense dy that is not contiguous ((y.t() * w).sum(): dy = w.t()) gives the reference's
+    gradients (dx used to keep dy's strides and be refused: "dx is not contiguous")."""
+    moe = build("qwen2 shared, gate, bias", 2)
+    torch.manual_seed(3)
+    x = torch.randn(21, H, requires_grad=True)
+    w = torch.randn(H, 21)
+    y, _ = moe(x)
+    (y.t() * w).sum().backward()
+    dy = w.t().contiguous()
+    ref = reference(moe, logical(moe), x.detach(), shards(21, 2), dy)
+    close(x.grad, ref["grads"]["x"], "dx")
+    for name in moe._param_names:
+        p = getattr(moe, name)
+        routed = name in EXPERT_TENSORS[moe.expert_kind]
+        want = ref["grads"][name].reshape((-1,) + tuple(p.shape[1:]) if routed else p.shape)
+        close(p.grad, want[moe.expert_ids] if routed else want, f"d{name}")
+
+
+def test_double_backward_raises():
+    """The layer's backward is not differentiable: a gradient of its gradient raises instead
+    of silently leaving out the MoE's part (here x's own x² term would still flow)."""
+    moe = build("mixtral", 2)
+    x = torch.randn(9, H, requires_grad=True)
+    y, _ = moe(x)
+    (g,) = torch.autograd.grad(y.square().sum() + x.square().sum(), x, create_graph=True)
+    assert torch.isfinite(g).all()  # the first backward itself runs
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.sum().backward()
+
+
 def forward_equals_reference(moe, x, what):
     """moe(x) (no grad) against the reference over the module's parameters now."""
     with torch.no_grad():
@@ -409,3 +440,126 @@ def test_bad_input_on_one_process_raises_on_both():
     assert m0 and "x is not contiguous" in m0
     assert m1 and "rank 0" in m1
     assert ok0 and ok1
+
+
+def _copies(rank, world, group, cases):
+    """Per case, the endpoint's exchanges and staged copies over one forward and backward."""
+    import torch
+    from epmoe.torch import MoE
+    out = []
+    for case in cases:
+        torch.manual_seed(0)
+        moe = MoE(H, F, **CASES[case], group=group, max_tokens=64)
+        torch.manual_seed(7 + rank)
+        x = torch.randn(9 + 4 * rank, H, requires_grad=True)
+        y, _ = moe(x)
+        y.square().sum().backward()
+        out.append((moe._layer.exchange_copies(), moe.stats()["rows_sent"]))
+    return out
+
+
+def test_two_processes_exchange_in_place():
+    """The usual exchange hands the layer's buffers to alltoall_base as they are: a rank's own
+    rows skip the exchange (a zero count whose displacement breaks the blocks' order) and
+    must not force a copy. Receive rounds lay the blocks apart: there, and only there, the
+    endpoint copies (and the results are right: test_two_processes_equal_the_reference)."""
+    cases = {"mixtral": False, "receive rounds": True}  # whether the endpoint copies
+    for rank, per_case in enumerate(run_ranks(_copies, 2, args=(list(cases),))):
+        for (case, copied), (c, rows) in zip(cases.items(), per_case):
+            assert rows[rank] > 0 and rows[1 - rank] > 0, (case, rank, rows)
+            assert c["exchanges"] >= 4, (case, rank, c)  # dispatch and combine, both ways
+            staged = c["send_copies"] + c["receive_copies"]
+            assert (staged > 0) == copied, (case, rank, c)
+
+
+def _one_rank_never_calls(rank, world, group, deadline):
+    """Rank 1 builds the module but does not call forward until rank 0 gave up."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from epmoe.torch import MoE
+    store = dist.distributed_c10d._get_default_store()
+    moe = MoE(H, F, 8, 2, group=group, exchange_timeout=deadline)
+    x = torch.randn(6, H)
+    if rank == 1:
+        store.wait(["test/rank 0 gave up"])
+    start = time.monotonic()
+    try:
+        moe(x)
+        first = None
+    except RuntimeError as e:
+        first = (type(e).__name__, str(e), time.monotonic() - start)
+    if rank == 0:
+        store.set("test/rank 0 gave up", "1")
+    start = time.monotonic()
+    try:  # the layer refuses every later call at once
+        moe(x)
+        again = None
+    except RuntimeError as e:
+        again = (type(e).__name__, str(e), time.monotonic() - start)
+    return first, again
+
+
+def test_exchange_timeout_holds_on_a_process_group():
+    """exchange_timeout bounds a torch.distributed exchange: rank 0 waits for a rank 1 that
+    never calls and raises CommTimeout within the deadline; it tells rank 1, whose late call
+    raises CommAborted naming rank 0's reason instead of waiting out its own deadline."""
+    deadline = 1.5
+    (t0, again0), (t1, again1) = run_ranks(_one_rank_never_calls, 2, args=(deadline,),
+                                           timeout=120)
+    kind, message, took = t0
+    assert kind == "CommTimeout" and "exchange_timeout" in message, t0
+    assert deadline * 0.9 <= took < deadline + 10, t0
+    kind, message, took = t1
+    assert kind == "CommAborted" and "rank 0" in message and "exchange_timeout" in message, t1
+    assert took < deadline, t1  # the abort, not rank 1's own deadline, ended its wait
+    for kind, message, took in (again0, again1):
+        assert kind == "CommAborted" and "unusable" in message and took < 1.0, (kind, message)
+
+
+def _interleaved(rank, world, group):
+    """An all_reduce on the user's group in flight (as DDP's) while the module exchanges."""
+    import torch
+    import torch.distributed as dist
+    from epmoe.torch import MoE
+    torch.manual_seed(0)
+    full = build("mixtral", 1)
+    moe = MoE(H, F, 8, 2, group=group, max_tokens=64)
+    moe.load_logical(logical(full))
+    torch.manual_seed(7)
+    tokens = [6, 9]
+    x_all = torch.randn(sum(tokens), H)
+    a = sum(tokens[:rank])
+    t = torch.full((5,), float(rank + 1))
+    work = dist.all_reduce(t, group=group, async_op=True) if rank == 0 else None
+    with torch.no_grad():
+        y, _ = moe(x_all[a:a + tokens[rank]])
+    if rank == 1:
+        work = dist.all_reduce(t, group=group, async_op=True)
+    work.wait()
+    close(y, reference(moe, logical(full), x_all, tokens)["y"][a:a + tokens[rank]], "y")
+    own = moe.exchange_group
+    shared = MoE(H, F, 8, 2, group=group, exchange_group=group)
+    sub = dist.new_group([0])  # every process makes it (torch's rule); rank 0 is its member
+    refused = None
+    if rank == 0:
+        try:
+            MoE(H, F, 8, 2, group=sub)
+        except ValueError as e:
+            refused = str(e)
+    return (t.tolist(), own is not group and own is not dist.group.WORLD, own.size(), own.rank(),
+            shared.exchange_group is group, refused)
+
+
+def test_exchanges_run_on_a_group_of_their_own():
+    """By default the module exchanges on a group of its own over the same ranks, so the
+    user's collectives on `group` (DDP's) may be in flight meanwhile; exchange_group= picks
+    one explicitly."""
+    out = run_ranks(_interleaved, 2, timeout=120, pg_timeout=30)
+    for rank, (t, own, size, own_rank, shared, refused) in enumerate(out):
+        assert t == [3.0] * 5 and own and size == 2 and own_rank == rank and shared
+    import inspect
+    import torch.distributed as dist
+    if "use_local_synchronization" not in inspect.signature(dist.new_group).parameters:
+        assert "exchange_group" in out[0][5]  # a sub-group: torch cannot make its own here

@@ -19,7 +19,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <exception>
 #include <limits>
 #include <random>
@@ -27,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../../examples/args.hpp"
 #include <epmoe/capacity/factor.hpp>
 #include <epmoe/epmoe.hpp>
 #include <epmoe/reference/forward.hpp>
@@ -400,17 +400,19 @@ int main(int argc, char** argv) {
   long long runs = 1000;
   std::uint64_t seed = 1;
   bool quiet = false;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--runs") && i + 1 < argc)
-      runs = std::atoll(argv[++i]);
-    else if (!std::strcmp(argv[i], "--seed") && i + 1 < argc)
-      seed = std::strtoull(argv[++i], nullptr, 10);
-    else if (!std::strcmp(argv[i], "--quiet"))
+  cli::command_line cl(argc, argv,
+                       "usage: epmoe_fuzz [--runs N] [--seed S] [--quiet]\n"
+                       "  Runs N random configs and inputs (seeded by S) through the layer and\n"
+                       "  checks each against the reference; aborts on the first failure.\n");
+  while (cl.next()) {
+    if (cl.is("--runs"))
+      runs = cl.integer();
+    else if (cl.is("--seed"))
+      seed = static_cast<std::uint64_t>(cl.integer());
+    else if (cl.is("--quiet"))
       quiet = true;
-    else {
-      std::fprintf(stderr, "usage: %s [--runs N] [--seed S] [--quiet]\n", argv[0]);
-      return 2;
-    }
+    else
+      cl.unknown();
   }
   const auto t0 = std::chrono::steady_clock::now();
   constexpr int batch = 256;
