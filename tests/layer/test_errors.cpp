@@ -313,3 +313,43 @@ TEST_CASE("layer errors: NaN inputs do not crash and do not leak into other toke
   for (std::size_t i = 0; i < y_again.size(); ++i)
     CHECK(y_again[i] == Approx(y_clean[i]).margin(1e-6));
 }
+
+namespace {
+struct dedup_policies : epmoe::default_policies {
+  static constexpr epmoe::layer_options options{.dedup = true};
+};
+}  // namespace
+
+TEST_CASE("layer errors: a receive bound that would make more blocks than an int holds is named",
+          "[layer][error]") {
+  // Windows of one token each: blocks = windows x ranks x local experts. 2^22 tokens of 1024
+  // experts on one rank would make 2^32 blocks (and their arrays: tens of GB).
+  layer_config c = good_cfg();
+  c.experts = 1024;
+  c.max_tokens = index_t{1} << 22;
+  c.max_recv_rows = 1;
+  const auto L = c.experts;
+  // The layout says so before anything is sized ...
+  try {
+    (void)epmoe::workspace_layout::of(
+        c, 2, static_cast<int>(L), 1, 1, false, [](index_t T) { return T; }, 0, 4, 0, false, true);
+    FAIL("a layout of 2^32 blocks was accepted");
+  } catch (const epmoe::config_error& e) {
+    CHECK(e.field() == "max_recv_rows");
+    CHECK(std::string(e.what()).find("blocks") != std::string::npos);
+  }
+  // ... and so does the layer, before it allocates anything.
+  std::vector<float> gate(static_cast<std::size_t>(L * c.hidden)),
+      w1(static_cast<std::size_t>(L * c.ffn * c.hidden));
+  const stacked_view<const float> e1(w1.data(), L, c.ffn, c.hidden);
+  const stacked_view<const float> e2(w1.data(), L, c.hidden, c.ffn);
+  using layer_t = epmoe::moe_layer<dedup_policies>;
+  const layer_t::weights w{{gate.data(), L, c.hidden}, {e1, e1, e2}};
+  int named = 0;
+  try {
+    layer_t layer(c, epmoe::comm::local{}, w);
+  } catch (const epmoe::config_error& e) {
+    named = e.field() == "max_recv_rows";
+  }
+  CHECK(named == 1);
+}

@@ -9,14 +9,19 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "faults.hpp"
 #include "harness.hpp"
+#include <epmoe/router/sigmoid_bias.hpp>
 #include <epmoe/schedule/pipelined.hpp>
+#include <epmoe/schedule/sequential.hpp>
 
 using namespace epmoe;
 using test::faulty_host;
@@ -69,6 +74,8 @@ std::vector<outcome> failing_pass(int R, int culprit, faulty_host::fault f, doub
         layer.forward({x.data(), T, H}, {y.data(), T, H});
       } catch (const comm_timeout& e) {
         o.kind = "comm_timeout", o.what = e.what();
+      } catch (const input_error& e) {
+        o.kind = "input_error", o.what = e.what();
       } catch (const comm_aborted& e) {
         o.kind = "comm_aborted", o.what = e.what(), o.origin = e.origin();
       } catch (const std::runtime_error& e) {
@@ -274,4 +281,256 @@ TEST_CASE("faults: losing ranks, the survivors' layer equals the reference witho
   INFO(lost_both);
   CHECK(lost_both.find("expert(s) 3 ") != std::string::npos);
   CHECK(lost_both.find("without a surviving copy") != std::string::npos);
+}
+
+TEMPLATE_TEST_CASE("faults: a rank that fails before the first exchange runs an empty pass",
+                   "[faults]", schedule::sequential, schedule::pipelined<2>) {
+  // Any local error before the pass's first collective (here the gate's GEMM throws) is an
+  // agreed failure, like a rejected input: the rank goes on with no tokens up to the counts
+  // exchange, which tells every peer; all throw at once, nothing is written, and the layer
+  // stays usable.
+  using P = fault_policies<TestType>;
+  int checked = 0;
+  for (int R : {2, 3}) {
+    const int culprit = R - 1;
+    const auto out = failing_pass<P>(R, culprit, faulty_host::fault::gate_throws, 30.0);
+    for (int r = 0; r < R; ++r, ++checked) {
+      const outcome& o = out[static_cast<std::size_t>(r)];
+      INFO("R=" << R << " rank " << r << ": " << o.kind << " after " << o.seconds
+                << " s: " << o.what << "; next: " << o.next);
+      CHECK(o.y_untouched);
+      CHECK(o.seconds < 5.0);
+      if (r == culprit) {
+        CHECK(o.kind == "runtime_error");
+        CHECK(o.what == "injected: the gate's GEMM failed");
+      } else {
+        CHECK(o.kind == "input_error");
+        CHECK(o.what.find("rank " + std::to_string(culprit)) != std::string::npos);
+      }
+      CHECK(o.next == "none");  // usable: the next pass runs
+    }
+  }
+  CHECK(checked == 2 + 3);
+}
+
+namespace {
+struct train_fault_policies : fault_policies<schedule::pipelined<2>> {};
+
+// One training layer per thread rank and everything its calls need.
+struct train_rank {
+  using P = train_fault_policies;
+  using layer_t = moe_layer<P>;
+  layer_config cfg;
+  placement::block where;
+  test::rank_arrays<P> arrays;
+  layer_t layer;
+  index_t T = 8, H;
+  std::vector<float> x, y, dy, dx;
+  std::vector<std::vector<float>> grad_memory;
+  layer_t::gradients grads;
+  static layer_config config(int R, double timeout) {
+    layer_config c{
+        .hidden = 8, .ffn = 12, .experts = 2 * R, .top_k = 2, .ranks = R, .max_tokens = 8};
+    c.training = true;
+    c.chunks = 2;
+    c.exchange_timeout = timeout;
+    return c;
+  }
+  train_rank(comm::threads c, const reference::full_weights& w, double timeout)
+      : cfg(config(c.size(), timeout)),
+        where(cfg),
+        arrays(w, reference::slice(w, where, c.rank())),
+        layer(cfg, c, arrays.views(cfg, where.slots_per_rank())),
+        H(cfg.hidden),
+        x(reference::random_tokens(T, H, 50 + static_cast<std::uint64_t>(c.rank()))),
+        y(x.size()),
+        dy(x.size(), 0.25f),
+        dx(x.size()) {
+    const index_t L = where.slots_per_rank(), E = cfg.experts, F = cfg.ffn;
+    for (index_t n : {E * H, L * F * H, L * F * H, L * H * F})
+      grad_memory.emplace_back(static_cast<std::size_t>(n));
+    grads.gate = {grad_memory[0].data(), E, H};
+    grads.experts = {{grad_memory[1].data(), L, F, H},
+                     {grad_memory[2].data(), L, F, H},
+                     {grad_memory[3].data(), L, H, F}};
+    poison();
+  }
+  void poison() {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    for (auto* v : {&y, &dx}) std::fill(v->begin(), v->end(), nan);
+    for (auto& v : grad_memory) std::fill(v.begin(), v.end(), nan);
+  }
+  bool untouched() const {
+    for (const auto* v : {&y, &dx})
+      for (float f : *v)
+        if (!std::isnan(f)) return false;
+    for (const auto& v : grad_memory)
+      for (float f : v)
+        if (!std::isnan(f)) return false;
+    return true;
+  }
+  void forward() { layer.forward({x.data(), T, H}, {y.data(), T, H}); }
+  void backward() { layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads); }
+  void reduce() { layer.reduce_gradients(grads); }
+};
+
+// What a call threw: "config_error <field>: <what>", another exception's what(), or "none".
+template <class F>
+std::string thrown(F&& f) {
+  try {
+    f();
+  } catch (const config_error& e) {
+    return "config_error " + e.field() + ": " + e.what();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "none";
+}
+}  // namespace
+
+TEST_CASE("faults: ranks that make different calls all throw, naming the call, nothing is written",
+          "[faults]") {
+  const int R = 2;
+  const auto w = reference::full_weights::random(train_rank::config(R, 5.0), 51);
+  std::vector<std::vector<std::string>> said(R);
+  std::vector<int> untouched(R, 0), recovered(R, 0), steps(R, 0);
+  comm::threads_world world(R);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    train_rank t(c, w, 5.0);
+    auto& s = said[static_cast<std::size_t>(r)];
+    int clean = 1;
+    t.forward();
+    t.poison();
+    // Forward on rank 0, backward (of the pass before) on rank 1.
+    s.push_back(thrown([&] { r == 0 ? t.forward() : t.backward(); }));
+    clean &= t.untouched();
+    t.forward();
+    t.backward();
+    // Chunks set on one rank only.
+    if (r == 1) t.layer.set_chunks(1);
+    t.poison();
+    s.push_back(thrown([&] { t.forward(); }));
+    clean &= t.untouched();
+    t.layer.set_chunks(2);
+    // A side collective against a pass.
+    s.push_back(thrown([&] { r == 0 ? t.reduce() : t.forward(); }));
+    clean &= t.untouched();
+    // Every rank agrees again: a training step runs.
+    t.forward();
+    t.backward();
+    t.reduce();
+    recovered[r] = !t.untouched() && std::isfinite(t.dx[0]) && std::isfinite(t.grad_memory[0][0]);
+    untouched[r] = clean;
+    steps[r] = static_cast<int>(t.layer.passes());
+  });
+  for (int i = 0; i < 3; ++i) {
+    INFO("call " << i << ": rank 0: " << said[0][i] << "\nrank 1: " << said[1][i]);
+    CHECK(said[0][i].rfind("config_error call: ", 0) == 0);
+    CHECK(said[0][i] == said[1][i]);  // one verdict, the same text on every rank
+  }
+  CHECK(said[0][0].find("rank 0: forward") != std::string::npos);
+  CHECK(said[0][0].find("rank 1: backward") != std::string::npos);
+  CHECK(said[0][1].find("chunks") != std::string::npos);
+  CHECK(said[0][2].find("reduce_gradients") != std::string::npos);
+  CHECK(untouched == std::vector<int>{1, 1});
+  CHECK(recovered == std::vector<int>{1, 1});
+  CHECK(steps == std::vector<int>{3, 3});
+}
+
+TEST_CASE("faults: a side collective that times out makes the layer refuse further calls",
+          "[faults]") {
+  const int R = 2, late = 1;
+  const double timeout = 0.3, stall = 1.5;
+  const auto w = reference::full_weights::random(train_rank::config(R, timeout), 52);
+  std::vector<std::string> got(R), next(R);
+  std::vector<double> seconds(R, 0);
+  comm::threads_world world(R);
+  try {
+    world.run([&](comm::threads c) {
+      const int r = c.rank();
+      train_rank t(c, w, timeout);
+      t.forward();
+      t.backward();
+      if (r == late) std::this_thread::sleep_for(std::chrono::duration<double>(stall));
+      const auto start = std::chrono::steady_clock::now();
+      got[r] = thrown([&] { t.reduce(); });
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      next[r] = thrown([&] { t.forward(); });
+    });
+  } catch (const std::exception&) {
+  }
+  for (int r = 0; r < R; ++r) {
+    INFO("rank " << r << ": " << got[r] << " after " << seconds[r] << " s; next: " << next[r]);
+    CHECK(got[r] != "none");
+    CHECK(next[r].find("unusable") != std::string::npos);
+    CHECK(next[r].find("reduce_gradients") != std::string::npos);
+  }
+  CHECK(seconds[0] < stall);
+  CHECK(got[0].find("waited 0.3 s (exchange_timeout)") != std::string::npos);
+}
+
+namespace {
+struct ring_policies : default_policies {
+  using placement = epmoe::placement::table;
+  using comm = epmoe::comm::threads;
+};
+// R experts on R ranks, two slots each: rank r holds experts r and r + step (mod R).
+placement::table ring(int R, int step) {
+  std::vector<int> phy;
+  for (int r = 0; r < R; ++r) phy.insert(phy.end(), {r, (r + step) % R});
+  return placement::table(R, R, phy);
+}
+}  // namespace
+
+TEST_CASE("faults: the survivors' layer owns what it reads (packed copies, re-placed experts)",
+          "[faults]") {
+  // exclude_ranks builds a layer that must not read the old one's memory: its packed copies
+  // (the old layer repacks in bf16 afterwards, or is destroyed), or the experts the old layer
+  // owns after a live re-placement (it re-places them again afterwards).
+  const int R = 4;
+  const layer_config cfg{
+      .hidden = 16, .ffn = 20, .experts = R, .top_k = 2, .ranks = R, .max_tokens = 12};
+  const auto w = reference::full_weights::random(cfg, 53);
+  const auto g = test::make_tokens(std::vector<index_t>(R, 12), cfg.hidden, 54);
+  const std::vector<char> lost{0, 0, 1, 0};
+  std::vector<int> same(R, -1), compared(R, 0);
+  for (const bool replaced : {false, true}) {
+    comm::threads_world world(R);
+    world.run([&](comm::threads c) {
+      const int r = c.rank();
+      const placement::table first = ring(R, 1);
+      test::rank_arrays<ring_policies> arrays(w, reference::slice(w, first, r));
+      std::optional<moe_layer<ring_policies>> old;
+      old.emplace(cfg, c, arrays.views(cfg, 2), router::topk_softmax<2>{}, capacity::dropless{},
+                  first);
+      if (replaced) old->apply_placement(ring(R, 2));
+      old->pack_weights();
+      const index_t T = 12, H = cfg.hidden;
+      const float* x = g.x.data() + g.offset(r) * H;
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::vector<float> y1(T * H, nan), y2(T * H, nan), y3(T * H, nan);
+      if (lost[static_cast<std::size_t>(r)]) {
+        if (replaced) old->apply_placement(ring(R, 3));  // the old layer's collective
+        return;
+      }
+      auto survivors = old->exclude_ranks(lost);
+      survivors.forward({x, T, H}, {y1.data(), T, H});
+      // Only the old layer changes: repacked in bf16, or its experts re-placed again.
+      if (replaced)
+        old->apply_placement(ring(R, 3));
+      else
+        old->pack_weights(packed_precision::bf16);
+      survivors.forward({x, T, H}, {y2.data(), T, H});
+      old.reset();  // and gone
+      survivors.forward({x, T, H}, {y3.data(), T, H});
+      same[r] = std::memcmp(y1.data(), y2.data(), y1.size() * sizeof(float)) == 0 &&
+                std::memcmp(y1.data(), y3.data(), y1.size() * sizeof(float)) == 0 &&
+                std::all_of(y1.begin(), y1.end(), [](float v) { return std::isfinite(v); });
+      compared[r] += 1;
+    });
+    INFO("replaced " << replaced);
+    CHECK(same == std::vector<int>{1, 1, -1, 1});
+  }
+  CHECK(compared == std::vector<int>{2, 2, 0, 2});
 }

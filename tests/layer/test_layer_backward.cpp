@@ -14,6 +14,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "harness.hpp"
@@ -124,7 +125,8 @@ struct train_options {
   std::optional<typename P::placement> placement{};
   loss_scales losses{};
   std::vector<std::int64_t> token_ids{};
-  bool reduce = false;  // call reduce_gradients: every rank then holds the sums
+  bool reduce = false;        // call reduce_gradients: every rank then holds the sums
+  bool scramble_ids = false;  // overwrite the token ids between forward and backward (host)
 };
 
 // Sums rank r's slot tensor (count L, `per` elements per slot) into its logical expert's.
@@ -183,6 +185,8 @@ train_result train_step(layer_config cfg, const reference::full_weights& w,
     const std::span<const std::int64_t> ids(io::data(id_array), opt.token_ids.empty() ? 0 : T);
     layer.forward({io::data(x), T, H}, {io::data(y), T, H}, ids);
     out.forward_stats[r] = layer.stats();
+    if constexpr (std::is_same_v<decltype(id_array), std::vector<std::int64_t>>)
+      if (opt.scramble_ids) std::fill(id_array.begin(), id_array.end(), std::int64_t{-7});
     auto* grads = new grad_arrays<typename P::expert>(cfg, L);
     layer.backward({io::data(dyr), T, H}, {io::data(dx), T, H}, grads->template views<P>(cfg, L),
                    {.losses = opt.losses});
@@ -584,33 +588,46 @@ TEST_CASE("layer backward: the router losses' gradient flows into the gate and x
   check_step<train_policies<router::sigmoid_bias<2>>>(cfg, {.losses = {0.0, 2.0, 0.5}});
 }
 
-// Host-only: these build layers over host arrays directly.
-#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
-TEST_CASE("layer backward: bad arguments throw on every rank, nothing is written",
-          "[layer][backward]") {
-  using P = train_policies<router::topk_softmax<2>>;
+// Rank 1 passes a bad dy: every rank throws and nothing is written, on any space: not dx, not
+// a routed or shared expert's gradient, not the shared gate's or the output bias's (the home
+// terms' backward may run before the verdict: sequential runs shared() first), and with
+// padded capacity (static shapes: a device never defers a backward's verdict).
+template <class P>
+void rejected_backward(bool home_terms) {
   layer_config cfg = train_layer(2);
   cfg.training = true;
+  if (home_terms) cfg.shared_experts = 1, cfg.shared_gate = true, cfg.output_bias = true;
   const auto w = reference::full_weights::random(cfg, 21);
   const auto g = test::make_tokens({10, 10}, cfg.hidden, 22);
   const index_t H = cfg.hidden, T = 10;
   std::vector<std::string> caught(2);
-  std::vector<int> untouched(2, 0), recovered(2, 0);
+  std::vector<int> untouched(2, 0), recovered(2, 0), looked(2, 0);
   comm::threads_world world(2);
-  world.run([&](P::comm c) {
+  world.run([&](typename P::comm c) {
     const int r = c.rank();
     const placement::block where(cfg);
+    const index_t L = where.slots_per_rank();
     test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
-    moe_layer<P> layer(cfg, c, arrays.views(cfg, where.slots_per_rank()));
-    std::vector<float> x(g.x.begin() + r * T * H, g.x.begin() + (r + 1) * T * H), y(T * H),
-        dy(T * H, 0.5f), dx(T * H, nan_f);
-    grad_arrays<expert::swiglu> grads(cfg, where.slots_per_rank());
-    const auto views = grads.views<P>(cfg, where.slots_per_rank());
+    const test_space space{};
+    moe_layer<P> layer(cfg, c, arrays.views(cfg, L), {}, {}, where, space);
+    const auto x = io::upload(std::span(g.x).subspan(static_cast<std::size_t>(r * T * H), T * H));
+    auto y = io::upload(std::vector<float>(T * H)), dy = io::upload(std::vector<float>(T * H, .5f)),
+         dx = io::upload(std::vector<float>(T * H));
+    io::poison(dx, space);
+    grad_arrays<expert::swiglu> grads(cfg, L);
+    const auto views = grads.template views<P>(cfg, L);
     const auto all_nan = [&] {
-      grads.download(test_space{});
-      for (const auto* v : {&dx, &grads.gate, &grads.w1, &grads.w3, &grads.w2})
-        for (float f : *v)
+      grads.download(space);
+      int n = 0;
+      for (const auto* v : {&grads.gate, &grads.w1, &grads.w3, &grads.w2, &grads.s1, &grads.s3,
+                            &grads.s2, &grads.sgate, &grads.obias})
+        for (float f : *v) {
           if (!std::isnan(f)) return false;
+          ++n;
+        }
+      for (float f : io::download(dx, space))
+        if (!std::isnan(f)) return false;
+      looked[r] = n;
       return true;
     };
     const auto attempt = [&](auto&& f) -> std::string {
@@ -623,33 +640,50 @@ TEST_CASE("layer backward: bad arguments throw on every rank, nothing is written
       }
       return "none";
     };
+    const matrix_view<const float> xv(io::data(x), T, H);
+    const matrix_view<float> yv(io::data(y), T, H), dxv(io::data(dx), T, H);
     // Before any forward: every rank rejects (none has saved state).
-    const std::string first = attempt([&] {
-      layer.backward({dy.data(), T, H}, {dx.data(), T, H}, views);
-    });
-    layer.forward({x.data(), T, H}, {y.data(), T, H});
+    const std::string first = attempt([&] { layer.backward({io::data(dy), T, H}, dxv, views); });
+    layer.forward(xv, yv);
     // Rank 1 passes dy one column short: it names dy, rank 0 hears of it.
     const std::string bad = attempt([&] {
-      layer.backward({dy.data(), T, r == 1 ? H - 1 : H}, {dx.data(), T, H}, views);
+      layer.backward({io::data(dy), T, r == 1 ? H - 1 : H}, dxv, views);
+      layer.synchronize();
     });
     untouched[r] = all_nan();
     // The state was consumed: a second backward is refused; a new forward makes it work.
-    const std::string again = attempt([&] {
-      layer.backward({dy.data(), T, H}, {dx.data(), T, H}, views);
-    });
-    layer.forward({x.data(), T, H}, {y.data(), T, H});
-    layer.backward({dy.data(), T, H}, {dx.data(), T, H}, views);
+    const std::string again = attempt([&] { layer.backward({io::data(dy), T, H}, dxv, views); });
+    layer.forward(xv, yv);
+    layer.backward({io::data(dy), T, H}, dxv, views);
     recovered[r] = !all_nan() && layer.stats().backward && layer.stats().saved_bytes > 0;
     caught[r] = first + " | " + bad + " | " + again;
   });
+  INFO("home terms " << home_terms << ", pads " << P::capacity::pads);
   CHECK(caught[0] ==
         "config_error backward | input_error backward inputs of rank 1 | "
         "config_error backward");
   CHECK(caught[1] == "config_error backward | config_error dy | config_error backward");
   CHECK(untouched == std::vector<int>{1, 1});
   CHECK(recovered == std::vector<int>{1, 1});
+  const index_t F = cfg.ffn, E = cfg.experts;
+  // gate, the routed experts' w1, w3, w2, the output bias's (always sized), and the shared
+  // expert's and its gate's.
+  const index_t expect = E * H + 3 * (E / 2) * F * H + H + (home_terms ? 3 * F * H + H : 0);
+  CHECK(looked == std::vector<int>(2, static_cast<int>(expect)));
 }
 
+TEST_CASE("layer backward: bad arguments throw on every rank, nothing is written",
+          "[layer][backward]") {
+  rejected_backward<train_policies<router::topk_softmax<2>>>(false);
+  // Shared experts, their gate and the output bias: their gradients are the home rank's.
+  rejected_backward<train_policies<router::topk_softmax<2>>>(true);
+  rejected_backward<train_policies<router::topk_softmax<2>, capacity::dropless, expert::swiglu,
+                                   schedule::pipelined<2>>>(true);
+  rejected_backward<train_policies<router::topk_softmax<2>, capacity::factor<true>>>(true);
+}
+
+// Host-only: these build layers over host arrays directly.
+#ifndef EPMOE_TEST_SPACES_ONLY_GENERIC
 TEST_CASE("layer backward: config training off is named, the saved bytes are reported",
           "[layer][backward]") {
   struct P : train_policies<router::topk_softmax<2>> {
@@ -722,6 +756,92 @@ TEST_CASE("layer backward: loss scales on a router whose losses have no gradient
   }
   CHECK(field == "backward_options.losses");
   CHECK(std::isnan(dx[0]));
+}
+
+TEST_CASE("layer backward: the token ids are the forward's, whatever the caller's memory holds",
+          "[layer][backward]") {
+  // Noisy top-k seeds each token's noise with its id; backward draws the same noise again.
+  router::noisy_topk<2> r;
+  r.training = true;
+  r.seed = 11;
+  std::vector<std::int64_t> ids(48);
+  for (std::size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<std::int64_t>(i * 31 % 17);
+  check_step<train_policies<router::noisy_topk<2>>>(
+      train_layer(2), {.router = r, .token_ids = ids, .scramble_ids = true});
+}
+
+TEST_CASE("layer backward: a given routing writes zeros into the gate's and noise gate's gradients",
+          "[layer][backward]") {
+  struct P : train_policies<router::noisy_topk<2>> {
+    using comm = epmoe::comm::local;
+  };
+  layer_config cfg = train_layer(1);
+  cfg.training = true;
+  const auto w = reference::full_weights::random(cfg, 35);
+  const index_t H = cfg.hidden, T = 6, E = cfg.experts;
+  const auto g = test::make_tokens({T}, H, 36);
+  std::vector<float> y(T * H, nan_f), dy(T * H, 1.f), dx(T * H, nan_f);
+  std::vector<std::int32_t> rid(T * 2);
+  std::vector<float> rw(T * 2, 0.5f);
+  for (index_t t = 0; t < T; ++t) rid[t * 2] = t % E, rid[t * 2 + 1] = (t + 3) % E;
+  test::rank_arrays<P> arrays(w, reference::slice(w, placement::block(cfg), 0));
+  grad_arrays<expert::swiglu> grads(cfg, E);
+  router::noisy_topk<2> r;
+  r.training = true;
+  moe_layer<P> layer(cfg, comm::local{}, arrays.views(cfg, E), r);
+  layer.forward({g.x.data(), T, H}, {{rid.data(), T, 2}, {rw.data(), T, 2}}, {y.data(), T, H});
+  layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads.views<P>(cfg, E));
+  grads.download(test_space{});
+  int zeros = 0;
+  for (const auto* v : {&grads.gate, &grads.noise})
+    for (float f : *v) zeros += f == 0.f;
+  CHECK(zeros == 2 * E * H);
+  for (float f : dx) CHECK(std::isfinite(f));
+}
+
+TEST_CASE("layer backward: a pass is a value, backward consumes its handle once",
+          "[layer][backward]") {
+  struct P : train_policies<router::topk_softmax<2>> {
+    using comm = epmoe::comm::local;
+  };
+  layer_config cfg = train_layer(1);
+  const auto w = reference::full_weights::random(cfg, 37);
+  const index_t H = cfg.hidden, T = 8, E = cfg.experts;
+  const auto g = test::make_tokens({T}, H, 38);
+  std::vector<float> y(T * H, nan_f), dy(T * H, 1.f), dx(T * H, nan_f);
+  test::rank_arrays<P> arrays(w, reference::slice(w, placement::block(cfg), 0));
+  grad_arrays<expert::swiglu> grads(cfg, E);
+  const auto views = grads.views<P>(cfg, E);
+  {  // Inference: the handle says there is nothing to go back through.
+    moe_layer<P> layer(cfg, comm::local{}, arrays.views(cfg, E));
+    const auto h = layer.forward({g.x.data(), T, H}, {y.data(), T, H});
+    CHECK_FALSE(h.training);
+    CHECK(h.id == 0);
+  }
+  cfg.training = true;
+  moe_layer<P> layer(cfg, comm::local{}, arrays.views(cfg, E));
+  const auto first = layer.forward({g.x.data(), T, H}, {y.data(), T, H});
+  const auto second = layer.forward({g.x.data(), T, H}, {y.data(), T, H});
+  CHECK(first.training);
+  CHECK(second.id == first.id + 1);
+  const auto refused = [&](auto h) -> std::string {
+    try {
+      layer.backward(h, {dy.data(), T, H}, {dx.data(), T, H}, views);
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  // The layer keeps the last pass only: the first one's handle is stale.
+  const std::string stale = refused(first);
+  INFO(stale);
+  CHECK(stale.find("pass 0") != std::string::npos);
+  CHECK(stale.find("pass 1") != std::string::npos);
+  CHECK(std::isnan(dx[0]));
+  CHECK(refused(second).empty());
+  CHECK(std::isfinite(dx[0]));
+  // Consumed: once.
+  CHECK(refused(second).find("consumed") != std::string::npos);
 }
 #endif
 

@@ -4,12 +4,15 @@
 #include <catch2/catch.hpp>
 #include <limits>
 #include <numeric>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "harness.hpp"
 #include <epmoe/placement/balancer.hpp>
 #include <epmoe/placement/round_robin.hpp>
 #include <epmoe/placement/table.hpp>
+#include <epmoe/router/sigmoid_bias.hpp>
 
 // Placement decides where experts live, never what a token computes.
 using namespace epmoe;
@@ -159,6 +162,74 @@ TEMPLATE_LIST_TEST_CASE("placement: live re-placement moves only changed slots a
   const index_t slot_bytes = 3 * index_t{cfg.ffn} * cfg.hidden *
                              index_t{sizeof(typename test::space_io<Space>::value_type)};
   CHECK(moved == std::vector<index_t>{2 * slot_bytes, 0, 2 * slot_bytes, 0});
+}
+
+TEMPLATE_LIST_TEST_CASE(
+    "placement: the survivors' layer takes the router bias and re-placed experts as values",
+    "[layer][placement]", test::spaces) {
+  // exclude_ranks builds a layer that reads nothing the old one owns: not its router bias (in
+  // the space's memory: a device pointer the host must not read), not the experts it owns
+  // after a live re-placement, whatever the old layer does next or when it is gone.
+  using Space = TestType;
+  using io = test::space_io<Space>;
+  struct P : test::router_policies<Space, router::sigmoid_bias<2>> {
+    using placement = epmoe::placement::table;
+  };
+  const int R = 4;
+  const layer_config cfg = cfg4();
+  const auto w = reference::full_weights::random(cfg, 6);
+  const auto g = test::make_tokens(std::vector<index_t>(R, 16), cfg.hidden, 7);
+  // Every expert on two ranks (4 slots each), so any one rank can be lost.
+  const auto ring = [&](int shift) {
+    std::vector<int> phy;
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) phy.push_back((2 * r + j + shift) % 8);
+    return placement::table(8, R, phy);
+  };
+  const std::vector<char> lost{0, 1, 0, 0};
+  std::vector<float> bias(8);
+  for (int e = 0; e < 8; ++e) bias[static_cast<std::size_t>(e)] = 0.05f * float(e % 3) - 0.04f;
+  std::vector<int> same(R, -1), own_bias(R, -1);
+  comm::threads_world world(R);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    const placement::table first = ring(0);
+    test::rank_arrays<P> arrays(w, reference::slice(w, first, r));
+    const Space space{};
+    std::optional<moe_layer<P>> old;
+    old.emplace(cfg, c, arrays.views(cfg, 4), router::sigmoid_bias<2>{}, capacity::dropless{},
+                first, space);
+    std::copy(bias.begin(), bias.end(), old->router_bias().begin());
+    old->apply_placement(ring(2));  // the old layer owns its experts from here on
+    if (lost[static_cast<std::size_t>(r)]) {
+      old->apply_placement(ring(4));
+      return;
+    }
+    auto survivors = old->exclude_ranks(lost);
+    const std::span<float> kept = survivors.router_bias();
+    own_bias[r] = std::equal(kept.begin(), kept.end(), bias.begin()) &&
+                  survivors.router().bias != old->router().bias;
+    const index_t T = 16, H = cfg.hidden;
+    const auto x = io::upload(std::span(g.x).subspan(g.offset(r) * H, T * H));
+    auto y = io::upload(std::vector<float>(T * H));
+    std::vector<std::vector<float>> outs;
+    const auto pass = [&] {
+      io::poison(y, space);
+      survivors.forward({io::data(x), T, H}, {io::data(y), T, H});
+      outs.push_back(io::download(y, space));
+    };
+    pass();
+    // Only the old layer changes: another bias, its experts re-placed again; then it is gone.
+    std::fill(old->router_bias().begin(), old->router_bias().end(), 0.5f);
+    old->apply_placement(ring(4));
+    pass();
+    old.reset();
+    pass();
+    same[r] = outs[0] == outs[1] && outs[0] == outs[2] &&
+              std::all_of(outs[0].begin(), outs[0].end(), [](float v) { return std::isfinite(v); });
+  });
+  CHECK(own_bias == std::vector<int>{1, -1, 1, 1});
+  CHECK(same == std::vector<int>{1, -1, 1, 1});
 }
 
 #ifndef EPMOE_TEST_SPACES_ONLY_GENERIC

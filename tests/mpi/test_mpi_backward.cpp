@@ -3,8 +3,11 @@
 // The layer's backward on MPI processes (1 to 4) against reference::backward: every rank
 // checks its own dx rows and, after reduce_gradients, the gate's sum and its slots' expert
 // gradients (a replicated expert's copy holds the sum over its copies).
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <cmath>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "../layer/harness.hpp"
@@ -107,4 +110,87 @@ TEST_CASE("mpi backward: dx and the reduced gradients equal the reference", "[mp
   chunks.chunks = 2;
   check_backward<mpi_train_pipelined>(chunks);
   check_backward<mpi_train_replicas>(mpi_layer());
+}
+
+TEST_CASE("mpi: ranks that make different calls all throw the same error, nothing is written",
+          "[mpi][backward]") {
+  const int R = test::world_size(), me = test::world_rank();
+  if (R < 2) return;  // one rank cannot disagree with itself
+  layer_config cfg{
+      .hidden = 8, .ffn = 12, .experts = 2 * R, .top_k = 2, .ranks = R, .max_tokens = 8};
+  cfg.training = true;
+  cfg.chunks = 2;
+  cfg.exchange_timeout = 30;
+  const index_t H = cfg.hidden, F = cfg.ffn, E = cfg.experts, T = 8;
+  const auto w = reference::full_weights::random(cfg, 81);
+  const placement::block where(cfg);
+  const index_t L = where.slots_per_rank();
+  const auto mine = reference::slice(w, where, me);
+  moe_layer<mpi_train_pipelined> layer(cfg, comm::mpi(MPI_COMM_WORLD),
+                                       {w.gate_view(), mine.experts()});
+  constexpr float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> x = reference::random_tokens(T, H, 82 + static_cast<std::uint64_t>(me)),
+                           dy(T * H, 0.5f);
+  std::vector<float> y(T * H), dx(T * H), dgate(E * H), dw1(L * F * H), dw3(L * F * H),
+      dw2(L * H * F);
+  const auto poison = [&] {
+    for (auto* v : {&y, &dx, &dgate, &dw1, &dw3, &dw2}) std::fill(v->begin(), v->end(), nan);
+  };
+  const auto untouched = [&] {
+    for (auto* v : {&y, &dx, &dgate, &dw1, &dw3, &dw2})
+      for (float f : *v)
+        if (!std::isnan(f)) return false;
+    return true;
+  };
+  const moe_layer<mpi_train_pipelined>::gradients grads{
+      {dgate.data(), E, H}, {{dw1.data(), L, F, H}, {dw3.data(), L, F, H}, {dw2.data(), L, H, F}}};
+  const auto forward = [&] { layer.forward({x.data(), T, H}, {y.data(), T, H}); };
+  const auto backward = [&] { layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads); };
+  const auto thrown = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const config_error& e) {
+      return e.field() + ": " + e.what();
+    }
+    return "none";
+  };
+  // Every rank gathers every rank's text: all must be the same.
+  const auto same_everywhere = [&](const std::string& s) {
+    std::vector<char> mine_text(256, 0), all(static_cast<std::size_t>(256 * R));
+    std::copy_n(s.begin(), std::min<std::size_t>(s.size(), 255), mine_text.begin());
+    MPI_Allgather(mine_text.data(), 256, MPI_CHAR, all.data(), 256, MPI_CHAR, MPI_COMM_WORLD);
+    for (int r = 1; r < R; ++r)
+      if (!std::equal(all.begin(), all.begin() + 256, all.begin() + 256 * r)) return false;
+    return true;
+  };
+  forward();
+  poison();
+  int checked = 0;
+  const std::string a = thrown([&] { me == 0 ? forward() : backward(); });
+  INFO(a);
+  CHECK(a.rfind("call: ", 0) == 0);
+  CHECK(same_everywhere(a));
+  CHECK(untouched());
+  forward();
+  backward();
+  if (me == 0) layer.set_chunks(1);
+  poison();
+  const std::string b = thrown(forward);
+  INFO(b);
+  CHECK(b.find("chunks") != std::string::npos);
+  CHECK(same_everywhere(b));
+  CHECK(untouched());
+  layer.set_chunks(2);
+  const std::string c = thrown([&] { me == R - 1 ? layer.reduce_gradients(grads) : forward(); });
+  INFO(c);
+  CHECK(c.find("reduce_gradients") != std::string::npos);
+  CHECK(same_everywhere(c));
+  CHECK(untouched());
+  forward();
+  backward();
+  layer.reduce_gradients(grads);
+  CHECK(std::isfinite(dx[0]));
+  CHECK(std::isfinite(dgate[0]));
+  checked += 3;
+  CHECK(checked == 3);
 }

@@ -252,4 +252,21 @@ constexpr bool schedule() {
   return true;
 }
 
+/// What a layer's backward calls of its space, expert and router.
+template <class S, class X, class R>
+constexpr bool trains() {
+  static_assert(training_space<S> && std::same_as<typename S::value_type, float>,
+                "epmoe: moe_layer::backward needs a float space with the backward GEMMs "
+                "(space::host, space::cuda<float>)");
+  static_assert(
+      requires { X::backward_scratch_per_row(index_t{}); },
+      "epmoe: this expert policy has no backward: moe_layer::backward needs Expert::backward "
+      "and Expert::backward_scratch_per_row (expert/swiglu.hpp)");
+  static_assert(!R::uses_gate || router_with_backward<R>,
+                "epmoe: this router has no backward yet: moe_layer::backward needs "
+                "router.backward_token(in, ids, g, dlogits) (docs/training.md lists the routers "
+                "that have one)");
+  return true;
+}
+
 }  // namespace epmoe::checks

@@ -146,13 +146,15 @@ struct weighted_reduce {
   matrix_view<const float> weights;   // [T, K]
   const float* shared;                // [T, H] or nullptr
   matrix_view<T> y;                   // [T, H]
-  const index_t* verdicts = nullptr;  // every rank's 1/0 (inputs accepted), `stride` apart:
-  index_t stride = 0;                 //   with one 0 nothing is written (static shapes)
-  int ranks = 0;
+  const index_t* verdicts = nullptr;  // every rank's call header (valid, kind, pass, chunks),
+  index_t stride = 0;                 //   `stride` apart: with one rejected input or one other
+  int ranks = 0;                      //   call nothing is written (static shapes)
   EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
     const index_t K = weights.cols;
-    for (int r = 0; verdicts && r < ranks; ++r)
-      if (verdicts[r * stride] == 0) return;
+    for (int r = 0; verdicts && r < ranks; ++r) {
+      const index_t* v = verdicts + r * stride;
+      if (v[0] == 0 || v[1] != verdicts[1] || v[2] != verdicts[2] || v[3] != verdicts[3]) return;
+    }
     for (index_t h = h0; h < h1; h += piece) {
       const index_t n = h1 - h < piece ? h1 - h : piece;
       float acc[piece] = {};

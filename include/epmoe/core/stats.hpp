@@ -149,4 +149,34 @@ struct pass_stats {
         assignment_rows_received(ranks) {}
 };
 
+/// A pass seen by all ranks (moe_layer::gather_load): rows per logical expert summed over
+/// ranks, and real rows each rank's experts computed.
+struct global_load {
+  std::vector<index_t> per_expert;  // [E]
+  std::vector<index_t> per_rank;    // [R]
+  imbalance experts, ranks;         // the straggler's excess is ranks.excess
+};
+
+/// gather_load's collective: one all-to-all of every rank's per-expert load and computed rows.
+template <class Comm>
+global_load gather_global_load(Comm& comm, const pass_stats& s, int R, int E) {
+  const int W = E + 1;
+  std::vector<index_t> send(static_cast<std::size_t>(R * W)), recv(send.size());
+  index_t computed = 0;
+  for (index_t n : s.rows_per_local_expert) computed += n;
+  for (int r = 0; r < R; ++r) {
+    std::copy_n(s.routed_per_expert.begin(), E, send.begin() + r * W);
+    send[static_cast<std::size_t>(r * W + E)] = computed;
+  }
+  comm.alltoall(send.data(), recv.data(), W);
+  global_load g{std::vector<index_t>(E, 0), std::vector<index_t>(R, 0), {}, {}};
+  for (int r = 0; r < R; ++r) {
+    for (int e = 0; e < E; ++e) g.per_expert[e] += recv[static_cast<std::size_t>(r * W + e)];
+    g.per_rank[r] = recv[static_cast<std::size_t>(r * W + E)];
+  }
+  g.experts = imbalance::of(g.per_expert);
+  g.ranks = imbalance::of(g.per_rank);
+  return g;
+}
+
 }  // namespace epmoe

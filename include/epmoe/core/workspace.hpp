@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <string>
 
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/error.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/view.hpp"
 
@@ -86,10 +89,18 @@ struct workspace_layout {
       // A window of q tokens of every source per unit: the plan's chunks are C windows of
       // ceil(T/C) tokens cut in ceil(ceil(T/C)/q) (<= ceil(T/q) + C - 1 in all for C <= chunks).
       const index_t q = std::max<index_t>(1, M / (R * units_in_flight)), S = units_in_flight;
+      const index_t windows = (T + q - 1) / q + chunks - 1;
+      // The plan indexes blocks (window, rank, local slot) with int.
+      if (windows * R * L > std::numeric_limits<std::int32_t>::max())
+        throw config_error("max_recv_rows", std::to_string(M),
+                           "makes windows of " + std::to_string(q) + " token(s) and " +
+                               std::to_string(windows * R * L) +
+                               " blocks (windows x ranks x local experts), more than 2^31 - 1: "
+                               "raise max_recv_rows or lower max_tokens");
       w.token_rounds = true;
       w.quota = q;
       w.per_source = std::min(q, T);
-      w.chunks = static_cast<int>((T + q - 1) / q + chunks - 1);
+      w.chunks = static_cast<int>(windows);
       w.blocks = w.chunks * R * L;
       w.max_units = w.chunks;
       w.max_rounds = (T + q - 1) / q;
@@ -107,7 +118,11 @@ struct workspace_layout {
       w.recv_buffer_rows = units_in_flight * R * w.per_source;
       w.expert_rows = R * w.per_source;
       w.max_rounds = (w.from_one_rank + w.quota - 1) / w.quota;
-      w.max_units = chunks * static_cast<int>(w.max_rounds);
+      if (chunks * w.max_rounds > std::numeric_limits<std::int32_t>::max())
+        throw config_error("max_recv_rows", std::to_string(M),
+                           "makes " + std::to_string(chunks * w.max_rounds) +
+                               " rounds, more than 2^31 - 1: raise max_recv_rows");
+      w.max_units = chunks * w.max_rounds;
     } else {
       w.recv_buffer_rows = w.recv_rows;
       w.expert_rows = w.recv_rows;

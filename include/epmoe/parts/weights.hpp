@@ -1,0 +1,179 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstddef>
+#include <span>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "epmoe/core/error.hpp"
+#include "epmoe/core/options.hpp"
+#include "epmoe/core/view.hpp"
+#include "epmoe/space/host_packed.hpp"
+
+namespace epmoe {
+
+/// The weights one rank holds (non-owning views in the space's memory; they must outlive the
+/// layer): moe_layer<P>::weights.
+template <class T, class ExpertWeights>
+struct layer_weights {
+  matrix_view<const T> gate;           // [E, H] router gate, the same on every rank
+  ExpertWeights experts;               // this rank's slots, local-slot order
+  ExpertWeights shared{};              // [N] shared experts (config shared_experts)
+  matrix_view<const T> noise_gate{};   // [E, H] noisy top-k's noise projection
+  matrix_view<const T> shared_gate{};  // [N, H] (config shared_gate)
+  matrix_view<const T> output_bias{};  // [1, H] (config output_bias)
+};
+
+namespace detail {
+/// The packed copies a layer keeps for its space (space::host's packed_weights), or nothing.
+template <class S>
+struct packed_store_of {
+  struct type {
+    bool empty() const { return true; }
+  };
+};
+template <class S>
+requires requires { typename S::packed_store; }
+struct packed_store_of<S> {
+  using type = typename S::packed_store;
+};
+}  // namespace detail
+
+}  // namespace epmoe
+
+namespace epmoe::parts {
+
+/// Everything a layer reads its expert weights from, in one object: the caller's views, the
+/// packed copies in the space's own layout (pack), and the copies the layer owns after a live
+/// re-placement (relocate). The space receives the packed copies per call (with_space), so no
+/// space holds a pointer into this store, and a layer built from another (exclude_ranks)
+/// copies what the other owns (own_experts) instead of pointing into it.
+template <class Space, class Expert>
+class weights_store {
+ public:
+  using value_type = typename Space::value_type;
+  using expert_weights = typename Expert::template weights_of<value_type>;
+  using weights = layer_weights<value_type, expert_weights>;
+  static constexpr bool packs = requires { typename Space::packed_store; };
+
+  explicit weights_store(const weights& w, packed_precision as = packed_precision::fp32)
+      : w_(w), pack_as_(as) {}
+
+  /// The views a pass reads (the layer's own copies of its experts once it owns them).
+  const weights& views() const { return w_; }
+  /// Other views of the same shapes (checked by the caller); packed again when packed.
+  void rebind(const Space& s, const weights& w, index_t input_rows, bool shared) {
+    w_ = w;
+    if (packed()) pack(s, pack_as_, input_rows, shared);
+  }
+
+  /// Runs f(space) with the space reading the packed copies (a copy of `s` bound to them
+  /// for this call: space::host's use_packed), or f(s) when nothing is packed.
+  template <class F>
+  void with_space(const Space& s, F&& f) const {
+    if constexpr (packs) {
+      if (!packed_.empty()) {
+        Space bound = s;
+        bound.use_packed(&packed_);
+        f(static_cast<const Space&>(bound));
+        return;
+      }
+    }
+    f(s);
+  }
+
+  /// Packs the routed (and `shared`) experts in precision `as`, with room for `input_rows`
+  /// rows of converted inputs (the AVX512-BF16 path). Repacking the same tensors allocates
+  /// nothing.
+  void pack(const Space& s, packed_precision as, index_t input_rows, bool shared) {
+    if constexpr (packs) {
+      std::array<stacked_view<const value_type>, 8> all{};
+      std::size_t n = 0;
+      for (auto* v : Expert::tensors(w_.experts)) all.at(n++) = *v;
+      if (shared)
+        for (auto* v : Expert::tensors(w_.shared)) all.at(n++) = *v;
+      packed_.pack_only(std::span(all.data(), n), as);
+      if (as == packed_precision::bf16 && s.kernel_path() == space::cpu_path::avx512_bf16)
+        packed_.reserve_inputs(input_rows);
+      pack_as_ = as;
+    }
+  }
+  packed_precision precision() const { return pack_as_; }
+  void unpack() {
+    if constexpr (packs) packed_.clear();
+  }
+  bool packed() const { return !packed_.empty(); }
+
+  bool owns_experts() const { return !owned_.empty(); }
+  /// The store's own contiguous copy of its slots' weights, made from the views now (the
+  /// caller's, or another layer's: copied in the space's memory), which it then reads.
+  void own_experts(const Space& s) {
+    auto views = Expert::tensors(w_.experts);
+    std::vector<mirror<value_type>> owned;
+    std::vector<mirror<index_t>> desc;
+    for (stacked_view<const value_type>* v : views) {
+      detail::require(v->batch_stride % v->stride == 0, "weights.experts", v->batch_stride,
+                      "a live re-placement needs each tensor's batch stride to be a multiple of "
+                      "its row stride");
+      auto& m =
+          owned.emplace_back(s.template allocate_mirror<value_type>(v->count * v->rows * v->cols));
+      auto& d = desc.emplace_back(s.template allocate_mirror<index_t>(3 * v->count));
+      for (index_t j = 0; j < v->count; ++j) {  // slot j's rows: from, to, how many
+        d.host()[j] = j * (v->batch_stride / v->stride);
+        d.host()[v->count + j] = j * v->rows;
+        d.host()[2 * v->count + j] = v->rows;
+      }
+      s.to_device(d, 0, d.size());
+      const index_t rows_in = (v->count - 1) * (v->batch_stride / v->stride) + v->rows;
+      s.copy_blocks({v->data, rows_in, v->cols, v->stride},
+                    {m.device(), v->count * v->rows, v->cols}, v->count, d.device(),
+                    d.device() + v->count, d.device() + 2 * v->count);
+    }
+    s.synchronize();
+    for (std::size_t k = 0; k < views.size(); ++k) {
+      stacked_view<const value_type>& v = *views[k];
+      v = {owned[k].device(), v.count, v.rows, v.cols};
+    }
+    owned_ = std::move(owned);  // (the copies read the old ones: freed only now)
+    desc_ = std::move(desc);
+  }
+
+  /// A live re-placement: the store's own copy of its slots (made on the first call), staged
+  /// through host memory, moved by `move(staged)` (placement::relocate over the comm) and
+  /// back; the packed copies follow. Returns what `move` returns.
+  template <class Move>
+  index_t relocate(const Space& s, Move&& move, index_t input_rows, bool shared) {
+    if (owned_.empty()) own_experts(s);
+    auto views = Expert::tensors(w_.experts);
+    constexpr std::size_t N = std::tuple_size_v<decltype(views)>;
+    std::array<stacked_view<value_type>, N> staged;
+    for (std::size_t k = 0; k < N; ++k) {
+      const stacked_view<const value_type>& v = *views[k];
+      s.to_host(owned_[k], 0, owned_[k].size());
+      staged[k] = {owned_[k].host(), v.count, v.rows, v.cols};
+    }
+    s.synchronize();
+    const index_t received = move(staged);
+    for (auto& m : owned_) s.to_device(m, 0, m.size());
+    s.synchronize();
+    if (packed()) pack(s, pack_as_, input_rows, shared);  // the slots hold other experts now
+    return received;
+  }
+
+ private:
+  template <class T>
+  using mirror = typename Space::template mirror<T>;
+
+  weights w_;
+  [[no_unique_address]] typename epmoe::detail::packed_store_of<Space>::type packed_;
+  packed_precision pack_as_ = packed_precision::fp32;
+  std::vector<mirror<value_type>> owned_;  // expert weights after a live re-placement
+  std::vector<mirror<index_t>> desc_;      // their first copy's block offsets
+};
+
+}  // namespace epmoe::parts
