@@ -5,6 +5,7 @@ project (python/CMakeLists.txt) against the torch of the Python running pip, and
 package. --no-build-isolation: the build must see the torch you will run with (an isolated
 build environment has none, or another)."""
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,7 +29,9 @@ class CMakeBuild(build_ext):
             "cmake", "-S", ROOT, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
             f"-DEPMOE_PYTHON={sys.executable}", "-DEPMOE_WITH_TORCH=ON",
             "-DEPMOE_BUILD_TESTS=OFF", "-DEPMOE_BUILD_EXAMPLES=OFF", "-DEPMOE_BUILD_BENCH=OFF",
-            "-DEPMOE_WITH_MPI=OFF", "-DEPMOE_WITH_CUDA=OFF", "-DEPMOE_INSTALL=OFF"])
+            "-DEPMOE_WITH_MPI=OFF", "-DEPMOE_WITH_CUDA=OFF", "-DEPMOE_INSTALL=OFF",
+            # more configure arguments, e.g. EPMOE_CMAKE_ARGS="-DEPMOE_WITH_BLAS=OFF"
+            *shlex.split(os.environ.get("EPMOE_CMAKE_ARGS", ""))])
         jobs = str(max(1, os.cpu_count() or 1))
         subprocess.check_call(["cmake", "--build", build, "--target", "_epmoe", "-j", jobs])
         target = self.get_ext_fullpath(ext.name)
