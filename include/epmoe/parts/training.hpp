@@ -267,15 +267,17 @@ class training_state {
   template <class Weights>
   index_t segments(const Space& s, const layer_config& cfg, Weights& w, gradients& g, bool in,
                    bool count_only = false) {
+    // m into the staging at element o (`in`), or back.
+    const auto stage = [&](matrix_view<float> m, index_t o) {
+      const matrix_view<float> st(stage_.device() + o, m.rows, m.cols, m.cols);
+      if (in)
+        s.for_each_row(m.rows, m.cols, rows::copy<float>{m, st});
+      else
+        s.for_each_row(m.rows, m.cols, rows::copy<float>{st, m});
+    };
     index_t at = 0;
     const auto seg = [&](matrix_view<float> m) {
-      if (!count_only && m.rows > 0) {
-        const matrix_view<float> st(stage_.device() + at, m.rows, m.cols, m.cols);
-        if (in)
-          s.for_each_row(m.rows, m.cols, rows::copy<float>{m, st});
-        else
-          s.for_each_row(m.rows, m.cols, rows::copy<float>{st, m});
-      }
+      if (!count_only && m.rows > 0) stage(m, at);
       at += m.rows * m.cols;
     };
     const index_t E = cfg.experts, H = cfg.hidden, N = cfg.shared_experts;
@@ -304,11 +306,7 @@ class training_state {
         index_t o = at + q * per;
         for (std::size_t t = 0; t < we.size(); ++t) {
           const matrix_view<float> m = (*ge[t])[static_cast<index_t>(j)];
-          const matrix_view<float> st(stage_.device() + o, m.rows, m.cols, m.cols);
-          if (in)
-            s.for_each_row(m.rows, m.cols, rows::copy<float>{m, st});
-          else
-            s.for_each_row(m.rows, m.cols, rows::copy<float>{st, m});
+          stage(m, o);
           o += m.rows * m.cols;
         }
       }

@@ -271,6 +271,17 @@ class exchange_core {
     x.clock.event(chunk, stage_kind::combine, round, rows, bytes, marks_[4 * k + 2], w1);
   }
 
+  // Unit u's rows of every local expert, the plan's groups from expert-buffer row `first`.
+  grouped_rows<value_type> plan_rows(const context& x, int u, index_t first) const {
+    const int L = x.plan.local_experts;
+    return {x_expert_.data() + first * w_.row_stride,
+            w_.hidden,
+            w_.row_stride,
+            L,
+            x.plan.expert_offsets + u * L,
+            x.dev.expert_offsets + u * L,
+            w_.align};
+  }
   matrix_view<value_type> expert_view() const {
     return {x_expert_.data(), w_.expert_rows, w_.hidden, w_.row_stride};
   }

@@ -135,17 +135,9 @@ class dedup_exchange : public exchange_core<Comm, Space> {
   }
 
   grouped_rows<value_type> expert_rows(const context& x, int u) const {
-    const dispatch_plan& p = x.plan;
-    const int L = p.local_experts;
-    const workspace_layout& w = this->w_;
-    return {this->x_expert_.data() + expert_first(p, u) * w.row_stride,
-            w.hidden,
-            w.row_stride,
-            L,
-            p.expert_offsets + u * L,
-            x.dev.expert_offsets + u * L,
-            w.align};
+    return this->plan_rows(x, u, expert_first(x.plan, u));
   }
+
 
   /// The expert rank sums each token's outputs (forward: weighted; backward: plain, the
   /// weights went onto the dy rows), one row per (token, rank), and returns them.

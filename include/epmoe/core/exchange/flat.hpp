@@ -84,17 +84,9 @@ class flat_exchange : public exchange_core<Comm, Space> {
 
   /// The rows every local expert computes in unit u: groups of the expert buffer.
   grouped_rows<value_type> expert_rows(const context& x, int u) const {
-    const dispatch_plan& p = x.plan;
-    const int L = p.local_experts;
-    const workspace_layout& w = this->w_;
-    return {this->x_expert_.data() + p.expert_offsets[u * L] * w.row_stride,
-            w.hidden,
-            w.row_stride,
-            L,
-            p.expert_offsets + u * L,
-            x.dev.expert_offsets + u * L,
-            w.align};
+    return this->plan_rows(x, u, x.plan.expert_offsets[u * x.plan.local_experts]);
   }
+
 
   template <bool Backward>
   void start_combine(context& x, int u) {
