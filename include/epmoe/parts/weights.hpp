@@ -100,6 +100,7 @@ class weights_store {
       packed_.pack_only(std::span(all.data(), n), as);
       if (as == packed_precision::bf16 && s.kernel_path() == space::cpu_path::avx512_bf16)
         packed_.reserve_inputs(input_rows);
+      if (as == packed_precision::bf16) packed_.reserve_unpacked();
       pack_as_ = as;
     }
   }

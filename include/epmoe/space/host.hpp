@@ -155,10 +155,14 @@ class host : public allocates<host> {
 
   /// Per group g: c's rows of g (+)= a's rows of g x b[g] (b[g] row-major [K, N], not
   /// transposed: the backward's dX = dY W). Empty groups are skipped.
+  /// With bf16 packed copies of b, b's rounded values: the backward of the forward that ran.
   void grouped_gemm_nn(grouped_rows<const float> a, stacked_view<const float> b,
                        grouped_rows<float> c, bool accumulate = false) const {
+    const packed_nt* pb = packed_ ? packed_->find(b) : nullptr;
+    const bool rounded = pb && pb->precision() == packed_precision::bf16;
     for (int g = 0; g < a.groups; ++g)
-      if (a.offsets[g + 1] > a.offsets[g]) host_gemm_nn(a.group(g), b[g], c.group(g), accumulate);
+      if (a.offsets[g + 1] > a.offsets[g])
+        host_gemm_nn(a.group(g), rounded ? packed_->unpacked(pb[g]) : b[g], c.group(g), accumulate);
   }
   /// Per group g: c[g] [M, N] (+)= (a's rows of g)ᵀ x (b's rows of g) (the backward's
   /// dW = dYᵀ X, summed over the group's rows); a group without rows gives zeros (or leaves

@@ -66,6 +66,19 @@ class packed_nt {
   const E* panel(index_t p) const {
     return reinterpret_cast<const E*>(data_.get()) + p * panel_elements();
   }
+  /// The values this copy holds, as b [N, K] row-major floats (bf16: b rounded): what a
+  /// backward multiplies by so that it differentiates the forward it follows.
+  void unpack(float* out) const {
+    const bool pairs = as_ == packed_precision::bf16;
+    for (index_t p = 0; p < panels(); ++p) {
+      const index_t j0 = p * panel_cols, cols = std::min(panel_cols, n_ - j0);
+      for (index_t k = 0; k < k_; ++k)
+        for (index_t j = 0; j < cols; ++j)
+          out[(j0 + j) * k_ + k] =
+              pairs ? bf16_value(panel<std::uint16_t>(p)[k / 2 * 2 * panel_cols + 2 * j + k % 2])
+                    : panel<float>(p)[k * panel_cols + j];
+    }
+  }
   /// Bytes of the panels (weights and zero padding): what one pass reads.
   index_t packed_bytes() const {
     return panels() * panel_elements() * (as_ == packed_precision::bf16 ? 2 : 4);
@@ -223,6 +236,7 @@ class packed_weights {
   void clear() {
     entries_.clear();
     pairs_ = {};
+    unpacked_ = {};
   }
   bool empty() const { return entries_.empty(); }
 
@@ -239,6 +253,21 @@ class packed_weights {
     const auto n = static_cast<std::size_t>(rows * ((K + 1) / 2));
     if (pairs_.size() < n) pairs_.resize(n);
     return pairs_.data();
+  }
+  /// Room for one matrix of the widest packed tensor, unpacked (bf16 copies: the backward's
+  /// dX = dY W multiplies by the rounded values the forward used): sized when the layer packs.
+  void reserve_unpacked() {
+    index_t n = 0;
+    for (const entry& x : entries_) n = std::max(n, x.source.rows * x.source.cols);
+    if (unpacked_.size() < static_cast<std::size_t>(n))
+      unpacked_.resize(static_cast<std::size_t>(n));
+  }
+  /// m's values as a row-major [N, K] matrix in that room (valid until the next call).
+  matrix_view<const float> unpacked(const packed_nt& m) const {
+    const auto n = static_cast<std::size_t>(m.rows() * m.cols());
+    if (unpacked_.size() < n) unpacked_.resize(n);
+    m.unpack(unpacked_.data());
+    return {unpacked_.data(), m.rows(), m.cols()};
   }
   /// Bytes of the packed copies (what packing adds to the weights' memory).
   index_t bytes() const {
@@ -259,6 +288,7 @@ class packed_weights {
   }
   std::vector<entry> entries_;
   mutable std::vector<std::uint32_t> pairs_;  // scratch of the pass that reads these copies
+  mutable std::vector<float> unpacked_;       // the same: one bf16 matrix, unpacked
 };
 
 }  // namespace epmoe::space

@@ -138,7 +138,6 @@ class dedup_exchange : public exchange_core<Comm, Space> {
     return this->plan_rows(x, u, expert_first(x.plan, u));
   }
 
-
   /// The expert rank sums each token's outputs (forward: weighted; backward: plain, the
   /// weights went onto the dy rows), one row per (token, rank), and returns them.
   template <bool Backward>

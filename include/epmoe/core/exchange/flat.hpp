@@ -87,7 +87,6 @@ class flat_exchange : public exchange_core<Comm, Space> {
     return this->plan_rows(x, u, x.plan.expert_offsets[u * x.plan.local_experts]);
   }
 
-
   template <bool Backward>
   void start_combine(context& x, int u) {
     this->marks_[4 * u + 2] = x.clock.now();
