@@ -510,6 +510,9 @@ TEST_CASE("faults: the survivors' layer owns what it reads (packed copies, re-pl
       const float* x = g.x.data() + g.offset(r) * H;
       const float nan = std::numeric_limits<float>::quiet_NaN();
       std::vector<float> y1(T * H, nan), y2(T * H, nan), y3(T * H, nan);
+      // A pass first: the old layer's space has read its packed copies (a space that kept
+      // them would hand them to the survivors' copy of it, which packs nothing itself).
+      old->forward({x, T, H}, {y1.data(), T, H});
       if (lost[static_cast<std::size_t>(r)]) {
         if (replaced) old->apply_placement(ring(R, 3));  // the old layer's collective
         return;
