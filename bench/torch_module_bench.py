@@ -92,30 +92,40 @@ def parse_args():
 def build(torch, spec, max_tokens, fused=False):
     """The HF block and the epmoe module with the same weights: compare_torch's (the C++
     benchmark's scales: experts U(-1,1)/sqrt(fan-in), gate logits of std ~2)."""
+    from epmoe import hf as epmoe_hf
     from epmoe.torch import MoE
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     H, Fw, E, K = spec["hidden"], spec["ffn"], spec["experts"], spec["top_k"]
-    ref = ct.build_torch_layer(torch, spec)  # same parameter names as HF's block
-    hf = MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=Fw,
-                                             num_local_experts=E, num_experts_per_tok=K,
-                                             hidden_act="silu", router_jitter_noise=0.0))
-    hf.load_state_dict(ref.state_dict())
+    ref = ct.build_torch_layer(torch, spec)  # per-expert Linears (w1, w3, w2) and a gate
+    logical = {"gate": ref.gate.weight.detach(),
+               **{w: torch.stack([getattr(e, w).weight.detach() for e in ref.experts])
+                  for w in ("w1", "w3", "w2")}}
+    # transformers 5's block with its reference loop over the experts ("eager"; its other
+    # experts implementations are issue 35's benchmark).
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=Fw, num_local_experts=E,
+                        num_experts_per_tok=K, hidden_act="silu", router_jitter_noise=0.0,
+                        experts_implementation="eager")
+    hf = MixtralSparseMoeBlock(cfg)
+    hf.load_state_dict(epmoe_hf.hf_state_dict("mixtral", logical, cfg))
     del ref
     moe = MoE(H, Fw, E, K, router="softmax", expert="swiglu", max_tokens=max_tokens,
               fuse_grad_accumulation=fused)
-    moe.load_logical({"gate": hf.gate.weight,
-                      **{w: torch.stack([getattr(e, w).weight for e in hf.experts])
-                         for w in ("w1", "w3", "w2")}})
+    moe.load_logical(logical)
     return hf, moe
+
+
+def hf_y(out):
+    """The block's output [1, T, H] (transformers 4 returned (y, router logits))."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def check_same(torch, hf, moe, spec):
     """hf and epmoe give the same output (fp32 reductions in other orders: ~1e-6)."""
     x = ct.token_batches(torch, 64, spec["hidden"], 7)[0]
     with torch.inference_mode():
-        a = hf(x.view(1, *x.shape))[0][0]
+        a = hf_y(hf(x.view(1, *x.shape)))[0]
         b = moe(x)[0]
     diff = float((a - b).abs().max() / a.abs().max())
     if not diff <= 1e-4:
@@ -158,7 +168,7 @@ class Sides:
                 return self._timed(lambda: self.hf(xv))
         self.hf.zero_grad(set_to_none=True)
         x.grad = None
-        return self._timed(lambda: self.hf(xv)[0].backward(dy.view(1, *dy.shape)))
+        return self._timed(lambda: hf_y(self.hf(xv)).backward(dy.view(1, *dy.shape)))
 
     def epmoe_pass(self, i):
         x, dy = self.xs[i % 4], self.dys[i % 4]

@@ -19,9 +19,8 @@ backpropagates loss_r / N, so the step is the gradient of the processes' mean lo
     python examples/python/train_tiny_moe.py [--procs 2] [--steps 40] [--compare-hf] [--out DIR]
     torchrun --nproc_per_node 2 examples/python/train_tiny_moe.py [...]
 
-(with PYTHONPATH=build/py/python, where the epmoe package is built; torch 1.13's torchrun on
-Python 3.11, Debian 12's, fails with "'NoneType' object has no attribute 'get'" unless given
---redirects 2 --tee 2, see meta-llama/llama#86). Prints per step the
+(with build/venv/bin/python and PYTHONPATH=build/default/python, where the epmoe package is
+built). Prints per step the
 loss, the auxiliary (load-balancing) loss and each layer's share of assignments per expert
 (all processes' tokens); at the end writes loss.png, expert_load.png and history.json to
 --out (default: <temp>/epmoe_train_tiny_moe).
@@ -146,7 +145,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention (written out: torch 1.13 has no scaled_dot_product)."""
+    """Causal multi-head self-attention, written out (every step of it visible)."""
 
     def __init__(self, hidden, heads):
         super().__init__()
@@ -195,15 +194,21 @@ class HFMLP(nn.Module):
         super().__init__()
         from transformers import MixtralConfig
         from transformers.models.mixtral import modeling_mixtral
-        cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn,
-                            num_local_experts=a.experts, num_experts_per_tok=a.top_k,
-                            hidden_act="silu", router_jitter_noise=0.0)
-        self.block = modeling_mixtral.MixtralSparseMoeBlock(cfg)
+        # eager: transformers' reference loop over the experts.
+        self.cfg = MixtralConfig(hidden_size=a.hidden, intermediate_size=a.ffn,
+                                 num_local_experts=a.experts, num_experts_per_tok=a.top_k,
+                                 hidden_act="silu", router_jitter_noise=0.0,
+                                 experts_implementation="eager")
+        self.block = modeling_mixtral.MixtralSparseMoeBlock(self.cfg)
         self.balance = modeling_mixtral.load_balancing_loss_func
         self.experts, self.top_k, self.alpha = a.experts, a.top_k, a.aux_coef
+        # transformers 5's block returns y alone: its router's logits come from a hook.
+        self._logits = None
+        self.block.gate.register_forward_hook(lambda m, i, out: setattr(self, "_logits", out[0]))
 
     def forward(self, h):
-        y, logits = self.block(h)
+        y = self.block(h)
+        logits = self._logits
         aux = self.balance((logits,), self.experts, self.top_k) * (self.alpha / self.top_k)
         ids = logits.detach().softmax(dim=-1).topk(self.top_k, dim=-1).indices
         load = torch.bincount(ids.flatten(), minlength=self.experts).to(torch.float64)
@@ -211,10 +216,8 @@ class HFMLP(nn.Module):
 
     @torch.no_grad()
     def load_logical(self, w):
-        self.block.gate.weight.copy_(w["gate"])
-        for e, expert in enumerate(self.block.experts):
-            for name in ("w1", "w3", "w2"):
-                getattr(expert, name).weight.copy_(w[name][e])
+        from epmoe import hf  # the logical tensors in the block's names and fused layout
+        self.block.load_state_dict(hf.hf_state_dict("mixtral", w, self.cfg))
 
     def expert_parameters(self):
         return []  # replicated on every process: data parallel like the rest

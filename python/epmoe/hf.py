@@ -2,12 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Hugging Face MoE blocks in epmoe.torch.MoE (docs/pytorch.md).
 
-    moe = from_hf(model.model.layers[0].block_sparse_moe)          # a transformers block
-    moe = from_hf_state_dict(sd, config, "mixtral", prefix="model.layers.0.block_sparse_moe.")
+    moe = from_hf(model.model.layers[0].mlp)                      # a transformers 5 block
+    moe = from_hf_state_dict(sd, config, "mixtral", prefix="model.layers.0.mlp.")
 
 A family is transformers' model_type of the block (FAMILIES). options() turns its config into
 MoE keyword arguments; logical_tensors() turns its state dict into load_logical()'s tensors
-(per-expert Linear weights stacked, fused projections split, transposed layouts copied);
+(transformers 5's fused gate_up_proj split into gate and up, transposed layouts copied,
+per-expert Linear weights stacked);
 hf_state_dict() is the inverse (weights, or gradients with gradients=True), and
 module_tensors() reads a module's parameters (or their .grad) back in logical order.
 
@@ -24,11 +25,11 @@ import torch
 __all__ = ["FAMILIES", "family_of", "options", "logical_tensors", "hf_state_dict",
            "module_tensors", "from_hf", "from_hf_state_dict"]
 
-# transformers 4.49 class -> family (its model_type). DeepSeek-V2/V3 and Qwen3-MoE are not
-# in 4.49 (and Qwen3-MoE's transformers does not import with torch 1.13): not here.
+# transformers 5 class -> family (its model_type).
 FAMILIES = {
     "MixtralSparseMoeBlock": "mixtral",
     "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
     "OlmoeSparseMoeBlock": "olmoe",
     "JambaSparseMoeBlock": "jamba",
     "DbrxFFN": "dbrx",
@@ -129,8 +130,8 @@ def options(family: str, hf_config, **overrides) -> dict:
             _require(family, o["top_k"] == 2, "num_experts_per_tok", o["top_k"],
                      "PhiMoE's sparsemixer routes to 2 experts")
             o.update(router="sparsemixer", jitter_eps=float(f("router_jitter_noise")))
-    elif family in ("qwen2_moe", "olmoe", "jamba"):
-        ffn = f("moe_intermediate_size") if family == "qwen2_moe" else f("intermediate_size")
+    elif family in ("qwen2_moe", "qwen3_moe", "olmoe", "jamba"):
+        ffn = f("moe_intermediate_size") if family.startswith("qwen") else f("intermediate_size")
         norm = family != "jamba" and bool(f("norm_topk_prob"))
         _act(family, "hidden_act", f("hidden_act"), "silu")
         o = dict(hidden=f("hidden_size"), ffn=ffn, experts=f("num_experts"),
@@ -239,19 +240,14 @@ class _Reader:
         return torch.stack([self(fmt.format(e), shape) for e in range(E)])
 
 
-# Per-expert Linear names (gate/up/down) of the families that keep a ModuleList of MLPs.
-_MIXTRAL_NAMES = ("gate.weight", "experts.{}.w1.weight", "experts.{}.w3.weight",
-                  "experts.{}.w2.weight")
-_PER_EXPERT = {
-    "mixtral": _MIXTRAL_NAMES,
-    "phimoe": _MIXTRAL_NAMES,
-    "qwen2_moe": ("gate.weight", "experts.{}.gate_proj.weight", "experts.{}.up_proj.weight",
-                  "experts.{}.down_proj.weight"),
-    "olmoe": ("gate.weight", "experts.{}.gate_proj.weight", "experts.{}.up_proj.weight",
-              "experts.{}.down_proj.weight"),
-    "jamba": ("router.weight", "experts.{}.gate_proj.weight", "experts.{}.up_proj.weight",
-              "experts.{}.down_proj.weight"),
-}
+# transformers 5 keeps each block's experts fused: gate_up_proj [E, 2F, H] (gate rows, then up
+# rows) and down_proj [E, H, F] under experts.; the router's weight [E, H] under these keys.
+_FUSED_ROUTER = {"mixtral": "gate.weight", "qwen2_moe": "gate.weight", "qwen3_moe": "gate.weight",
+                 "olmoe": "gate.weight", "jamba": "router.weight", "granitemoe": "router.weight",
+                 "granitemoeshared": "router.weight", "phimoe": "router.weight"}
+# Qwen2-MoE's shared expert: an MLP and a sigmoid gate (Linear H -> 1).
+_QWEN_SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                "shared_expert.down_proj.weight", "shared_expert_gate.weight")
 
 
 def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_config,
@@ -269,37 +265,34 @@ def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_conf
     N, Fs = o.get("shared_experts", 0), o.get("shared_ffn", 0) or F
     get = _Reader(family, state_dict, prefix)
     t: dict = {}
-    if family in _PER_EXPERT:
-        gate, w1, w3, w2 = _PER_EXPERT[family]
-        t = dict(gate=get(gate, (E, H)), w1=get.stack(w1, E, (F, H)), w3=get.stack(w3, E, (F, H)),
-                 w2=get.stack(w2, E, (H, F)))
+    if family in _FUSED_ROUTER:
+        fused = get("experts.gate_up_proj", (E, 2 * F, H))
+        t = dict(gate=get(_FUSED_ROUTER[family], (E, H)), w1=fused[:, :F], w3=fused[:, F:],
+                 w2=get("experts.down_proj", (E, H, F)))
         if family == "qwen2_moe":
-            t.update(shared_w1=get("shared_expert.gate_proj.weight", (Fs, H))[None],
-                     shared_w3=get("shared_expert.up_proj.weight", (Fs, H))[None],
-                     shared_w2=get("shared_expert.down_proj.weight", (H, Fs))[None],
-                     shared_gate=get("shared_expert_gate.weight", (1, H)))
+            sw1, sw3, sw2, sg = _QWEN_SHARED
+            t.update(shared_w1=get(sw1, (Fs, H))[None], shared_w3=get(sw3, (Fs, H))[None],
+                     shared_w2=get(sw2, (H, Fs))[None], shared_gate=get(sg, (1, H)))
+        if N and family == "granitemoeshared":
+            sp = _shared_prefix(prefix)
+            shared = get("input_linear.weight", (2 * Fs, H), prefix=sp)
+            t.update(shared_w1=shared[None, :Fs], shared_w3=shared[None, Fs:],
+                     shared_w2=get("output_linear.weight", (H, Fs), prefix=sp)[None])
     elif family == "dbrx":
         # w1, v1 [E*F, H] (rows per expert); w2 [E*F, H] is each expert's W2 transposed.
         t = dict(gate=get("router.layer.weight", (E, H)),
                  w1=get("experts.mlp.w1", (E * F, H)).view(E, F, H),
                  w3=get("experts.mlp.v1", (E * F, H)).view(E, F, H),
                  w2=get("experts.mlp.w2", (E * F, H)).view(E, F, H).transpose(1, 2))
-    elif family in ("granitemoe", "granitemoeshared", "jetmoe"):
+    elif family == "jetmoe":  # not fused by transformers 5: its own parallel experts
         fused = get("input_linear.weight", (E, 2 * F, H))  # gate rows first, then up
         t = dict(gate=get("router.layer.weight", (E, H)), w1=fused[:, :F], w3=fused[:, F:],
-                 w2=get("output_linear.weight", (E, H, F)))
-        if family == "jetmoe":
-            t["output_bias"] = get("bias", (H,))
-        if N:
-            sp = _shared_prefix(prefix)
-            shared = get("input_linear.weight", (2 * Fs, H), prefix=sp)
-            t.update(shared_w1=shared[None, :Fs], shared_w3=shared[None, Fs:],
-                     shared_w2=get("output_linear.weight", (H, Fs), prefix=sp)[None])
-    elif family == "aria":
-        fc1 = get("experts.fc1.weight", (E, H, 2 * F))  # [in, out]: projection cols, then gate
-        t = dict(gate=get("router.weight", (E, H)), w1=fc1[:, :, :F].transpose(1, 2),
-                 w3=fc1[:, :, F:].transpose(1, 2),
-                 w2=get("experts.fc2.weight", (E, F, H)).transpose(1, 2))
+                 w2=get("output_linear.weight", (E, H, F)), output_bias=get("bias", (H,)))
+    elif family == "aria":  # transposed ([in, out]): gate columns, then up
+        fused = get("experts.gate_up_proj", (E, H, 2 * F))
+        t = dict(gate=get("router.weight", (E, H)), w1=fused[:, :, :F].transpose(1, 2),
+                 w3=fused[:, :, F:].transpose(1, 2),
+                 w2=get("experts.down_proj", (E, F, H)).transpose(1, 2))
         if N:
             t.update(shared_w1=get("shared_experts.gate_proj.weight", (Fs, H))[None],
                      shared_w3=get("shared_experts.up_proj.weight", (Fs, H))[None],
@@ -337,34 +330,29 @@ def hf_state_dict(family: str, tensors: Mapping[str, torch.Tensor], hf_config, p
     def per_expert(fmt, x):
         out.update({fmt.format(e): x[e] for e in range(E)})
 
-    if family in _PER_EXPERT:
-        gate, w1, w3, w2 = _PER_EXPERT[family]
-        out[gate] = t["gate"]
-        for fmt, name in ((w1, "w1"), (w3, "w3"), (w2, "w2")):
-            per_expert(fmt, t[name])
+    if family in _FUSED_ROUTER:
+        out = {_FUSED_ROUTER[family]: t["gate"],
+               "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1),
+               "experts.down_proj": t["w2"]}
         if family == "qwen2_moe":
-            out.update({"shared_expert.gate_proj.weight": t["shared_w1"][0],
-                        "shared_expert.up_proj.weight": t["shared_w3"][0],
-                        "shared_expert.down_proj.weight": t["shared_w2"][0],
-                        "shared_expert_gate.weight": t["shared_gate"]})
+            out.update(zip(_QWEN_SHARED, (t["shared_w1"][0], t["shared_w3"][0],
+                                          t["shared_w2"][0], t["shared_gate"])))
+        if N and family == "granitemoeshared":  # full keys: the shared MLP is the block's sibling
+            sp = _shared_prefix(prefix)
+            extra = {sp + "input_linear.weight": torch.cat([t["shared_w1"][0], t["shared_w3"][0]]),
+                     sp + "output_linear.weight": t["shared_w2"][0]}
     elif family == "dbrx":
         out = {"router.layer.weight": t["gate"], "experts.mlp.w1": t["w1"].reshape(E * F, H),
                "experts.mlp.v1": t["w3"].reshape(E * F, H),
                "experts.mlp.w2": t["w2"].transpose(1, 2).reshape(E * F, H)}
-    elif family in ("granitemoe", "granitemoeshared", "jetmoe"):
+    elif family == "jetmoe":
         out = {"router.layer.weight": t["gate"],
                "input_linear.weight": torch.cat([t["w1"], t["w3"]], 1),
-               "output_linear.weight": t["w2"]}
-        if family == "jetmoe":
-            out["bias"] = t["output_bias"]
-        if N:  # full keys: the shared MLP is the block's sibling
-            sp = _shared_prefix(prefix)
-            extra = {sp + "input_linear.weight": torch.cat([t["shared_w1"][0], t["shared_w3"][0]]),
-                     sp + "output_linear.weight": t["shared_w2"][0]}
+               "output_linear.weight": t["w2"], "bias": t["output_bias"]}
     elif family == "aria":
         out = {"router.weight": t["gate"],
-               "experts.fc1.weight": torch.cat([t["w1"], t["w3"]], 1).transpose(1, 2),
-               "experts.fc2.weight": t["w2"].transpose(1, 2)}
+               "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1).transpose(1, 2),
+               "experts.down_proj": t["w2"].transpose(1, 2)}
         if N:
             out.update({"shared_experts.gate_proj.weight": t["shared_w1"][0],
                         "shared_experts.up_proj.weight": t["shared_w3"][0],
@@ -413,37 +401,23 @@ def _act_name(fn) -> str:
     return {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu"}.get(name, name)
 
 
+def _fused_shape(b):
+    """(experts, ffn, hidden) of transformers 5 fused experts (gate_up_proj [E, 2F, H])."""
+    E, F2, H = b.experts.gate_up_proj.shape
+    return E, F2 // 2, H
+
+
 def _block_config(family: str, b, shared_mlp=None):
     """The config fields options() reads, from a block's attributes and weights."""
-    if family == "aria":
-        return b.config
-    if family in ("mixtral", "phimoe"):
-        c = dict(hidden_size=b.hidden_dim, intermediate_size=b.ffn_dim,
-                 num_local_experts=b.num_experts, num_experts_per_tok=b.top_k,
-                 hidden_act=_act_name(b.experts[0].act_fn))
+    if family == "aria":  # the shared MLP keeps the text config
+        return b.shared_experts.config
+    if family in ("mixtral", "phimoe", "granitemoe", "granitemoeshared"):
+        router = b.gate if family == "mixtral" else b.router
+        E, F, H = _fused_shape(b)
+        c = dict(hidden_size=H, intermediate_size=F, num_local_experts=E,
+                 num_experts_per_tok=router.top_k, hidden_act=_act_name(b.experts.act_fn))
         if family == "phimoe":
-            c["router_jitter_noise"] = b.router_jitter_noise
-        return c
-    if family in ("qwen2_moe", "olmoe", "jamba"):
-        H = b.experts[0].gate_proj.weight.shape[1]
-        F = b.experts[0].gate_proj.weight.shape[0]
-        c = dict(hidden_size=H, num_experts=b.num_experts, num_experts_per_tok=b.top_k,
-                 hidden_act=_act_name(b.experts[0].act_fn),
-                 norm_topk_prob=getattr(b, "norm_topk_prob", False))
-        c["moe_intermediate_size" if family == "qwen2_moe" else "intermediate_size"] = F
-        if family == "qwen2_moe":
-            c["shared_expert_intermediate_size"] = b.shared_expert.gate_proj.weight.shape[0]
-        return c
-    if family == "dbrx":
-        r, m = b.router, b.experts.mlp
-        return dict(d_model=r.hidden_size, ffn_config=dict(
-            ffn_hidden_size=m.ffn_hidden_size, moe_num_experts=r.moe_num_experts,
-            moe_top_k=r.moe_top_k, moe_normalize_expert_weights=r.moe_normalize_expert_weights,
-            ffn_act_fn={"name": _act_name(m.activation_fn)}))
-    if family in ("granitemoe", "granitemoeshared", "jetmoe"):
-        c = dict(hidden_size=b.input_size, intermediate_size=b.hidden_size,
-                 num_local_experts=b.router.num_experts, num_experts_per_tok=b.router.top_k)
-        c["activation_function" if family == "jetmoe" else "hidden_act"] = _act_name(b.activation)
+            c["router_jitter_noise"] = router.router_jitter_noise
         if family == "granitemoeshared":
             c["shared_intermediate_size"] = shared_mlp.hidden_size if shared_mlp is not None else 0
             if shared_mlp is not None and _act_name(shared_mlp.activation) != c["hidden_act"]:
@@ -451,6 +425,29 @@ def _block_config(family: str, b, shared_mlp=None):
                                               f"{_act_name(shared_mlp.activation)!r} differs from "
                                               f"the block's {c['hidden_act']!r}"))
         return c
+    if family in ("qwen2_moe", "qwen3_moe", "olmoe", "jamba"):
+        router = b.router if family == "jamba" else b.gate
+        E, F, H = _fused_shape(b)
+        c = dict(hidden_size=H, num_experts=E, num_experts_per_tok=router.top_k,
+                 hidden_act=_act_name(b.experts.act_fn),
+                 norm_topk_prob=getattr(router, "norm_topk_prob", False))
+        c["moe_intermediate_size" if family.startswith("qwen") else "intermediate_size"] = F
+        if family == "qwen2_moe":
+            c["shared_expert_intermediate_size"] = b.shared_expert.gate_proj.weight.shape[0]
+            if _act_name(b.shared_expert.act_fn) != c["hidden_act"]:
+                raise ValueError(_err(family, "the shared expert's activation differs from the "
+                                              "experts'"))
+        return c
+    if family == "dbrx":
+        m = b.experts.mlp
+        return dict(d_model=m.hidden_size, ffn_config=dict(
+            ffn_hidden_size=m.ffn_hidden_size, moe_num_experts=m.moe_num_experts,
+            moe_top_k=b.top_k, moe_normalize_expert_weights=b.moe_normalize_expert_weights,
+            ffn_act_fn={"name": _act_name(m.activation_fn)}))
+    if family == "jetmoe":
+        return dict(hidden_size=b.input_size, intermediate_size=b.hidden_size,
+                    num_local_experts=b.router.num_experts, num_experts_per_tok=b.router.top_k,
+                    activation_function=_act_name(b.activation))
     if family == "switch_transformers":
         r, x = b.router, b.experts["expert_0"]
         return dict(d_model=x.wi.weight.shape[1], d_ff=x.wi.weight.shape[0],
@@ -462,7 +459,8 @@ def _block_config(family: str, b, shared_mlp=None):
         return dict(d_model=x.fc1.weight.shape[1], encoder_ffn_dim=F, decoder_ffn_dim=F,
                     num_experts=r.num_experts, router_bias=r.classifier.bias is not None,
                     second_expert_policy=r.second_expert_policy,
-                    activation_function=_act_name(x.act), moe_token_dropout=b.moe_token_dropout)
+                    activation_function=_act_name(x.act),
+                    moe_token_dropout=b.experts.moe_token_dropout)
     raise AssertionError(family)
 
 

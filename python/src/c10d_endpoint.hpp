@@ -22,7 +22,7 @@
 namespace epmoe::py {
 
 /// A torch.distributed process group as the layer's endpoint: each exchange is one
-/// alltoall_base of bytes on the group (gloo on CPU) over views of the layer's buffers. A copy
+/// all-to-all of bytes on the group (gloo on CPU) over views of the layer's buffers. A copy
 /// happens only when an exchange's non-empty blocks do not lie back to back in rank order
 /// (the row rounds of a bounded receive buffer): then they are staged through buffers owned
 /// here (grown once). Several may be in flight (a pipelined schedule).
@@ -33,6 +33,18 @@ namespace epmoe::py {
 /// c10d cannot cancel a started collective: one given up stays in torch's worker, and may
 /// still write the layer's buffers when a late peer arrives (still_running()), and this
 /// endpoint refuses every later exchange (the group's calls no longer pair up).
+/// One all-to-all of bytes: newer torch renamed ProcessGroup::alltoall_base
+/// all_to_all_single (and deprecates the old name); the one this torch has.
+template <class Group>
+c10::intrusive_ptr<c10d::Work> all_to_all_bytes(Group& pg, at::Tensor& out, at::Tensor& in,
+                                                std::vector<std::int64_t>& recv_split,
+                                                std::vector<std::int64_t>& send_split) {
+  if constexpr (requires { pg.all_to_all_single(out, in, recv_split, send_split); })
+    return pg.all_to_all_single(out, in, recv_split, send_split);
+  else
+    return pg.alltoall_base(out, in, recv_split, send_split);
+}
+
 class c10d_endpoint final : public comm::endpoint {
  public:
   c10d_endpoint(c10::intrusive_ptr<c10d::ProcessGroup> pg,
@@ -90,9 +102,9 @@ class c10d_endpoint final : public comm::endpoint {
     at::Tensor tin = at::from_blob(const_cast<std::byte*>(in), {sn}, bytes);
     at::Tensor tout = at::from_blob(out, {rn}, bytes);
     try {
-      s.work = pg_->alltoall_base(tout, tin, s.recv_split, s.send_split);
+      s.work = all_to_all_bytes(*pg_, tout, tin, s.recv_split, s.send_split);
     } catch (const std::exception& e) {
-      throw comm_error(std::string("epmoe: torch.distributed alltoall_base failed: ") + e.what());
+      throw comm_error(std::string("epmoe: torch.distributed all-to-all failed: ") + e.what());
     }
     return static_cast<int>(k);
   }

@@ -1,10 +1,11 @@
 # SPDX-FileCopyrightText: 2026 The epmoe authors
 # SPDX-License-Identifier: Apache-2.0
-"""epmoe.hf: every transformers MoE block family loaded into epmoe.torch.MoE, against the
+"""epmoe.hf: every transformers 5 MoE block family loaded into epmoe.torch.MoE, against the
 block itself: outputs, dx and every parameter's gradient (in Hugging Face's names and
 layouts) on one process, on 2 thread ranks and on 2 gloo processes; bad state dicts and
 configs. The blocks run in eval mode (no jitter, dropout or random routing: the regime in
-which HF and epmoe compute the same function, docs/pytorch.md)."""
+which HF and epmoe compute the same function, docs/pytorch.md), their experts through
+transformers' own loop (experts_implementation="eager")."""
 import pytest
 
 transformers = pytest.importorskip("transformers")
@@ -19,8 +20,8 @@ from ranks import run_ranks  # noqa: E402
 B, S, H = 2, 12, 32  # 24 tokens
 RTOL, ATOL = 1e-5, 1e-5  # fp32; ATOL is relative to the compared tensor's largest element
 
-# Qwen2-MoE's block calls F.sigmoid (deprecated in torch): its warning, not ours.
-pytestmark = pytest.mark.filterwarnings("ignore:nn.functional.sigmoid is deprecated")
+# The blocks' experts run transformers' reference loop (the others are faster, not truer).
+EAGER = dict(experts_implementation="eager")
 
 
 def close(got, want, what):
@@ -50,20 +51,24 @@ def _make(family, variant=None):
     shared_mlp = None
     if family == "mixtral":
         c = T.MixtralConfig(hidden_size=H, intermediate_size=24, num_local_experts=4,
-                            num_experts_per_tok=2)
+                            num_experts_per_tok=2, **EAGER)
         b = _mod(family).MixtralSparseMoeBlock(c)
     elif family == "qwen2_moe":
         c = T.Qwen2MoeConfig(hidden_size=H, moe_intermediate_size=16, num_experts=4,
                              num_experts_per_tok=2, shared_expert_intermediate_size=40,
-                             norm_topk_prob=False)
+                             norm_topk_prob=False, **EAGER)
         b = _mod(family).Qwen2MoeSparseMoeBlock(c)
+    elif family == "qwen3_moe":  # norm_topk_prob = True (Qwen3's checkpoints set it)
+        c = T.Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=16, num_experts=8,
+                             num_experts_per_tok=4, norm_topk_prob=True, **EAGER)
+        b = _mod(family).Qwen3MoeSparseMoeBlock(c)
     elif family == "olmoe":  # norm_topk_prob = True: the renormalised router
         c = T.OlmoeConfig(hidden_size=H, intermediate_size=16, num_experts=8,
-                          num_experts_per_tok=2, norm_topk_prob=True)
+                          num_experts_per_tok=2, norm_topk_prob=True, **EAGER)
         b = _mod(family).OlmoeSparseMoeBlock(c)
     elif family == "jamba":
         c = T.JambaConfig(hidden_size=H, intermediate_size=16, num_experts=4,
-                          num_experts_per_tok=2)
+                          num_experts_per_tok=2, **EAGER)
         b = _mod(family).JambaSparseMoeBlock(c)
     elif family == "dbrx":  # variant: moe_normalize_expert_weights (1: DBRX's, 2: a p-norm)
         c = T.DbrxConfig(d_model=H, ffn_config=dict(ffn_hidden_size=16, moe_num_experts=4,
@@ -73,12 +78,12 @@ def _make(family, variant=None):
     elif family in ("granitemoe", "granitemoeshared"):
         if family == "granitemoe":
             c = T.GraniteMoeConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
-                                   num_experts_per_tok=2)
+                                   num_experts_per_tok=2, **EAGER)
             b = _mod(family).GraniteMoeMoE(c)
         else:
             c = T.GraniteMoeSharedConfig(hidden_size=H, intermediate_size=16,
                                          num_local_experts=4, num_experts_per_tok=2,
-                                         shared_intermediate_size=24)
+                                         shared_intermediate_size=24, **EAGER)
             b = _mod(family).GraniteMoeSharedMoE(c)
             shared_mlp = _mod(family).GraniteMoeSharedMLP(c)
     elif family == "jetmoe":
@@ -87,11 +92,11 @@ def _make(family, variant=None):
         b = _mod(family).JetMoeMoE(c)
     elif family == "aria":  # Aria's own K = 6 (of 64); 2 shared experts
         c = T.AriaTextConfig(hidden_size=H, intermediate_size=16, moe_num_experts=8,
-                             moe_topk=6, moe_num_shared_experts=2)
+                             moe_topk=6, moe_num_shared_experts=2, **EAGER)
         b = _mod(family).AriaTextMoELayer(c)
     elif family == "phimoe":
         c = T.PhimoeConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
-                           num_experts_per_tok=2, router_jitter_noise=0.01)
+                           num_experts_per_tok=2, router_jitter_noise=0.01, **EAGER)
         b = _mod(family).PhimoeSparseMoeBlock(c)
     elif family == "switch_transformers":  # expert_capacity >= S: HF drops nothing
         c = T.SwitchTransformersConfig(d_model=H, d_ff=16, num_experts=4, expert_capacity=S)
@@ -119,9 +124,22 @@ def _hf_params(block, shared_mlp):
     return out
 
 
+def _nllb_reference(block, x3):
+    """NLLB-MoE's block in transformers 5.23 mixes up its experts (NllbMoeExperts.forward
+    one-hot encodes the router's one-hot top-1 mask: every token runs expert_1 with its top-1
+    weight and expert_0 with its top-2 weight, whatever it was routed to). The reference is
+    therefore HF's router and HF's expert modules, combined as the router's weights say:
+    y = sum over experts e of p[t, e] * (1 - moe_token_dropout) * expert_e(x) (eval)."""
+    x = x3.reshape(-1, x3.shape[-1])
+    _, probs, _ = block.router(x)
+    scale = 1.0 - block.experts.moe_token_dropout
+    y = sum(probs[:, e, None] * block.experts[f"expert_{e}"](x) for e in range(probs.shape[1]))
+    return (y * scale).view_as(x3)
+
+
 def _hf_forward(family, block, shared_mlp, x3):
-    out = block(x3, padding_mask=None) if family == "nllb_moe" else block(x3)
-    y = out[0] if isinstance(out, tuple) else out  # Aria returns the tensor alone
+    out = _nllb_reference(block, x3) if family == "nllb_moe" else block(x3)
+    y = out[0] if isinstance(out, tuple) else out
     if shared_mlp is not None:  # GraniteMoE-shared's decoder layer adds its shared MLP
         y = y + shared_mlp(x3)
     return y
@@ -156,7 +174,8 @@ def _all_experts_chosen(family, config, sd, x):
 
 # (family, variant, trains): every family of hf.FAMILIES; PhiMoE's sparsemixer is forward only.
 FAMILY_CASES = [
-    ("mixtral", None, True), ("qwen2_moe", None, True), ("olmoe", None, True),
+    ("mixtral", None, True), ("qwen2_moe", None, True), ("qwen3_moe", None, True),
+    ("olmoe", None, True),
     ("jamba", None, True), ("dbrx", 1.0, True), ("dbrx", 2.0, True), ("granitemoe", None, True),
     ("granitemoeshared", None, True), ("jetmoe", None, True), ("aria", None, True),
     ("phimoe", None, False), ("switch_transformers", None, True), ("nllb_moe", None, True),
@@ -249,7 +268,7 @@ def test_thread_ranks():
 def _two_ranks(rank, world, group, cases):
     """Each family's module on the group, this rank's slice of the batch, against HF's
     results (compared here: tensors sent back from a process that has exited cannot be
-    received). Returns the HF parameter names compared."""
+    received). Returns the (HF parameter name, expert row or None) pairs compared."""
     checked = {}
     for family, sd, config, x, dy, (want_y, want_dx, want_grads) in cases:
         n = x.shape[0] // world
@@ -278,11 +297,15 @@ def _two_ranks(rank, world, group, cases):
             logical[name] = g
         got = hf.hf_state_dict(family, logical, config, gradients=True)
         checked[family] = []
+        others = [e for e in range(moe.experts) if e not in held]
         for k, w in want_grads.items():
-            if k.startswith("experts.") and int(k.split(".")[1]) not in held:
-                continue
-            close(got[k], w, f"{what}: d {k}")
-            checked[family].append(k)
+            if k.startswith("experts."):  # fused [E, ...]: the held experts' rows, others NaN
+                assert torch.isnan(got[k][others]).all(), f"{what}: {k} mixes experts' rows"
+                close(got[k][held], w[held], f"{what}: d {k} rows {held}")
+                checked[family] += [(k, e) for e in held]
+            else:
+                close(got[k], w, f"{what}: d {k}")
+                checked[family].append((k, None))
     return checked
 
 
@@ -299,8 +322,11 @@ def test_two_processes():
     results = run_ranks(_two_ranks, 2, args=(cases,))
     for family, *_, (_, _, want_grads) in cases:
         per_rank = [set(r[family]) for r in results]
-        assert set.union(*per_rank) == set(want_grads), f"{family}: not every parameter compared"
-        experts = [{k for k in keys if k.startswith("experts.")} for keys in per_rank]
+        E = want_grads["experts.down_proj"].shape[0]
+        every = {(k, e if k.startswith("experts.") else None)
+                 for k in want_grads for e in range(E)}
+        assert set.union(*per_rank) == every, f"{family}: not every parameter compared"
+        experts = [{k for k in keys if k[1] is not None} for keys in per_rank]
         assert experts[0] and experts[1] and not experts[0] & experts[1], f"{family}: split"
 
 
@@ -310,8 +336,8 @@ def test_missing_key_names_it():
     config, block, _ = _make("mixtral")
     prefix = "model.layers.0.block_sparse_moe."
     sd = {prefix + k: v for k, v in block.state_dict().items()}
-    del sd[prefix + "experts.1.w3.weight"]
-    with pytest.raises(KeyError, match=r"'model\.layers\.0\.block_sparse_moe\.experts\.1\.w3\."):
+    del sd[prefix + "experts.gate_up_proj"]
+    with pytest.raises(KeyError, match=r"'model\.layers\.0\.block_sparse_moe\.experts\.gate_up_proj'"):
         hf.from_hf_state_dict(sd, config, "mixtral", prefix=prefix)
     # GraniteMoE-shared's shared MLP is the block's sibling: its full key is named.
     config, block, _ = _make("granitemoeshared")
@@ -322,10 +348,11 @@ def test_missing_key_names_it():
 
 
 @pytest.mark.parametrize("family,key,shape", [
-    ("mixtral", "experts.2.w2.weight", (24, H)),           # transposed
+    ("mixtral", "experts.down_proj", (4, 24, H)),         # transposed
     ("dbrx", "experts.mlp.w2", (4 * 16, H + 1)),
     ("jetmoe", "input_linear.weight", (4, 16, H)),       # not fused [E, 2F, H]
-    ("aria", "experts.fc1.weight", (8, H, 16)),           # fc1 holds 2F columns
+    ("aria", "experts.gate_up_proj", (8, H, 16)),         # holds 2F columns
+    ("qwen3_moe", "experts.gate_up_proj", (8, 2 * 16, H + 1)),
     ("qwen2_moe", "shared_expert_gate.weight", (H,)),
 ])
 def test_wrong_shape_names_key_and_shapes(family, key, shape):
