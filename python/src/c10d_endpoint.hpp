@@ -190,8 +190,8 @@ class c10d_endpoint final : public comm::endpoint {
     for (;;) {
       auto step = slice;
       if (timeout_ > 0)
-        step = std::min(step, std::chrono::ceil<std::chrono::milliseconds>(
-                                  limit - (clock::now() - begin)));
+        step = std::min(
+            step, std::chrono::ceil<std::chrono::milliseconds>(limit - (clock::now() - begin)));
       if (waited(work, std::max(step, std::chrono::milliseconds(1)))) return;
       slice = std::chrono::milliseconds(100);
       if (std::string why; peer_aborted(why)) {
@@ -200,10 +200,12 @@ class c10d_endpoint final : public comm::endpoint {
         throw comm_aborted(why, origin_);
       }
       if (timeout_ > 0 && clock::now() - begin >= limit) {
-        std::string why = "epmoe: torch.distributed all-to-all: no answer from the group's "
-                          "peers within " + seconds(timeout_) +
-                          " s (exchange_timeout): a peer stalled, crashed or never made this "
-                          "call";
+        std::string why =
+            "epmoe: torch.distributed all-to-all: no answer from the group's "
+            "peers within " +
+            seconds(timeout_) +
+            " s (exchange_timeout): a peer stalled, crashed or never made this "
+            "call";
         broken_ = why;
         give_up(work);
         throw comm_timeout(why);
@@ -231,8 +233,8 @@ class c10d_endpoint final : public comm::endpoint {
       const std::string text(v.begin(), v.end());
       const std::size_t nl = text.find('\n');
       origin_ = nl == std::string::npos ? -1 : std::atoi(text.substr(0, nl).c_str());
-      why = "epmoe: torch.distributed peer rank " + std::to_string(origin_) + " failed: " +
-            (nl == std::string::npos ? text : text.substr(nl + 1));
+      why = "epmoe: torch.distributed peer rank " + std::to_string(origin_) +
+            " failed: " + (nl == std::string::npos ? text : text.substr(nl + 1));
       return true;
     } catch (const std::exception&) {  // no store: the deadline alone bounds the wait
       return false;
@@ -243,8 +245,8 @@ class c10d_endpoint final : public comm::endpoint {
   }
   void refuse_if_broken() const {
     if (!broken_.empty())
-      throw comm_aborted("epmoe: torch.distributed endpoint: an exchange was given up (" +
-                             broken_ + "); the group's calls no longer pair up: build a new module",
+      throw comm_aborted("epmoe: torch.distributed endpoint: an exchange was given up (" + broken_ +
+                             "); the group's calls no longer pair up: build a new module",
                          origin_);
   }
   static std::string seconds(double s) {
