@@ -140,6 +140,14 @@ class exchange_core {
     tr_.alltoall(msg_send_.data(), msg_recv_.device(), msg_.per_peer());
     x.space.to_host(msg_recv_, 0, w_.ranks * msg_.per_peer());
   }
+  // The counts exchange, waited for, on the clock (the modes whose verdict is never deferred).
+  void exchange_counts(context& x, const call_header& h, index_t quota) {
+    const mark t0 = x.clock.now();
+    send_counts(x, h, quota);
+    synchronize(x.space);
+    const mark t1 = x.clock.now();
+    x.clock.exchange(t0, t1, t1, t1, 0);
+  }
   // The message from rank s, and its chunk c's counts.
   const index_t* message_from(int s) const { return msg_recv_.host() + s * msg_.per_peer(); }
   const index_t* chunk_from(int s, int c) const { return message_from(s) + msg_.chunk_at(c); }

@@ -222,11 +222,7 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
   }
 
   int counts(context& x, const call_header& h, index_t, bool) {
-    const mark t0 = x.clock.now();
-    this->send_counts(x, h, this->w_.quota);
-    this->synchronize(x.space);
-    const mark t1 = x.clock.now();
-    x.clock.exchange(t0, t1, t1, t1, 0);
+    this->exchange_counts(x, h, this->w_.quota);
     return read(x);
   }
   int resolve(context&) { return -1; }
