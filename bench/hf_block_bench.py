@@ -62,7 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--dtypes", default="fp32,bf16", help="fp32, bf16 or both")
     p.add_argument("--impls", default=",".join(IMPLS), help="transformers' experts implementations")
     p.add_argument("--batched-mm-max-gb", type=float, default=2.0,
-                   help="skip batched_mm where its gathered weights (T*K expert matrices) exceed this")
+                   help="skip batched_mm where its gathered weights (T*K expert matrices; "
+                        "train: and their gradients) exceed this")
     p.add_argument("--fused", action="store_true", help="epmoe with fuse_grad_accumulation=True")
     ct.add_fairness_args(p)
     p.set_defaults(min_reps=3, max_reps=15, min_seconds=1.0, wait_idle=60.0)
@@ -243,8 +244,9 @@ def check_same(torch, block, moe, spec, dtype, mode, impls):
 
 def measure(torch, args, block, moe, spec, dtype, mode, T, flush):
     bytes_ = 2 if dtype == "bf16" else 4
-    impls = [i for i in args.impls
-             if i != "batched_mm" or batched_mm_gb(spec, T, bytes_) <= args.batched_mm_max_gb]
+    # train: the gathered weights' gradients as many bytes again
+    gb = batched_mm_gb(spec, T, bytes_) * (2 if mode == "train" else 1)
+    impls = [i for i in args.impls if i != "batched_mm" or gb <= args.batched_mm_max_gb]
     sides = Sides(torch, block, moe, spec, dtype, mode, T, flush, impls)
     reps = ct.repeat(args, sides.one)
     ms = {s: ct.median([r[s][0] + r[s][1] for r in reps]) * 1e3 for s in sides.sides}
