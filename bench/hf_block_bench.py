@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.set_defaults(min_reps=3, max_reps=15, min_seconds=1.0, wait_idle=60.0)
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, T = 1, 16, 2 repetitions")
+    p.add_argument("--markdown", metavar="JSON", help="print the tables of an earlier run's JSON "
+                   "(README form) and exit")
     a = p.parse_args(argv)
     if a.smoke:
         if a.shapes == p.get_default("shapes"):
@@ -329,8 +331,42 @@ def run_shape(torch, args, name, flush, points):
             del block
 
 
+def markdown(result):
+    """The README's tables of a run: one per shape and mode, fp32 and bf16 side by side."""
+    out = []
+    pts = result["points"]
+    for shape in dict.fromkeys(p["shape"] for p in pts):
+        for mode in dict.fromkeys(p["mode"] for p in pts):
+            rows = [p for p in pts if p["shape"] == shape and p["mode"] == mode]
+            dts = list(dict.fromkeys(p["dtype"] for p in rows))
+            if not rows:
+                continue
+            out.append(f"\n{shape}, {'forward' if mode == 'forward' else 'forward + backward'}:\n")
+            out.append("| T | " + " | ".join(f"{d}: best HF | ms | epmoe ms | HF / epmoe"
+                                          for d in dts) + " | others' CPU share |")
+            out.append("|---:|" + "---|---:|---:|---:|" * len(dts) + "---:|")
+            for T in dict.fromkeys(p["tokens"] for p in rows):
+                cells = []
+                for d in dts:
+                    p = next((q for q in rows if q["tokens"] == T and q["dtype"] == d), None)
+                    if p is None:
+                        cells.append("| | |")
+                        continue
+                    ratio = f"{p['speedup']:.2f}x"
+                    cells.append(f"{p['best']} | {p['best_ms']:.1f} | {p['epmoe_ms']:.1f} | "
+                                 + (f"**{ratio}**" if p["speedup"] >= result["goal"] else ratio))
+                busy = [q["other_processes_cpu_share"] for q in rows if q["tokens"] == T]
+                out.append(f"| {T} | " + " | ".join(cells) + f" | {100 * max(busy):.0f}% |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.markdown:
+        import json
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
     coretype = ct.set_environment(args)  # before torch (and OpenBLAS) loads
     try:
         import torch

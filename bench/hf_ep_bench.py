@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.set_defaults(threads=1, min_reps=5, max_reps=30, min_seconds=1.0, wait_idle=30.0)
     p.add_argument("--json", help="write every figure here")
     p.add_argument("--smoke", action="store_true", help="a tiny model, T = 1, 16, 2 repetitions")
+    p.add_argument("--markdown", metavar="JSON", help="print the table of an earlier run's JSON "
+                   "(README form) and exit")
     a = p.parse_args(argv)
     if a.smoke:
         a.hidden, a.ffn, a.experts, a.top_k = 64, 224, 8, 2
@@ -228,8 +230,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def markdown(result):
+    out = ["| T | all_to_all ms | all_reduce ms | epmoe ms | best HF / epmoe | epmoe's largest stage "
+           "| others' CPU share |", "|---:|---:|---:|---:|---:|---|---:|"]
+    import hf_block_bench as hb
+    for p in result["points"]:
+        ratio = f"{p['speedup']:.2f}x"
+        out.append(f"| {p['tokens']} | {p['hf_ms']['all_to_all']:.2f} | {p['hf_ms']['all_reduce']:.2f} "
+                   f"| {p['epmoe_ms']:.2f} | " + (f"**{ratio}**" if p["speedup"] >= result["goal"]
+                                                 else ratio) +
+                   f" | {hb.dominant(p['epmoe_stage_ms'])} | {100 * p['other_processes_cpu_share']:.0f}% |")
+    return "\n".join(out)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.markdown:
+        import json
+        with open(args.markdown) as f:
+            print(markdown(json.load(f)))
+        return 0
     coretype = ct.set_environment(args)
     try:
         import torch
