@@ -25,7 +25,9 @@ import torch
 from . import hf_fused
 
 __all__ = ["FAMILIES", "family_of", "options", "logical_tensors", "hf_state_dict",
-           "module_tensors", "from_hf", "from_hf_state_dict"]
+           "module_tensors", "from_hf", "from_hf_state_dict",
+           # whole models (epmoe/hf_models.py)
+           "use_epmoe", "expert_parallel", "local_experts", "expert_bytes"]
 
 # transformers 5 class -> family (its model_type).
 FAMILIES = {
@@ -507,3 +509,7 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     moe = MoE(**o)
     moe.load_logical(tensors, source=f"{family} state_dict" + (f" {prefix!r}" if prefix else ""))
     return moe
+
+
+# Whole models: transformers' experts registry runs epmoe (epmoe/hf_models.py).
+from .hf_models import expert_bytes, expert_parallel, local_experts, use_epmoe  # noqa: E402
