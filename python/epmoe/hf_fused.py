@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """transformers 5 families whose experts are the plain fused SwiGLU (gate_up_proj [E, 2F, H],
 down_proj [E, H, F]) and whose router and shared expert the MoE menu expresses exactly:
-DeepSeek-V2/V3 and their router's clones, Qwen3-Next, Qwen3.5-MoE, MiniMax(-M2), Hunyuan-MoE,
+DeepSeek-V2/V3 and their router's clones (GLM-4-MoE, dots1, Kimi-Linear, ...), Qwen3-Next, Qwen3.5-MoE, MiniMax(-M2), Hunyuan-MoE,
 FlexOlmo, Mellum, Granite-MoE-hybrid/-SWA, Cohere2-MoE (docs/pytorch.md, docs/models.md).
 
 epmoe.hf reads these through SPECS: each family's router kind, where its tensors live and
@@ -40,6 +40,9 @@ SPECS = {
     "solar_open": Spec("SolarOpenMoE", **_DSV3),
     "exaone_moe": Spec("ExaoneMoeSparseMoEBlock", **dict(
         _DSV3, shared_width=("moe_intermediate_size", "num_shared_experts"))),
+    "kimi_linear": Spec("KimiLinearMoE", **_DSV3),
+    "bailing_hybrid": Spec("BailingHybridMoE", **_DSV3),
+    "mimo_v2_flash": Spec("MiMoV2FlashMoE", **dict(_DSV3, shared=None, shared_width=())),
     "deepseek_v2": Spec("DeepseekV2Moe", **dict(_DSV3, router="dsv2", bias=None)),
     "qwen3_next": Spec("Qwen3NextSparseMoeBlock", router="softmax_norm", **_QWEN_NEXT),
     "qwen3_5_moe": Spec("Qwen3_5MoeSparseMoeBlock", router="softmax", **_QWEN_NEXT),

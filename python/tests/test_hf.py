@@ -141,6 +141,11 @@ FUSED_CONFIGS = {
         _DSV3, n_group=4, topk_group=2, num_experts_per_tok=4)),
     "dots1": ("Dots1Config", "Dots1MoE", _DSV3),
     "solar_open": ("SolarOpenConfig", "SolarOpenMoE", _DSV3),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearMoE", dict(_DSV3, num_experts=8)),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridMoE", dict(
+        _DSV3, num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4)),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashMoE", dict(
+        _DSV3, n_shared_experts=None, norm_topk_prob=False)),
     "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeSparseMoEBlock", dict(
         moe_intermediate_size=16, num_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
         num_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
