@@ -23,6 +23,11 @@ class Spec(NamedTuple):
     bias: Optional[str] = None          # the selection bias [E] (a buffer), if any
     shared: Optional[str] = None        # "mlp:<prefix>" ungated, "gated" (Qwen), "sibling"
     shared_width: tuple = ()            # config fields whose product is the shared width
+    # "sigmoid" routers: (config field, block attribute) of the scaling factor, of whether
+    # the weights are renormalised (None: always), and of a logit softcap (must be 0)
+    scale: Optional[tuple] = None
+    norm: Optional[tuple] = None
+    softcap: Optional[tuple] = None
 
 
 _DSV3 = dict(router="dsv3", ffn="moe_intermediate_size", gate="gate.weight",
@@ -49,6 +54,22 @@ SPECS = {
     "minimax": Spec("MiniMaxSparseMoeBlock", router="softmax", ffn="intermediate_size"),
     "minimax_m2": Spec("MiniMaxM2SparseMoeBlock", router="sigmoid", ffn="intermediate_size",
                        bias="e_score_correction_bias"),
+    "afmoe": Spec("AfmoeSparseMoeBlock", router="sigmoid", ffn="moe_intermediate_size",
+                  gate="router.gate.weight", bias="expert_bias", shared="mlp:shared_experts.",
+                  shared_width=("moe_intermediate_size", "num_shared_experts"),
+                  scale=("route_scale", "router.route_scale")),
+    "hy_v3": Spec("HYV3MoE", router="sigmoid", ffn="moe_intermediate_size",
+                  bias="e_score_correction_bias", shared="mlp:shared_experts.",
+                  shared_width=("moe_intermediate_size", "num_shared_experts"),
+                  scale=("router_scaling_factor", "gate.router_scaling_factor")),
+    "laguna": Spec("LagunaSparseMoeBlock", router="sigmoid", ffn="moe_intermediate_size",
+                   bias="gate.e_score_correction_bias", shared="mlp:shared_experts.",
+                   shared_width=("shared_expert_intermediate_size",),
+                   scale=("moe_routed_scaling_factor", "routed_scaling_factor"),
+                   softcap=("moe_router_logit_softcapping", "gate.router_logit_softcapping")),
+    "flint": Spec("FlintSparseMoeBlock", router="sigmoid", ffn="moe_intermediate_size",
+                  shared="mlp:shared_expert.", shared_width=("shared_expert_intermediate_size",),
+                  norm=("norm_topk_prob", "gate.norm_topk_prob")),
     "hunyuan_v1_moe": Spec("HunYuanMoEV1Moe", router="softmax", ffn="intermediate_size",
                            gate="gate.wg.weight", shared="mlp:shared_mlp.",
                            shared_width=("intermediate_size",)),
@@ -90,8 +111,17 @@ def _router_options(family: str, spec: Spec, f, require) -> dict:
         return dict(router="softmax")
     if r == "softmax_norm":
         return dict(router="softmax" if f("norm_topk_prob") else "softmax_raw")
-    if r == "sigmoid":  # sigmoid scores, top-k of scores + bias, renormalised
-        return dict(router="sigmoid_bias")
+    if r == "sigmoid":  # sigmoid scores, top-k of scores (+ bias), renormalised, scaled
+        o = dict(router="sigmoid_bias")
+        if spec.scale:
+            o["scaling"] = float(f(spec.scale[0]))
+        if spec.norm:
+            o["normalize"] = bool(f(spec.norm[0]))
+        if spec.softcap:
+            cap = f(spec.softcap[0], 0.0, required=False) or 0.0
+            require(family, cap == 0.0, spec.softcap[0], cap,
+                    "epmoe's router has no logit softcap (tanh): must be 0")
+        return o
     if r == "dsv3":
         return dict(router="sigmoid_bias", groups=f("n_group"), top_groups=f("topk_group"),
                     normalize=bool(f("norm_topk_prob")),
@@ -206,6 +236,8 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
     E, F2, H = b.experts.gate_up_proj.shape
     F = F2 // 2
     router = b.router if spec.gate.startswith("router.") else b.gate
+    if not hasattr(router, "top_k"):
+        router = b
     c = {"hidden_size": H, spec.ffn: F, "num_local_experts": E,
          "num_experts_per_tok": router.top_k, "hidden_act": act_name(b.experts.act_fn)}
     if spec.router in ("dsv3", "dsv2"):
@@ -217,6 +249,10 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
             c["topk_method"] = router.topk_method
     elif spec.router == "softmax_norm":
         c["norm_topk_prob"] = router.norm_topk_prob
+    elif spec.router == "sigmoid":
+        for field in (spec.scale, spec.norm, spec.softcap):
+            if field:
+                c[field[0]] = _attr(b, field[1])
     elif spec.router == "cohere2":
         c.update(expert_selection_fn=router.expert_selection_fn,
                  norm_topk_prob=router.norm_topk_prob,
@@ -252,12 +288,7 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
     return c
 
 
-def router_bias(family: str, b) -> Optional[torch.Tensor]:
-    """The block's selection bias buffer, if its family has one."""
-    spec = SPECS[family]
-    if not spec.bias:
-        return None
-    obj = b
-    for part in spec.bias.split("."):
+def _attr(obj, path: str):
+    for part in path.split("."):
         obj = getattr(obj, part)
     return obj

@@ -170,6 +170,19 @@ FUSED_CONFIGS = {
         shared_intermediate_size=24, mamba_n_heads=8, mamba_d_head=8)),
     "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAMoE", dict(
         intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "afmoe": ("AfmoeConfig", "AfmoeSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=4, num_shared_experts=2,
+        route_scale=2.0)),
+    "hy_v3": ("HYV3Config", "HYV3MoE", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        router_scaling_factor=2.5)),
+    "laguna": ("LagunaConfig", "LagunaSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=24, moe_routed_scaling_factor=1.5,
+        moe_router_logit_softcapping=0.0)),
+    "flint": ("FlintConfig", "FlintSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=24, norm_topk_prob=True)),
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeSparseMoeBlock", dict(
         intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
 }
@@ -220,8 +233,8 @@ def _hf_run(family, block, shared_mlp, x, dy, train):
     y = _hf_forward(family, block, shared_mlp, x3)
     if not train:
         return y.detach().reshape(-1, H), None, None
-    params = _hf_params(block, shared_mlp)
-    for p in params.values():
+    params = {k: p for k, p in _hf_params(block, shared_mlp).items() if p.requires_grad}
+    for p in params.values():  # a frozen selection bias (AFMoE, Laguna) has none
         p.grad = None
     (y * dy.view(B, S, H)).sum().backward()
     return (y.detach().reshape(-1, H), x3.grad.reshape(-1, H),
@@ -464,6 +477,7 @@ def test_unknown_block_and_family():
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method"),
     ("hunyuan_v1_moe", dict(moe_topk=[2, 2]), "num_experts_per_tok|moe_topk"),
     ("deepseek_v3", dict(hidden_act="gelu"), "hidden_act"),
+    ("laguna", dict(moe_router_logit_softcapping=30.0), "moe_router_logit_softcapping"),
 ])
 def test_unsupported_config_names_field(family, change, field):
     config, _, _ = _make(family)
