@@ -142,7 +142,8 @@ def _check(name: str, m):
     if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         raise ValueError(_err(f"{where}: its own _apply_gate (a clamped or custom gate): "
                               "epmoe's experts compute silu(gate) * up"))
-    act = _act_name(getattr(m, "act_fn", None))
+    fn = getattr(m, "act_fn", None)
+    act = fn.__name__ if callable(fn) and hasattr(fn, "__name__") else _act_name(fn)  # F.silu
     if act != "silu":
         raise ValueError(_err(f"{where}: act_fn = {act!r}: epmoe's swiglu experts compute silu"))
     gu, down = m.gate_up_proj, m.down_proj
