@@ -340,7 +340,8 @@ def hf_state_dict(family: str, tensors: Mapping[str, torch.Tensor], hf_config, p
         out.update({fmt.format(e): x[e] for e in range(E)})
 
     if family in hf_fused.SPECS:
-        out, extra = hf_fused.hf_state_dict(family, t, opts, _shared_prefix(prefix))
+        out, extra = hf_fused.hf_state_dict(family, t, opts, _shared_prefix(prefix),
+                                            gradients)
     elif family in _FUSED_ROUTER:
         out = {_FUSED_ROUTER[family]: t["gate"],
                "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1),

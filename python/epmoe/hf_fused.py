@@ -166,8 +166,10 @@ def options(family: str, f, require, act) -> dict:
     Fs = shared_ffn(spec, f)
     if family == "cohere2_moe" and Fs:
         how = f("shared_expert_combination_strategy")
-        require(family, how == "sum", "shared_expert_combination_strategy", how,
-                "epmoe adds the shared experts' output ('sum'); 'average' halves both")
+        require(family, how in ("sum", "average"), "shared_expert_combination_strategy", how,
+                "must be 'sum' or 'average'")
+        if how == "average":  # (routed + shared) / 2: the routed weights halved here, the
+            o["scaling"] = 0.5  # shared expert's down projection in the tensors (_shared_scale)
     if Fs:
         o.update(shared_experts=1, shared_ffn=Fs, shared_gate=spec.shared == "gated")
     return o
@@ -182,6 +184,11 @@ def _shared_keys(spec: Spec, sibling_prefix: str):
                 "shared_expert_gate.weight")
     p = spec.shared[len("mlp:"):]
     return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight", None
+
+
+def _shared_scale(family: str, o: dict) -> float:
+    """Cohere2-MoE's "average" halves the shared output: folded into shared_w2."""
+    return o.get("scaling", 1.0) if family == "cohere2_moe" else 1.0
 
 
 def logical_tensors(family: str, get, o: dict, sibling_prefix: str) -> dict:
@@ -202,15 +209,16 @@ def logical_tensors(family: str, get, o: dict, sibling_prefix: str) -> dict:
         else:
             g, u, d, sg = _shared_keys(spec, sibling_prefix)
             t.update(shared_w1=get(g, (Fs, H))[None], shared_w3=get(u, (Fs, H))[None],
-                     shared_w2=get(d, (H, Fs))[None])
+                     shared_w2=get(d, (H, Fs))[None] * _shared_scale(family, o))
             if sg:
                 t["shared_gate"] = get(sg, (1, H))
     return t
 
 
-def hf_state_dict(family: str, t: dict, o: dict, sibling_prefix: str):
+def hf_state_dict(family: str, t: dict, o: dict, sibling_prefix: str, gradients: bool):
     """(the block's keys, full keys outside it) of logical tensors t: the inverse of
-    logical_tensors (router_bias only when t has it: gradients have none)."""
+    logical_tensors (router_bias only when t has it: gradients have none; a folded shared
+    scale divides weights back out and multiplies gradients)."""
     spec = SPECS[family]
     out = {spec.gate: t["gate"], "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1),
            "experts.down_proj": t["w2"]}
@@ -224,7 +232,9 @@ def hf_state_dict(family: str, t: dict, o: dict, sibling_prefix: str):
                      sibling_prefix + "output_linear.weight": t["shared_w2"][0]}
         else:
             g, u, d, sg = _shared_keys(spec, sibling_prefix)
-            out.update({g: t["shared_w1"][0], u: t["shared_w3"][0], d: t["shared_w2"][0]})
+            s = _shared_scale(family, o)
+            s = s if gradients else 1.0 / s
+            out.update({g: t["shared_w1"][0], u: t["shared_w3"][0], d: t["shared_w2"][0] * s})
             if sg:
                 out[sg] = t["shared_gate"]
     return out, extra

@@ -197,6 +197,9 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
         raise ValueError(_err(f"{type(model).__name__} has no transformers 5 experts modules "
                               "(a fused gate_up_proj / down_proj with an experts registry)"))
     for name, m in found:
+        if "_epmoe" in m.__dict__:  # a second call would slice the slices again
+            raise ValueError(_err(f"{name}: already runs in epmoe (use_epmoe was called on "
+                                  "this model)"))
         _check(name, m)
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(_err(f"{type(model).__name__} is not a transformers PreTrainedModel"))

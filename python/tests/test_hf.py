@@ -261,12 +261,15 @@ FAMILY_CASES = [
     ("jamba", None, True), ("dbrx", 1.0, True), ("dbrx", 2.0, True), ("granitemoe", None, True),
     ("granitemoeshared", None, True), ("jetmoe", None, True), ("aria", None, True),
     ("phimoe", None, False), ("switch_transformers", None, True), ("nllb_moe", None, True),
-] + [(f, None, True) for f in FUSED_CONFIGS] + [("cohere2_moe", _COHERE_SIGMOID, True)]
+] + [(f, None, True) for f in FUSED_CONFIGS] + [
+    ("cohere2_moe", _COHERE_SIGMOID, True),
+    ("cohere2_moe", dict(_COHERE_SIGMOID, expert_selection_fn="softmax",
+                         shared_expert_combination_strategy="average"), True)]
 
 
 def _case_id(f, v):
     if isinstance(v, dict):
-        return f + "-" + v["expert_selection_fn"]
+        return "-".join([f, v["expert_selection_fn"], v["shared_expert_combination_strategy"]])
     return f + ("" if v is None else f"-p{v:g}")
 
 
@@ -471,7 +474,7 @@ def test_unknown_block_and_family():
     ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
     ("aria", dict(mlp_bias=True), "mlp_bias"),
     ("nllb_moe", dict(decoder_ffn_dim=8), "decoder_ffn_dim"),
-    ("cohere2_moe", dict(num_shared_experts=1, shared_expert_combination_strategy="average"),
+    ("cohere2_moe", dict(num_shared_experts=1, shared_expert_combination_strategy="max"),
      "shared_expert_combination_strategy"),
     ("cohere2_moe", dict(expert_selection_fn="relu"), "expert_selection_fn"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method"),

@@ -276,6 +276,13 @@ def test_refuses_experts_epmoe_cannot_compute():
             num_attention_heads=2)))
 
 
+def test_second_call_refused():
+    _, model = _build("mixtral")
+    hf.use_epmoe(model)
+    with pytest.raises(ValueError, match="already runs in epmoe"):
+        hf.use_epmoe(model)
+
+
 def test_unswitched_module_says_how():
     ref, model = _build("mixtral")
     hf_models.register()
