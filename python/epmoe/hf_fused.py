@@ -22,7 +22,7 @@ class Spec(NamedTuple):
     gate: str = "gate.weight"           # the router's weight [E, H]
     bias: Optional[str] = None          # the selection bias [E] (a buffer), if any
     shared: Optional[str] = None        # "mlp:<prefix>" ungated, "gated" (Qwen), "sibling"
-    shared_width: tuple = ()            # config fields whose product is the shared width
+    shared_width: tuple = ()  # the shared width: its field, or (the experts' F field, a count)
     # "sigmoid" routers: (config field, block attribute) of the scaling factor, of whether
     # the weights are renormalised (None: always), and of a logit softcap (must be 0)
     scale: Optional[tuple] = None
@@ -240,6 +240,33 @@ def hf_state_dict(family: str, t: dict, o: dict, sibling_prefix: str, gradients:
     return out, extra
 
 
+def _shared_fields(family, spec, b, shared_mlp, F, act, act_name, err) -> dict:
+    """The config fields that give the block's shared expert width (0: none): its own width
+    field, or a count of experts-wide MLPs (spec.shared_width = (the experts' F, count))."""
+    if spec.shared == "sibling":  # Granite-hybrid: the decoder layer's shared_mlp, if given
+        mlp = shared_mlp
+        Fs, fn = (mlp.hidden_size, mlp.activation) if mlp is not None else (0, None)
+    else:
+        mlp = b.shared_expert if spec.shared == "gated" else getattr(
+            b, spec.shared[len("mlp:"):-1], None)  # Cohere2 without shared experts: none
+        Fs, fn = (mlp.gate_proj.weight.shape[0], mlp.act_fn) if mlp is not None else (0, None)
+    if mlp is not None and act_name(fn) != act:
+        raise ValueError(err(family, f"the shared expert's activation {act_name(fn)!r} "
+                                     f"differs from the experts' {act!r}"))
+    if len(spec.shared_width) == 2:  # (F, count)
+        if Fs % F:
+            raise ValueError(err(family, f"the shared expert's width {Fs} is not a multiple of "
+                                         f"the experts' {F}"))
+        return {spec.shared_width[1]: Fs // F}
+    name = spec.shared_width[0]
+    if name == spec.ffn:  # Hunyuan: the experts' width field sizes the shared MLP too
+        if Fs != F:
+            raise ValueError(err(family, f"the shared MLP's width {Fs} differs from the "
+                                         f"experts' {F} (both are {name})"))
+        return {}
+    return {name: Fs}
+
+
 def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
     """The config fields options() reads, from a block's attributes and weights."""
     spec = SPECS[family]
@@ -268,33 +295,8 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
                  norm_topk_prob=router.norm_topk_prob,
                  shared_expert_combination_strategy=getattr(
                      b, "shared_expert_combination_strategy", "sum"))
-    # The shared expert's width, as the config fields that multiply to it.
-    mlp = None
-    if spec.shared == "sibling":
-        mlp, Fs = shared_mlp, (shared_mlp.hidden_size if shared_mlp is not None else 0)
-        act = shared_mlp.activation if shared_mlp is not None else None
-    elif spec.shared == "gated":
-        mlp = b.shared_expert
-    elif spec.shared is not None:
-        mlp = getattr(b, spec.shared[len("mlp:"):-1], None)
-    if spec.shared not in (None, "sibling"):
-        Fs = mlp.gate_proj.weight.shape[0] if mlp is not None else 0
-        act = mlp.act_fn if mlp is not None else None
     if spec.shared is not None:
-        first = spec.shared_width[0]
-        base = c.get(first, Fs) if len(spec.shared_width) > 1 else Fs
-        if base and Fs % base:
-            raise ValueError(err(family, f"the shared expert's width {Fs} is not a multiple of "
-                                         f"{first} = {base}"))
-        if len(spec.shared_width) == 1 and first == spec.ffn and Fs not in (0, F):
-            raise ValueError(err(family, f"the shared MLP's width {Fs} differs from the "
-                                         f"experts' {F} (both are {first})"))
-        c[first] = c.get(first, base) if len(spec.shared_width) > 1 else (Fs or F)
-        if len(spec.shared_width) > 1:
-            c[spec.shared_width[1]] = Fs // base if base else 0
-        if mlp is not None and act_name(act) != c["hidden_act"]:
-            raise ValueError(err(family, f"the shared expert's activation {act_name(act)!r} "
-                                         f"differs from the experts' {c['hidden_act']!r}"))
+        c.update(_shared_fields(family, spec, b, shared_mlp, F, c["hidden_act"], act_name, err))
     return c
 
 
