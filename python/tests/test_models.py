@@ -176,6 +176,13 @@ def _check_generate(family, ref, model, what):
     _close(logits, want_logits, f"{what}: logits")
 
 
+def _check_inference_mode(ref, model, what):
+    """A forward under torch.inference_mode (no autograd at all) equals the reference's."""
+    with torch.inference_mode():
+        got, want = model(_prompt()).logits, ref(_prompt()).logits
+    _close(got, want, f"{what}: inference_mode logits")
+
+
 def _loss(model):
     ids = _prompt()
     return model(input_ids=ids, labels=ids).loss
@@ -202,6 +209,7 @@ def test_one_process(family):
     mods = hf_models.experts_modules(model)
     assert mods and all("_epmoe" in m.__dict__ for _, m in mods)
     _check_generate(family, ref, model, f"{family}, 1 process")
+    _check_inference_mode(ref, model, family)
 
     want_loss, want = _train_grads(ref)
     loss, got = _train_grads(model)
@@ -236,6 +244,7 @@ def _rank(rank, world, group, families):
             if name.rsplit(".", 1)[0] not in held:
                 assert torch.equal(p, ref_params[name]), f"{what}: {name} changed"
         _check_generate(family, ref, model, what)
+        _check_inference_mode(ref, model, what)
 
         want_loss, want = _train_grads(ref)
         loss, got = _train_grads(model)
