@@ -151,10 +151,11 @@ class moe_layer {
   /// routers use them, when given, as the token's identity for seeded training noise.
   /// Invalid inputs (or any failure before the pass's first exchange) throw on this rank and
   /// input_error on every peer, before any row moves and with y untouched. Returns the pass,
-  /// whose handle a training layer's backward consumes.
+  /// whose handle a training layer's backward consumes (unless `opt` says it keeps nothing).
   pass_handle forward(matrix_view<const value_type> x, matrix_view<value_type> y,
-                      std::span<const std::int64_t> token_ids = {}) {
-    return parts::forward_stages<moe_layer>::run(*this, x, y, token_ids, nullptr, [&] {
+                      std::span<const std::int64_t> token_ids = {},
+                      const forward_options& opt = {}) {
+    return parts::forward_stages<moe_layer>::run(*this, x, y, token_ids, nullptr, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_token_ids<router_type>(token_ids, x.rows);
       router_.check(cfg_, space_, store_.views().noise_gate);
@@ -166,10 +167,11 @@ class moe_layer {
   /// K = the router's top_k (E for expert choice), host memory. The router and its gate are
   /// not used; losses are zero. A bad entry throws input_error naming it
   /// ("routing.ids[5][1] = 99: must be in [0, 64)") on this rank and input_error on every peer,
-  /// before any row moves; y is untouched.
+  /// before any row moves; y is untouched. Its backward can return the weights' gradient
+  /// (backward_options::routing_grad).
   pass_handle forward(matrix_view<const value_type> x, routing_view routing,
-                      matrix_view<value_type> y) {
-    return parts::forward_stages<moe_layer>::run(*this, x, y, {}, &routing, [&] {
+                      matrix_view<value_type> y, const forward_options& opt = {}) {
+    return parts::forward_stages<moe_layer>::run(*this, x, y, {}, &routing, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_given_routing(routing, x.rows, cfg_.experts, layout_.width);
     });
@@ -445,6 +447,11 @@ class moe_layer {
     detail::require_shape(dx, T, cfg_.hidden, "dx");
     check_grads(g);
     parts::check_losses<router_type>(opt.losses);
+    if (opt.routing_grad.data) {
+      detail::require(pass_.routing_given, "backward_options.routing_grad", "given",
+                      "only for a pass whose routing was given (the router consumes it else)");
+      detail::require_shape(opt.routing_grad, T, layout_.width, "backward_options.routing_grad");
+    }
   }
   void check_grads(const gradients& g) const {
     parts::check_gradients<expert_type, router_type>(g, cfg_, where_.get().slots_per_rank(),

@@ -18,9 +18,9 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from . import _epmoe
+from . import _epmoe, _ops
 
-__all__ = ["MoE", "RouterLosses", "menu", "CommError", "CommTimeout", "CommAborted"]
+__all__ = ["MoE", "Experts", "RouterLosses", "menu", "CommError", "CommTimeout", "CommAborted"]
 
 # A failed exchange (RuntimeErrors): CommTimeout past exchange_timeout, CommAborted when a
 # peer failed (or this module failed earlier: it refuses every later call).
@@ -116,41 +116,27 @@ def _exchange_group(group, exchange_group, exchange_timeout: float):
     return exchange_group, store, f"epmoe/abort/{where}/{n}"
 
 
-class _MoEFunction(torch.autograd.Function):
-    """y, aux, seq_aux, z = MoE(x); backward runs the layer's backward (collective)."""
+class _FusedMoEFunction(torch.autograd.Function):
+    """fuse_grad_accumulation: y, aux, seq_aux, z = MoE(x), the backward adding straight into
+    p.grad (which a custom op cannot do: it returns new gradients). Eager only."""
 
     @staticmethod
     def forward(ctx, module: "MoE", x: torch.Tensor, *params: torch.Tensor):
-        y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
-        module._layer.forward(x, y)
+        y, aux, seq, z, pid = module._op_forward(x, list(params), None, None, True)
         ctx.save_for_backward(x)  # the layer's backward reads x again (the gate's dW = dlᵀ x)
-        module._passes += 1
-        ctx.module, ctx.pass_id = module, module._passes
-        aux, seq, z = module._mean_losses()
-        return y, x.new_tensor(aux), x.new_tensor(seq), x.new_tensor(z)
+        ctx.module, ctx.pass_id = module, int(pid)
+        return y, aux, seq, z
 
     @staticmethod
     @once_differentiable  # the layer's backward builds no graph: a double backward raises
     def backward(ctx, dy, daux, dseq, dz):
         module: MoE = ctx.module
-        if ctx.pass_id != module._passes or module._consumed == ctx.pass_id:
-            raise RuntimeError(
-                "epmoe: backward of a forward that is not the layer's last: the layer keeps one "
-                "forward's state (call backward before the next forward of this module)")
-        module._consumed = ctx.pass_id
+        module._take_pass(ctx.pass_id)
         ctx.saved_tensors  # x is alive; raises if it was modified in place since forward
-        n = module._layer.local_ranks
-        fused = module.fuse_grad_accumulation
-        grads, accumulate = module._grad_targets(fused)
-        per_rank = module._rank_grads(grads, accumulate)
-        dx = torch.empty_like(dy, memory_format=torch.contiguous_format)  # dy may be strided
-        scale = 1.0 / n  # the losses are the ranks' mean
-        module._layer.backward(dy.contiguous(), dx, per_rank, float(daux) * scale,
-                               float(dseq) * scale, float(dz) * scale, accumulate)
-        module._sum_replicated(grads, per_rank)
-        if fused:  # written into p.grad already
-            return (None, dx) + (None,) * len(module._param_names)
-        return (None, dx) + tuple(grads[name] for name in module._param_names)
+        grads, accumulate = module._grad_targets(True)
+        dx = module._run_backward(dy, (float(daux), float(dseq), float(dz)), grads, accumulate,
+                                  None)
+        return (None, dx) + (None,) * len(module._param_names)  # written into p.grad already
 
 
 def _viewable(t: torch.Tensor) -> bool:
@@ -210,6 +196,7 @@ class MoE(nn.Module):
                  exchange_timeout: float = 600.0, group=None, exchange_group=None,
                  ranks: Optional[int] = None):
         super().__init__()
+        self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
         if group is not None and ranks is not None:
             raise ValueError("epmoe: pass group (torch.distributed ranks) or ranks (threads), not both")
         if exchange_group is not None and group is None:
@@ -437,7 +424,8 @@ class MoE(nn.Module):
                 if accumulate:
                     buf.zero_()
                 return buf
-            g = {"gate": own("gate"), "experts": [grads[k][r * L:(r + 1) * L] for k in kinds]}
+            g = {"gate": own("gate"),  # no routed experts' gradients: frozen (no dW)
+                 "experts": [grads[k][r * L:(r + 1) * L] for k in kinds if k in grads]}
             if self.shared_experts:
                 g["shared"] = [own("shared_" + k) for k in kinds]
             if self.config["shared_gate"]:
@@ -465,8 +453,68 @@ class MoE(nn.Module):
 
     # --- forward ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor):
-        """y, losses = moe(x): x [..., hidden] float32 on the CPU, contiguous; y the same shape;
-        losses a RouterLosses of torch scalars. Collective over the ranks."""
+        """y, losses = moe(x): x [..., hidden] on the CPU (float32; bf16/fp16 inputs, as
+        autocast makes them, are computed in float32 and y is returned in x's dtype); y the
+        same shape; losses a RouterLosses of torch scalars. Collective over the ranks. Runs
+        as the custom op epmoe::moe_forward (torch.compile keeps it in one graph); under
+        no_grad / inference_mode, or with nothing requiring grad, the layer keeps nothing
+        for a backward."""
+        shape, dtype = x.shape, x.dtype
+        flat = x.reshape(-1, shape[-1])
+        if flat.dtype in (torch.bfloat16, torch.float16):  # autocast's: computed in float32
+            flat = flat.float()
+        params = [getattr(self, n) for n in self._param_names]
+        if self.fuse_grad_accumulation:
+            y, aux, seq, z = _FusedMoEFunction.apply(self, flat.contiguous(), *params)
+        else:
+            y, aux, seq, z, _ = _ops.moe_forward(flat.contiguous(), params, None, None, self._key,
+                                                 _ops.wants_backward(flat, params))
+        return y.to(dtype).view(shape), RouterLosses(aux, seq, z)
+
+    # The custom op's implementations (epmoe/_ops.py), on real tensors.
+    def _op_forward(self, x, params, ids, weights, keep):
+        self._prepare()
+        y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
+        self._layer.forward(x, y, ids, weights, keep)
+        self._passes += 1
+        aux, seq, z = self._mean_losses()
+        return [y, x.new_tensor(aux), x.new_tensor(seq), x.new_tensor(z),
+                torch.tensor(self._passes)]
+
+    def _op_backward(self, dy, losses, x, pass_id, params, weights, wanted, routing_grad):
+        self._take_pass(int(pass_id))
+        kinds = EXPERT_TENSORS[self.expert_kind]
+        frozen = not any(w for n, w in zip(self._param_names, wanted) if n in kinds)
+        grads = {n: torch.empty_like(p) for n, p in zip(self._param_names, params)
+                 if not (frozen and n in kinds)}
+        dw = torch.empty_like(weights) if routing_grad else None
+        dx = self._run_backward(dy, tuple(float(v) for v in losses), grads, False, dw)
+        none = dy.new_empty((0,))
+        return [dx, dw if dw is not None else none] + [
+            grads[n] if w else none.clone() for n, w in zip(self._param_names, wanted)]
+
+    def _take_pass(self, pass_id: int):
+        if pass_id != self._passes or self._consumed == pass_id:
+            raise RuntimeError(
+                "epmoe: backward of a forward that is not the layer's last: the layer keeps one "
+                "forward's state (call backward before the next forward of this module)")
+        self._consumed = pass_id
+
+    def _run_backward(self, dy, losses, grads, accumulate, routing_grad):
+        """The layer's backward into `grads` (name -> tensor; no routed expert's: frozen);
+        returns dx."""
+        n = self._layer.local_ranks
+        per_rank = self._rank_grads(grads, accumulate)
+        dx = torch.empty_like(dy, memory_format=torch.contiguous_format)  # dy may be strided
+        scale = 1.0 / n  # the losses are the ranks' mean
+        self._layer.backward(dy.contiguous(), dx, per_rank, losses[0] * scale, losses[1] * scale,
+                             losses[2] * scale, accumulate, routing_grad)
+        self._sum_replicated(grads, per_rank)
+        return dx
+
+    def _prepare(self):
+        """Before a pass: the layer reads the parameters there are now, packed as the mode
+        says (again after an optimizer step changed them in place)."""
         if self._pointers() != self._bound:  # a parameter was replaced (load_state_dict(assign), .to())
             self._layer.rebind(self._rank_weights())
             self._bound = self._pointers()
@@ -476,11 +524,6 @@ class MoE(nn.Module):
                 self._packed_versions = None
         elif self._versions() != self._packed_versions:
             self.pack_weights()  # new values since the last pack
-        shape = x.shape
-        flat = x.view(-1, shape[-1]) if x.dim() != 2 and x.is_contiguous() else x
-        params = [getattr(self, n) for n in self._param_names]
-        y, aux, seq, z = _MoEFunction.apply(self, flat, *params)
-        return y.view(shape) if flat is not x else y, RouterLosses(aux, seq, z)
 
     # --- training on a process group -----------------------------------------------------
     def expert_parameters(self):
@@ -537,3 +580,6 @@ class MoE(nn.Module):
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, top_k={self.top_k}, "
                 f"router={b['router']}, expert={b['expert']}, capacity={b['capacity']}, "
                 f"schedule={b['schedule']}, ranks={self.ranks}")
+
+
+from .experts import Experts  # noqa: E402 - experts.py reads this module's helpers

@@ -72,13 +72,21 @@ class layer_of final : public any_layer {
         layer_(a.cfg, std::move(comm), weights_of(w), make_router<Router>(args_.router), Capacity{},
                placement::table(a.cfg.experts, a.cfg.ranks, a.phy_to_log)) {}
 
-  void forward(matrix_view<const float> x, matrix_view<float> y) override { layer_.forward(x, y); }
+  void forward(matrix_view<const float> x, matrix_view<float> y, const routing_view* routing,
+               bool keep) override {
+    if (routing)
+      layer_.forward(x, *routing, y, {.keep_for_backward = keep});
+    else
+      layer_.forward(x, y, {}, {.keep_for_backward = keep});
+  }
 
   void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
-                const loss_scales& losses, bool accumulate) override {
+                const loss_scales& losses, bool accumulate,
+                matrix_view<float> routing_grad) override {
     if constexpr (trains<Router, Expert>) {
       const auto grads = views<typename layer::gradients, typename layer::expert_grads>(g, "grads");
-      layer_.backward(dy, dx, grads, {.losses = losses, .accumulate = accumulate});
+      layer_.backward(dy, dx, grads,
+                      {.losses = losses, .accumulate = accumulate, .routing_grad = routing_grad});
     } else {
       throw config_error("router", "this bundle",
                          "has no backward (its router or expert does not "

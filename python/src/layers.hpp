@@ -18,6 +18,7 @@
 #include "epmoe/comm/any.hpp"
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/losses.hpp"
+#include "epmoe/core/routing.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
 #include "epmoe/reference/backward.hpp"
@@ -70,9 +71,15 @@ struct moe_load {
 class any_layer {
  public:
   virtual ~any_layer() = default;
-  virtual void forward(matrix_view<const float> x, matrix_view<float> y) = 0;
+  /// routing: a given routing (ids [T, K], weights [T, K]) or nullptr for the router's own;
+  /// keep: a training layer keeps what backward reads (false: no_grad, nothing kept).
+  virtual void forward(matrix_view<const float> x, matrix_view<float> y,
+                       const routing_view* routing, bool keep) = 0;
+  /// Empty expert gradients: frozen experts (no dW). routing_grad: a given routing's
+  /// weights' gradient [T, K], or empty.
   virtual void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
-                        const loss_scales& losses, bool accumulate) = 0;
+                        const loss_scales& losses, bool accumulate,
+                        matrix_view<float> routing_grad) = 0;
   virtual const pass_stats& stats() const = 0;
   /// Points the layer at new tensors of the same shapes (a framework replaced a parameter).
   virtual void rebind(const rank_weights& w) = 0;

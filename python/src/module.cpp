@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -60,8 +61,15 @@ std::vector<stacked_view<T>> stacked_list(const ::py::dict& d, const char* key,
   for (const ::py::handle h : d[key]) {
     const at::Tensor t = h.cast<at::Tensor>();
     const std::string name = who + "." + key + "[" + std::to_string(i++) + "]";
-    if (const std::string why = unviewable(t, 3); !why.empty()) type_error(name + " " + why);
-    out.emplace_back(const_cast<float*>(t.data_ptr<float>()), t.size(0), t.size(1), t.size(2));
+    // A strided stack of row-major matrices is a view too (w1 and w3: the halves of a fused
+    // gate_up_proj [E, 2F, H]).
+    std::string why = unviewable(t, 3);
+    if (why.find("contiguous") != std::string::npos && (t.stride(2) == 1 || t.size(2) == 1) &&
+        t.stride(1) >= t.size(2) && t.stride(0) >= 0)
+      why.clear();
+    if (!why.empty()) type_error(name + " " + why);
+    out.emplace_back(const_cast<float*>(t.data_ptr<float>()), t.size(0), t.size(1), t.size(2),
+                     t.size(1) == 1 ? t.size(2) : t.stride(1), t.stride(0));
   }
   return out;
 }
@@ -118,6 +126,7 @@ rank_grads grads_of(const ::py::dict& d, const std::string& who) {
   d["exposed_comm_seconds"] = s.exposed_comm_seconds;
   d["overlap"] = s.overlap;
   d["backward"] = s.backward;
+  d["saved_bytes"] = s.saved_bytes;  // what the last forward kept for backward (0: nothing)
   ::py::dict t;
   const stage_times& st = s.time;
   t["route"] = st.route, t["plan"] = st.plan, t["permute"] = st.permute;
@@ -252,24 +261,41 @@ class layer {
   /// y = MoE(x): this process's tokens; with thread ranks, contiguous shards, one per rank.
   /// A tensor that cannot be viewed still enters the collective call (with an empty view the
   /// layer rejects), so the peers learn of it and nobody waits; then it raises here.
-  void forward(const at::Tensor& x, const at::Tensor& y) {
-    const std::string bad = first_bad({{x, "x"}, {y, "y"}});
+  /// ids and weights: a given routing ([T, K] int32 and float32) or undefined tensors (the
+  /// router's own); keep: whether a training layer keeps what backward reads (no_grad: not).
+  void forward(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& ids_in,
+               const std::optional<at::Tensor>& weights_in, bool keep) {
+    const at::Tensor ids = ids_in.value_or(at::Tensor()),
+                     weights = weights_in.value_or(at::Tensor());
+    const bool given = ids.defined() || weights.defined();
+    std::string bad = first_bad({{x, "x"}, {y, "y"}});
+    if (bad.empty() && given) bad = bad_routing(ids, weights, x.size(0));
     run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
+      const routing_view routing{rows<const std::int32_t>(ids, a, n, !bad.empty()),
+                                 rows<const float>(weights, a, n, !bad.empty())};
       layers_[r]->forward(rows<const float>(x, a, n, !bad.empty()),
-                          rows<float>(y, a, n, !bad.empty()));
+                          rows<float>(y, a, n, !bad.empty()), given ? &routing : nullptr, keep);
     });
   }
 
+  /// routing_grad: where a given routing's weights' gradient [T, K] goes, or undefined.
   void backward(const at::Tensor& dy, const at::Tensor& dx, const ::py::list& grads, double aux,
-                double seq_aux, double z, bool accumulate) {
+                double seq_aux, double z, bool accumulate,
+                const std::optional<at::Tensor>& routing_grad_in) {
+    const at::Tensor routing_grad = routing_grad_in.value_or(at::Tensor());
     std::vector<rank_grads> g;
     for (int r = 0; r < local_ranks(); ++r)
       g.push_back(grads_of(grads[r].cast<::py::dict>(), "grads[" + std::to_string(r) + "]"));
     const loss_scales scales{aux, seq_aux, z};
-    const std::string bad = first_bad({{dy, "dy"}, {dx, "dx"}});
+    std::string bad = first_bad({{dy, "dy"}, {dx, "dx"}});
+    if (bad.empty() && routing_grad.defined())
+      if (const std::string why = unviewable(routing_grad, 2); !why.empty())
+        bad = "routing_grad " + why;
     run_shards(dy.defined() && bad.empty() ? dy.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
+      const bool rg = routing_grad.defined() && bad.empty();
       layers_[r]->backward(rows<const float>(dy, a, n, !bad.empty()),
-                           rows<float>(dx, a, n, !bad.empty()), g[r], scales, accumulate);
+                           rows<float>(dx, a, n, !bad.empty()), g[r], scales, accumulate,
+                           rows<float>(routing_grad, a, n, !rg));
     });
   }
 
@@ -333,12 +359,25 @@ class layer {
         return std::string(name) + " " + why;
     return "";
   }
+  // Why a given routing cannot be viewed, or "".
+  static std::string bad_routing(const at::Tensor& ids, const at::Tensor& w, index_t T) {
+    if (!ids.defined() || !w.defined()) return "routing: give both ids and weights";
+    if (ids.scalar_type() != at::kInt || !ids.is_contiguous() || ids.dim() != 2 ||
+        !ids.device().is_cpu())
+      return "routing ids: must be a contiguous int32 [T, K] CPU tensor";
+    if (const std::string why = unviewable(w, 2); !why.empty()) return "routing weights " + why;
+    if (ids.size(0) != T || w.sizes() != ids.sizes())
+      return "routing: ids and weights must both be [T, K] with T = x's rows (" +
+             std::to_string(T) + ")";
+    return "";
+  }
   // Rows [a, a + n) of a [T, H] tensor; an empty view of the wrong width when it is bad.
   template <class T>
   static matrix_view<T> rows(const at::Tensor& t, index_t a, index_t n, bool bad) {
-    if (bad) return {nullptr, 0, 0};
+    if (bad || !t.defined()) return {nullptr, 0, 0};
     const index_t H = t.size(1);
-    return {const_cast<float*>(t.data_ptr<float>()) + a * H, n, H};
+    using E = std::remove_const_t<T>;
+    return {const_cast<E*>(static_cast<const E*>(t.data_ptr())) + a * H, n, H};
   }
   // f(rank) on every local rank with the GIL released (a collective call).
   template <class F>
@@ -505,8 +544,12 @@ PYBIND11_MODULE(_epmoe, m) {
            ::py::arg("bundle"), ::py::arg("config"), ::py::arg("phy_to_log"), ::py::arg("router"),
            ::py::arg("weights"), ::py::arg("group"), ::py::arg("ranks"),
            ::py::arg("store") = ::py::none(), ::py::arg("abort_key") = "")
-      .def("forward", &ep::layer::forward)
-      .def("backward", &ep::layer::backward)
+      .def("forward", &ep::layer::forward, ::py::arg("x"), ::py::arg("y"),
+           ::py::arg("ids") = ::py::none(), ::py::arg("weights") = ::py::none(),
+           ::py::arg("keep") = true)
+      .def("backward", &ep::layer::backward, ::py::arg("dy"), ::py::arg("dx"), ::py::arg("grads"),
+           ::py::arg("aux"), ::py::arg("seq_aux"), ::py::arg("z"), ::py::arg("accumulate"),
+           ::py::arg("routing_grad") = ::py::none())
       .def("rebind", &ep::layer::rebind)
       .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("bf16") = false)
       .def("stats", &ep::layer::stats)

@@ -216,12 +216,16 @@ struct mlp {
       space.grouped_gemm_nn(dy, w.w2, dh);  // dh = dy W2: [rows, H] x [H, F]
       space.for_each(n, act_grad_rows<T>{a.data, dh.data});
     }
-    // dW2 = dyᵀ h, dW1 = daᵀ x (zeros for a group without rows); db2, db1: column sums.
-    space.grouped_gemm_tn_accumulate(dy, grouped_rows<const T>(a), grads.w2, accumulate);
-    space.grouped_gemm_tn_accumulate(grouped_rows<const T>(dh), x, grads.w1, accumulate);
+    // dW2 = dyᵀ h, dW1 = daᵀ x (zeros for a group without rows); db2, db1: column sums; none
+    // for frozen experts (empty gradient views).
+    const bool dw = grads.w1.data != nullptr;
+    if (dw) {
+      space.grouped_gemm_tn_accumulate(dy, grouped_rows<const T>(a), grads.w2, accumulate);
+      space.grouped_gemm_tn_accumulate(grouped_rows<const T>(dh), x, grads.w1, accumulate);
+    }
     if constexpr (Biases) {
       const index_t H = w.w2.rows;
-      if (x.groups > 0) {
+      if (dw && x.groups > 0) {
         space.for_each(x.groups * H,
                        group_column_sum<T, G>{dy.data, H, dy.stride, dy.device_offsets,
                                               grads.b2.data, grads.b2.batch_stride, accumulate});

@@ -175,10 +175,13 @@ struct glu {
       space.grouped_gemm_nn(dy, w.w2, dh);  // dh = dy W2: [rows, H] x [H, F]
       space.for_each(n, act_mul_grad_rows<T>{a.data, b.data, dh.data});
     }
-    // dW2 = dyᵀ h, dW1 = daᵀ x, dW3 = dbᵀ x (zeros for a group without rows).
-    space.grouped_gemm_tn_accumulate(dy, grouped_rows<const T>(dh), grads.w2, accumulate);
-    space.grouped_gemm_tn_accumulate(grouped_rows<const T>(a), x, grads.w1, accumulate);
-    space.grouped_gemm_tn_accumulate(grouped_rows<const T>(b), x, grads.w3, accumulate);
+    // dW2 = dyᵀ h, dW1 = daᵀ x, dW3 = dbᵀ x (zeros for a group without rows); none for
+    // frozen experts (empty gradient views).
+    if (grads.w1.data) {
+      space.grouped_gemm_tn_accumulate(dy, grouped_rows<const T>(dh), grads.w2, accumulate);
+      space.grouped_gemm_tn_accumulate(grouped_rows<const T>(a), x, grads.w1, accumulate);
+      space.grouped_gemm_tn_accumulate(grouped_rows<const T>(b), x, grads.w3, accumulate);
+    }
     if (n == 0) return;
     // dx = da W1 + db W3: [rows, F] x [F, H].
     space.grouped_gemm_nn(a, w.w1, dx);

@@ -19,18 +19,30 @@
 namespace epmoe {
 
 /// What forward returns: the pass's number and whether the layer kept what its backward needs
-/// (config training). backward(pass, ...) consumes it, once; the layer keeps the state of its
-/// last forward only, so an older pass's handle is refused by name.
+/// (config training, and forward_options::keep_for_backward). backward(pass, ...) consumes it,
+/// once; the layer keeps the state of its last forward only, so an older pass's handle is refused
+/// by name.
 struct pass_handle {
   std::uint64_t id = 0;
   bool training = false;
   explicit operator bool() const { return training; }
 };
 
+/// How a forward runs (moe_layer::forward).
+struct forward_options {
+  /// A training layer's forward keeps what its backward reads (the expert rows, their hidden
+  /// layers, the token ids). false: an inference pass (a framework's no_grad) keeps nothing
+  /// and writes none of that storage; it has no backward.
+  bool keep_for_backward = true;
+};
+
 /// How a backward runs (moe_layer::backward).
 struct backward_options {
   loss_scales losses{};     // add d(scale * loss)/d(gate, x) for each router loss of the pass
   bool accumulate = false;  // add into `grads` instead of overwriting them
+  /// A pass whose routing was given: where the routing weights' gradient dL/dweights [T, K]
+  /// goes (the space's memory; 0 for a dropped assignment or an empty slot), or empty.
+  matrix_view<float> routing_grad{};
 };
 
 }  // namespace epmoe
@@ -51,6 +63,7 @@ struct forward_pass {
   std::span<const std::int64_t> token_ids;  // the caller's, or the layer's copy (training)
   const routing_view* given = nullptr;      // a user-supplied routing, during the pass
   bool routing_given = false;               // the routing was given (no losses, no router grad)
+  bool saves = false;                       // a training pass that keeps its backward's state
   index_t limit = 0;                        // the capacity of the pass's slots
   std::exception_ptr error;                 // this rank's rejected input or early failure
   bool deferred = false;  // static shapes on a device: the verdict is read after the pass

@@ -245,34 +245,36 @@ struct forward_stages : stages_base<L> {
   template <class Check>
   static pass_handle run(L& l, matrix_view<const value_type> x, matrix_view<value_type> y,
                          std::span<const std::int64_t> token_ids, const routing_view* routing,
-                         Check&& check) {
+                         const forward_options& opt, Check&& check) {
     l.life_.usable();
     auto& pass = l.pass_;
     pass = {};
     pass.id = l.passes_, pass.x = x, pass.y = y, pass.token_ids = token_ids;
     pass.given = routing, pass.routing_given = routing != nullptr;
+    pass.saves = l.train_ && opt.keep_for_backward;
     try {
       check();
     } catch (...) {
       pass.make_empty(std::current_exception());
     }
-    if (l.train_) {
-      l.train_->begin_forward();
-      pass.token_ids = l.train_->keep_token_ids(l.space_, pass.token_ids);
-    }
+    if (l.train_) l.train_->begin_forward();  // the last pass's state is gone either way
+    if (pass.saves) pass.token_ids = l.train_->keep_token_ids(l.space_, pass.token_ids);
     dispatch_plan& p = l.plan_.host();
     p.rounds = rounds_per_chunk(l.layout_, l.cfg_, l.chunks_);
     p.chunks = l.chunks_ * p.rounds;
     l.stats_.chunks = l.chunks_;
     l.stats_.backward = false;
     base::drive(l, call_kind::forward, l.passes_, forward_stages(l));
-    const pass_handle h{l.passes_++, l.cfg_.training};
+    const pass_handle h{l.passes_++, pass.saves};
     // Static shapes on a device: this rank's own error, once its part of the pass is queued.
     if (pass.error) std::rethrow_exception(pass.error);
-    if (l.train_) {
+    l.stats_.saved_bytes = 0;
+    if (pass.saves) {
       l.train_->end_forward(h.id);
       l.stats_.saved_bytes = l.train_->saved_bytes(pass.tokens(), L::dedup) +
                              l.router_.saved_bytes(pass.tokens(), l.cfg_);
+    } else if (l.train_) {
+      l.train_->end_inference(h.id);
     }
     return h;
   }
@@ -317,16 +319,17 @@ struct forward_stages : stages_base<L> {
   void experts(int u) {
     this->experts_of(
         u, L::expert_type::flops_per_row(l.cfg_.hidden, l.cfg_.ffn), [&](const auto& rows) {
-          if (l.train_) l.train_->save_rows(l.space_, rows, u, true);
+          const bool saves = l.pass_.saves;
+          if (saves) l.train_->save_rows(l.space_, rows, u, true);
           L& ly = l;
           ly.store_.with_space(ly.space_, [&](const auto& s) {
             if constexpr (keeps_hidden<typename L::expert_type, typename L::space_type>)
               L::expert_type::forward(s, ly.store_.views().experts, rows, ly.scratch_.data(),
-                                      ly.train_ ? ly.train_->kept_hidden(u) : nullptr);
+                                      saves ? ly.train_->kept_hidden(u) : nullptr);
             else
               L::expert_type::forward(s, ly.store_.views().experts, rows, ly.scratch_.data());
           });
-          if (L::dedup && l.train_) l.train_->save_rows(l.space_, rows, u, false);
+          if (L::dedup && saves) l.train_->save_rows(l.space_, rows, u, false);
         });
   }
   void combine_start(int u) { this->template combine_start_<false>(u); }
@@ -487,6 +490,8 @@ struct backward_stages : stages_base<L> {
                           forward_stages<L>::first_token(l), l.pass_.id, w.gate, w.noise_gate,
                           call().grads.gate, call().grads.noise_gate, l.train_->weight_grad(T),
                           l.train_->dx_home(), call().opt, l.pass_.routing_given});
+      if (const matrix_view<float> g = call().opt.routing_grad; g.data)  // a given routing's
+        l.space_.for_each_row(T, g.cols, rows::copy<float>{l.train_->weight_grad(T), g});
       if constexpr (L::dedup)
         l.space_.for_each_row(
             T, H,

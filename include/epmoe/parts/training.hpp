@@ -68,14 +68,24 @@ void check_losses(const loss_scales& ls) {
                     "them 0");
 }
 
+/// Whether a gradient bundle of routed experts is empty: frozen experts (a framework's
+/// requires_grad = false), whose backward computes dx only and no dW.
+template <class Expert, class G>
+bool frozen_experts(G g) {
+  for (const auto* t : Expert::tensors(g))
+    if (t->data) return false;
+  return true;
+}
+
 /// Gradients shaped as the weights they belong to (L local slots; the noise gate's while
-/// noisy top-k trains).
+/// noisy top-k trains); the routed experts' all given or all empty (frozen).
 template <class Expert, class Router, class Grads>
 void check_gradients(const Grads& g, const layer_config& cfg, index_t L, bool noisy) {
   const index_t H = cfg.hidden;
   if constexpr (Router::uses_gate) detail::require_shape(g.gate, cfg.experts, H, "grads.gate");
   if constexpr (requires { Expert::validate(g.experts, 0, 0, 0, std::string{}); }) {
-    Expert::validate(g.experts, L, H, cfg.ffn, "grads.experts");
+    if (!frozen_experts<Expert>(g.experts))  // else frozen: every view empty
+      Expert::validate(g.experts, L, H, cfg.ffn, "grads.experts");
     if (cfg.shared_experts > 0)
       Expert::validate(g.shared, cfg.shared_experts, H, cfg.shared_width(), "grads.shared");
   }
@@ -154,6 +164,15 @@ class training_state {
     saved_ = true;
     last_ = id;
     any_ = true;
+    inference_ = false;
+  }
+  /// The forward `id` kept nothing (forward_options::keep_for_backward false): it is the
+  /// last pass, and it has no backward.
+  void end_inference(std::uint64_t id) {
+    saved_ = false;
+    last_ = id;
+    any_ = true;
+    inference_ = true;
   }
   /// Bytes a forward of T tokens kept (expert rows, dedup outputs, hidden layers, routing,
   /// token ids).
@@ -177,6 +196,10 @@ class training_state {
                          "the layer keeps the state of its last forward only (pass " +
                              std::to_string(last_) +
                              "): run each backward before the next forward");
+    if (inference_)
+      throw config_error("backward", "pass " + std::to_string(h.id),
+                         "its forward kept nothing for a backward "
+                         "(forward_options.keep_for_backward = false)");
     if (!saved_)
       throw config_error("backward", "pass " + std::to_string(h.id),
                          "consumed: its backward ran already (one backward per forward), or its "
@@ -304,10 +327,9 @@ class training_state {
         const int q = replica_of_slot_[j];
         if (q < 0) continue;
         index_t o = at + q * per;
-        for (std::size_t t = 0; t < we.size(); ++t) {
-          const matrix_view<float> m = (*ge[t])[static_cast<index_t>(j)];
-          stage(m, o);
-          o += m.rows * m.cols;
+        for (std::size_t t = 0; t < we.size(); ++t) {  // frozen experts: zeros, unread
+          if (ge[t]->data) stage((*ge[t])[static_cast<index_t>(j)], o);
+          o += we[t]->rows * we[t]->cols;
         }
       }
       at += replicas_ * per;
@@ -324,6 +346,7 @@ class training_state {
   std::vector<index_t> saved_at_;    // [units]: each unit's first saved row
   index_t rows_ = 0, rows_cap_ = 0;
   bool saved_ = false, any_ = false;  // the last forward's state waits; a forward ran
+  bool inference_ = false;            // the last forward kept nothing
   std::uint64_t last_ = 0;            // the last training forward's number
   buffer<float> weight_grad_, dx_home_;
   buffer<std::int64_t> token_ids_;

@@ -1,0 +1,209 @@
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""epmoe.torch.Experts: the routed experts alone, driven by a routing the caller computed
+(docs/pytorch.md, "Experts under a framework's router").
+
+A framework that routes itself (transformers 5's `*Experts` modules get `top_k_index` and
+`top_k_weights` from their model's router) hands epmoe the tokens, their routing and its own
+expert tensors; epmoe reads those in place (no copy), sends each token to the ranks holding its
+experts and combines the weighted outputs at home. Differentiable in x, the routing weights and
+the expert tensors (through the custom ops of epmoe/_ops.py).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from . import _epmoe, _ops
+from .torch import EXPERT_TENSORS, _exchange_group, _placement_table, _viewable
+
+__all__ = ["Experts"]
+
+# How the caller's tensors hold each expert kind's (w1, w3, w2 | w1, w2, b1, b2).
+LAYOUTS = {
+    # transformers 5: gate_up_proj [E, 2F, H] (w1 = the first F rows, w3 the next), down_proj [E, H, F]
+    "gate_up": ("gate_up_proj", "down_proj"),
+    "separate": None,  # the expert kind's own tensors, in its order (EXPERT_TENSORS)
+}
+
+
+class Experts(nn.Module):
+    """y = sum_k weights[t, k] * E_{ids[t, k]}(x[t]) over expert-parallel ranks, with the
+    caller's routing and expert tensors.
+
+    hidden, ffn, experts (E, all ranks together), top_k (K of the routing). expert: "swiglu"
+    (w1, w3, w2), "mlp_relu", "mlp_relu_bias". layout: "gate_up" (swiglu: a fused
+    gate_up_proj [n, 2F, H] and down_proj [n, H, F], as transformers 5 stores them) or
+    "separate" (the kind's own tensors). n: the experts this process holds — E with thread
+    ranks (`ranks`), E/R on a torch.distributed `group` (this rank's slots, placement order).
+    Ranks, placement, exchange, capacity, pack_weights and the deadline as epmoe.torch.MoE's.
+    The tensors are read in place, float32 on the CPU; with pack_weights (the default "auto":
+    in eval mode) the layer keeps a packed copy, refreshed after they change.
+    """
+
+    def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *, expert: str = "swiglu",
+                 layout: str = "gate_up", capacity: str = "dropless", capacity_factor: float = 1.0,
+                 schedule: str = "sequential", chunks: int = 0, exchange: str = "flat",
+                 ranks_per_node: int = 0, placement: Union[str, Sequence[int]] = "block",
+                 max_tokens: int = 4096, max_recv_rows: int = 0,
+                 pack_weights: Union[bool, str] = "auto", exchange_timeout: float = 600.0,
+                 group=None, exchange_group=None, ranks: Optional[int] = None):
+        super().__init__()
+        self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
+        if group is not None and ranks is not None:
+            raise ValueError("epmoe: pass group (torch.distributed ranks) or ranks (threads), not both")
+        R = group.size() if group is not None else (ranks or 1)
+        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("top_k", top_k),
+                        ("max_tokens", max_tokens)):
+            if int(v) < 1:
+                raise ValueError(f"epmoe: {name} = {v}: must be >= 1")
+        if experts % R:
+            raise ValueError(f"epmoe: experts = {experts}: must be a multiple of the ranks ({R})")
+        if expert not in EXPERT_TENSORS:
+            raise ValueError(f"epmoe: expert = {expert!r}: must be one of {sorted(EXPERT_TENSORS)}")
+        if layout not in LAYOUTS or (layout == "gate_up" and expert != "swiglu"):
+            raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu only) or "
+                             "'separate'")
+        if pack_weights not in ("auto", True, False, "bf16"):
+            raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
+                             "False or 'bf16'")
+        self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
+        self.ranks, self.group, self.layout, self.expert_kind = R, group, layout, expert
+        self.bundle = dict(router="softmax", top_k=int(top_k), expert=expert, capacity=capacity,
+                           schedule=schedule, exchange=exchange)  # the router is never run
+        found = [b for b in _epmoe.menu() if all(b[k] == v for k, v in self.bundle.items())]
+        self.config = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
+                           max_tokens=max_tokens, capacity_factor=float(capacity_factor),
+                           shared_experts=0, shared_ffn=0, shared_gate=False, output_bias=False,
+                           aux_loss_coef=0.0, seq_len=0, chunks=chunks,
+                           max_recv_rows=int(max_recv_rows), ranks_per_node=int(ranks_per_node),
+                           training=bool(found and found[0]["trains"]), recompute=False,
+                           exchange_timeout=float(exchange_timeout))
+        self.phy_to_log = _placement_table(placement, experts, R)
+        self.held = experts if group is None else experts // R  # experts of the tensors
+        self._local = 1 if group is not None else R
+        self._gate = torch.zeros(experts, hidden)  # the unused router's, and its gradient's
+        self._gate_grads = [torch.empty(experts, hidden) for _ in range(self._local)]
+        self._exchange = (_exchange_group(group, exchange_group, float(exchange_timeout))
+                          if group is not None else (None, None, ""))
+        self._pack = pack_weights
+        self._layer = None  # built at the first call, from the tensors it is given
+        self._bound = self._packed = None
+        self._passes = self._consumed = 0
+
+    def extra_repr(self):
+        return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, "
+                f"top_k={self.top_k}, expert={self.expert_kind}, layout={self.layout}, "
+                f"ranks={self.ranks}")
+
+    # --- the caller's tensors as the layer's views ----------------------------------------
+    def _kind_tensors(self, tensors):
+        """The expert kind's tensors (w1, w3, w2 ...) [n, rows, cols] from the caller's."""
+        if self.layout == "gate_up":
+            gate_up, down = tensors
+            F = self.ffn
+            return [gate_up[:, :F], gate_up[:, F:], down]
+        return list(tensors)
+
+    def _check(self, tensors):
+        names = LAYOUTS[self.layout] or EXPERT_TENSORS[self.expert_kind]
+        if len(tensors) != len(names):
+            raise ValueError(f"epmoe: Experts({self.layout}) takes {len(names)} tensors "
+                             f"({', '.join(names)}), got {len(tensors)}")
+        H, F, n = self.hidden, self.ffn, self.held
+        want = {"gate_up_proj": (n, 2 * F, H), "down_proj": (n, H, F), "w1": (n, F, H),
+                "w3": (n, F, H), "w2": (n, H, F), "b1": (n, 1, F), "b2": (n, 1, H)}
+        for name, t in zip(names, tensors):
+            if tuple(t.shape) != want[name]:
+                raise ValueError(f"epmoe: {name} has shape {tuple(t.shape)}: must be "
+                                 f"{want[name]} (the experts this process holds)")
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise TypeError(f"epmoe: {name} is {t.dtype} on {t.device}: the experts are "
+                                "read in place as float32 on the CPU")
+
+    def _rank_weights(self, tensors):
+        views = [t.detach() for t in self._kind_tensors(tensors)]
+        L = self.experts // self.ranks
+        return [{"gate": self._gate, "experts": [v[r * L:(r + 1) * L] for v in views]}
+                if self._local > 1 else {"gate": self._gate, "experts": views}
+                for r in range(self._local)]
+
+    def _prepare(self, tensors):
+        pointers = tuple((t.data_ptr(), t.stride()) for t in tensors)
+        if self._layer is None:
+            self._check(tensors)
+            group, store, key = self._exchange
+            self._layer = _epmoe.Layer(self.bundle, self.config, self.phy_to_log,
+                                       dict(groups=1, top_groups=1, norm_p=1.0, scaling=1.0,
+                                            group_by_max=False, normalize=True,
+                                            group_mask_zero=False, gamma=0.0, bias=None,
+                                            jitter_eps=0.01),
+                                       self._rank_weights(tensors), group,
+                                       0 if self.group is not None else self.ranks, store, key)
+        elif pointers != self._bound:
+            self._check(tensors)
+            self._layer.rebind(self._rank_weights(tensors))
+            self._packed = None
+        self._bound = pointers
+        packs = self._pack in (True, "bf16") or (self._pack == "auto" and not self.training)
+        versions = tuple(t._version for t in tensors)
+        if not packs and self._packed is not None:
+            self._layer.pack(False)
+            self._packed = None
+        elif packs and versions != self._packed:
+            self._layer.pack(True, self._pack == "bf16")
+            self._packed = versions
+
+    # --- forward --------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        """y [T, H] = the experts of top_k_index [T, K] (global expert ids; -1: an empty
+        slot), weighted by top_k_weights [T, K] (>= 0), on x [T, H]. Collective over the
+        ranks: every process calls it with its own T (0 is fine). x in float32, or bf16/fp16
+        computed in float32 and returned in x's dtype."""
+        dtype = x.dtype
+        flat = x.reshape(-1, self.hidden)
+        if flat.dtype in (torch.bfloat16, torch.float16):  # autocast's: computed in float32
+            flat = flat.float()
+        flat = flat.contiguous()
+        ids = top_k_index.reshape(flat.shape[0], -1).to(torch.int32).contiguous()
+        w = top_k_weights.reshape(ids.shape).float().contiguous()
+        params = list(tensors)
+        keep = _ops.wants_backward(flat, params) or (torch.is_grad_enabled() and w.requires_grad)
+        y = _ops.moe_forward(flat, params, ids, w, self._key, keep)[0]
+        return y.to(dtype).view(x.shape)
+
+    # The custom op's implementations (epmoe/_ops.py), on real tensors.
+    def _op_forward(self, x, params, ids, weights, keep):
+        self._prepare(params)
+        y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
+        self._layer.forward(x, y, ids, weights, keep)
+        self._passes += 1
+        zero = x.new_zeros(())
+        return [y, zero, zero.clone(), zero.clone(), torch.tensor(self._passes)]
+
+    def _op_backward(self, dy, losses, x, pass_id, params, weights, wanted, routing_grad):
+        pid = int(pass_id)
+        if pid != self._passes or self._consumed == pid:
+            raise RuntimeError("epmoe: backward of a forward that is not the Experts' last (call "
+                               "backward before the next forward of this module)")
+        self._consumed = pid
+        frozen = not any(wanted)
+        grads = [torch.empty_like(p) for p in params] if not frozen else []
+        views = self._kind_tensors(grads) if grads else []
+        L = self.experts // self.ranks
+        per_rank = [{"gate": self._gate_grads[r],
+                     "experts": [v[r * L:(r + 1) * L] for v in views] if self._local > 1 else views}
+                    for r in range(self._local)]
+        dx = torch.empty_like(dy)
+        dw = torch.empty_like(weights) if routing_grad else None
+        self._layer.backward(dy.contiguous(), dx, per_rank, 0.0, 0.0, 0.0, False, dw)
+        none = dy.new_empty((0,))
+        return [dx, dw if dw is not None else none] + [
+            grads[i] if w else none.clone() for i, w in enumerate(wanted)]
+
+    def stats(self, rank: int = 0):
+        """What the last pass did on a local rank (epmoe.torch.MoE.stats)."""
+        return self._layer.stats()[rank]
