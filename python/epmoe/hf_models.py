@@ -89,22 +89,22 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
     ex, group = st["experts"], st["group"]
     if ex.training != self.training:  # eval packs the expert weights, train reads them
         ex.train(self.training)
-    x = hidden_states
-    if x.dtype != torch.float32:
-        raise TypeError(_err(f"{type(self).__name__}: hidden_states are {x.dtype}: epmoe's "
-                             "experts compute in float32 (load the model in float32)"))
-    w = top_k_weights.to(x.dtype)
-    ids = top_k_index.to(torch.int64)
+    x, ids, w = hidden_states, top_k_index, top_k_weights
     if group is None:
-        return ex(x.contiguous(), ids.contiguous(), w.contiguous(), self.gate_up_proj,
-                  self.down_proj)
+        return ex(x, ids, w, self.gate_up_proj, self.down_proj)
     R, r = group.size(), group.rank()
     counts = _shares(x.shape[0], R)
     start = sum(counts[:r])
-    xs = _TakeShare.apply(x, group, counts, r)
-    ws = _TakeShare.apply(w, group, counts, r)
-    ys = ex(xs.contiguous(), ids[start:start + counts[r]].contiguous(), ws.contiguous(),
-            self.gate_up_proj, self.down_proj)
+    if counts[r] == 0:
+        # T < R (a decode step): this rank has no rows, but the exchange is collective. Experts
+        # (main 09c2b44) cannot reshape an empty routing, so it gets one row weighted 0 and
+        # its output is dropped; backward still reaches the Experts (a zero gradient).
+        ys = ex(x[:1].detach(), ids[:1], torch.zeros_like(w[:1]).detach(), self.gate_up_proj,
+                self.down_proj)[:0]
+    else:
+        xs = _TakeShare.apply(x, group, counts, r)
+        ws = _TakeShare.apply(w, group, counts, r)
+        ys = ex(xs, ids[start:start + counts[r]], ws, self.gate_up_proj, self.down_proj)
     return _GatherShares.apply(ys, group, counts, r)
 
 
@@ -217,10 +217,7 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
                         exchange_timeout=exchange_timeout, pack_weights=pack_weights)
         ex.train(m.training)
         L = E // R
-        held = et._placement_table(placement, E, R)[rank * L:(rank + 1) * L]
-        ids = getattr(ex, "expert_ids", None)
-        if ids is not None and [int(i) for i in ids] != held:
-            raise AssertionError(f"epmoe.hf: {name}: Experts holds {list(ids)}, expected {held}")
+        held = [int(e) for e in ex.phy_to_log[rank * L:(rank + 1) * L]]  # this rank's slots
         if group is not None:  # keep this rank's slots, in slot order
             idx = torch.tensor(held, dtype=torch.long)
             with torch.no_grad():

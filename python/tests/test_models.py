@@ -14,7 +14,6 @@ transformers = pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-import epmoe.torch as et  # noqa: E402
 from epmoe import hf, hf_models  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
@@ -52,78 +51,6 @@ MODELS = {
 }
 
 
-# --- a stand-in for epmoe.torch.Experts until main has it ----------------------------------
-
-class _StandInExperts(torch.nn.Module):
-    """Pure torch, epmoe.torch.Experts's contract: each rank gathers every rank's rows, runs
-    its own experts on them, and the partial outputs are summed back to their rank."""
-
-    def __init__(self, hidden, ffn, experts, top_k, *, expert="swiglu", layout="gate_up",
-                 group=None, ranks=None, placement="block", exchange="flat", max_tokens=4096,
-                 exchange_timeout=600.0, pack_weights="auto"):
-        super().__init__()
-        assert expert == "swiglu" and layout == "gate_up"
-        R = group.size() if group is not None else 1
-        rank = group.rank() if group is not None else 0
-        L = experts // R
-        self.group, self.held = group, et._placement_table(placement, experts, R)[rank * L:(rank + 1) * L]
-
-    def forward(self, x, ids, w, gate_up, down):
-        g = self.group
-        if g is not None:
-            import torch.distributed as dist
-
-            n = torch.tensor([x.shape[0]])
-            counts = [torch.zeros_like(n) for _ in range(g.size())]
-            dist.all_gather(counts, n, group=g)
-            counts = [int(c) for c in counts]
-            x, w = (_AllRows.apply(t, g, counts) for t in (x, w))
-            ids = hf_models._gather_rows(ids, counts, g)
-        y = torch.zeros_like(x)
-        for slot, e in enumerate(self.held):
-            t, k = (ids == e).nonzero(as_tuple=True)
-            gate, up = (x[t] @ gate_up[slot].t()).chunk(2, -1)
-            y = y.index_add(0, t, (torch.nn.functional.silu(gate) * up) @ down[slot].t() * w[t, k, None])
-        return _SumRows.apply(y, g, counts) if g is not None else y
-
-
-class _AllRows(torch.autograd.Function):  # gather every rank's rows; backward: sum, own rows
-    @staticmethod
-    def forward(ctx, t, g, counts):
-        ctx.g, ctx.counts = g, counts
-        return hf_models._gather_rows(t, counts, g)
-
-    @staticmethod
-    def backward(ctx, d):
-        import torch.distributed as dist
-
-        d = d.contiguous().clone()
-        dist.all_reduce(d, group=ctx.g)
-        r = ctx.g.rank()
-        s = sum(ctx.counts[:r])
-        return d[s:s + ctx.counts[r]], None, None
-
-
-class _SumRows(torch.autograd.Function):  # sum the partial outputs, own rows; backward: gather
-    @staticmethod
-    def forward(ctx, y, g, counts):
-        import torch.distributed as dist
-
-        ctx.g, ctx.counts = g, counts
-        y = y.clone()
-        dist.all_reduce(y, group=g)
-        s = sum(counts[:g.rank()])
-        return y[s:s + counts[g.rank()]]
-
-    @staticmethod
-    def backward(ctx, d):
-        return hf_models._gather_rows(d.contiguous(), ctx.counts, ctx.g), None, None
-
-
-if not hasattr(et, "Experts"):  # runs in the spawned ranks too (they import this module)
-    et.Experts = _StandInExperts
-
-
 # --- the models ---------------------------------------------------------------------------
 
 def _fields(cls):
@@ -148,8 +75,9 @@ def _build(family):
     return ref, copy.deepcopy(ref)
 
 
-def _prompt():
-    return torch.randint(3, BASE["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(5))
+def _prompt(batch=2, length=6):
+    return torch.randint(3, BASE["vocab_size"], (batch, length),
+                         generator=torch.Generator().manual_seed(5))
 
 
 def _generate(model, ids):
@@ -167,11 +95,11 @@ def _close(got, want, what):
     assert err <= RTOL * scale, f"{what}: max |diff| {err:.3g} > {RTOL:g} * {scale:.3g}"
 
 
-def _check_generate(family, ref, model, what):
-    ids = _prompt()
+def _check_generate(family, ref, model, what, batch=2, length=6):
+    ids = _prompt(batch, length)
     want_seq, want_logits = _generate(ref, ids)
     seq, logits = _generate(model, ids)
-    assert seq.shape == (2, 6 + NEW_TOKENS) and logits.shape == want_logits.shape, what
+    assert seq.shape == (batch, length + NEW_TOKENS) and logits.shape == want_logits.shape, what
     assert torch.equal(seq, want_seq), f"{what}: tokens differ"
     _close(logits, want_logits, f"{what}: logits")
 
@@ -228,6 +156,9 @@ def test_one_process(family):
 
 # --- two processes ---------------------------------------------------------------------------
 
+ONE_ROW = ("mixtral", "deepseek_v3", "qwen3_next")  # also a batch of 1 (1 token per step)
+
+
 def _rank(rank, world, group, families):
     """Each family on the group: bytes held, generate, and a training step's gradients."""
     torch.set_num_threads(1)  # two processes on two cores: no oversubscription
@@ -244,6 +175,8 @@ def _rank(rank, world, group, families):
             if name.rsplit(".", 1)[0] not in held:
                 assert torch.equal(p, ref_params[name]), f"{what}: {name} changed"
         _check_generate(family, ref, model, what)
+        if family in ONE_ROW:  # decode steps of 1 token: rank 1's share is empty
+            _check_generate(family, ref, model, what + ", batch 1", batch=1, length=5)
         _check_inference_mode(ref, model, what)
 
         want_loss, want = _train_grads(ref)
