@@ -67,7 +67,8 @@ def build(args):
     for k in C.__mro__:
         fields |= set(getattr(k, "__annotations__", {}))
     torch.manual_seed(0)  # every process: the same weights
-    return getattr(transformers, model_name)(C(**{k: v for k, v in TINY.items() if k in fields})).eval()
+    config = C(**{k: v for k, v in TINY.items() if k in fields})
+    return getattr(transformers, model_name)(config).eval()
 
 
 def generate(model, ids, n):

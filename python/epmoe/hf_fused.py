@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """transformers 5 families whose experts are the plain fused SwiGLU (gate_up_proj [E, 2F, H],
 down_proj [E, H, F]) and whose router and shared expert the MoE menu expresses exactly:
-DeepSeek-V2/V3 and their router's clones (GLM-4-MoE, dots1, Kimi-Linear, ...), Qwen3-Next, Qwen3.5-MoE, MiniMax(-M2), Hunyuan-MoE,
+DeepSeek-V2/V3 and their router's clones (GLM-4-MoE, dots1, Kimi-Linear, ...), Qwen3-Next,
+Qwen3.5-MoE, MiniMax(-M2), AFMoE, HY-V3, Laguna, Flint, Hunyuan-MoE,
 FlexOlmo, Mellum, Granite-MoE-hybrid/-SWA, Cohere2-MoE (docs/pytorch.md, docs/models.md).
 
 epmoe.hf reads these through SPECS: each family's router kind, where its tensors live and
