@@ -22,8 +22,12 @@ from typing import Mapping, Optional
 
 import torch
 
+from . import hf_fused
+
 __all__ = ["FAMILIES", "family_of", "options", "logical_tensors", "hf_state_dict",
-           "module_tensors", "from_hf", "from_hf_state_dict"]
+           "module_tensors", "from_hf", "from_hf_state_dict",
+           # whole models (epmoe/hf_models.py)
+           "use_epmoe", "expert_parallel", "local_experts", "expert_bytes"]
 
 # transformers 5 class -> family (its model_type).
 FAMILIES = {
@@ -40,6 +44,7 @@ FAMILIES = {
     "PhimoeSparseMoeBlock": "phimoe",
     "SwitchTransformersSparseMLP": "switch_transformers",
     "NllbMoeSparseMLP": "nllb_moe",
+    **hf_fused.FAMILIES,  # DeepSeek-V2/V3, Qwen3-Next, GLM-4-MoE, ... (epmoe/hf_fused.py)
 }
 _FAMILY_NAMES = sorted(set(FAMILIES.values()))
 
@@ -114,7 +119,9 @@ def options(family: str, hf_config, **overrides) -> dict:
     c = _config(family, hf_config)
     f = lambda name, *a, **k: _field(family, c, name, *a, **k)  # noqa: E731
     o: dict = {}
-    if family in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "jetmoe"):
+    if family in hf_fused.SPECS:
+        o = hf_fused.options(family, f, _require, _act)
+    elif family in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "jetmoe"):
         o = dict(hidden=f("hidden_size"), ffn=f("intermediate_size"),
                  experts=f("num_local_experts"), top_k=f("num_experts_per_tok"),
                  router="softmax", expert="swiglu")
@@ -265,7 +272,9 @@ def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_conf
     N, Fs = o.get("shared_experts", 0), o.get("shared_ffn", 0) or F
     get = _Reader(family, state_dict, prefix)
     t: dict = {}
-    if family in _FUSED_ROUTER:
+    if family in hf_fused.SPECS:
+        t = hf_fused.logical_tensors(family, get, o, _shared_prefix(prefix))
+    elif family in _FUSED_ROUTER:
         fused = get("experts.gate_up_proj", (E, 2 * F, H))
         t = dict(gate=get(_FUSED_ROUTER[family], (E, H)), w1=fused[:, :F], w3=fused[:, F:],
                  w2=get("experts.down_proj", (E, H, F)))
@@ -330,7 +339,10 @@ def hf_state_dict(family: str, tensors: Mapping[str, torch.Tensor], hf_config, p
     def per_expert(fmt, x):
         out.update({fmt.format(e): x[e] for e in range(E)})
 
-    if family in _FUSED_ROUTER:
+    if family in hf_fused.SPECS:
+        out, extra = hf_fused.hf_state_dict(family, t, opts, _shared_prefix(prefix),
+                                            gradients)
+    elif family in _FUSED_ROUTER:
         out = {_FUSED_ROUTER[family]: t["gate"],
                "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1),
                "experts.down_proj": t["w2"]}
@@ -409,6 +421,8 @@ def _fused_shape(b):
 
 def _block_config(family: str, b, shared_mlp=None):
     """The config fields options() reads, from a block's attributes and weights."""
+    if family in hf_fused.SPECS:
+        return hf_fused.block_config(family, b, shared_mlp, _act_name, _err)
     if family == "aria":  # the shared MLP keeps the text config
         return b.shared_experts.config
     if family in ("mixtral", "phimoe", "granitemoe", "granitemoeshared"):
@@ -470,7 +484,7 @@ def from_hf(block, *, shared_mlp=None, **kw):
     or replacing those the block implies. shared_mlp: GraniteMoE-shared's decoder-layer
     `shared_mlp`, whose output the layer adds to the block's (the module then computes both)."""
     family = family_of(block)
-    if shared_mlp is not None and family != "granitemoeshared":
+    if shared_mlp is not None and family not in ("granitemoeshared", "granitemoehybrid"):
         raise ValueError(_err(family, "shared_mlp is GraniteMoE-shared's (a decoder layer's "
                                       "shared_mlp); this block has its shared experts inside"))
     sd = dict(block.state_dict())
@@ -491,6 +505,12 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     prefix = _prefix(prefix)
     o = options(family, hf_config, **_nllb_ffn(family, kw, state_dict, prefix))
     tensors = logical_tensors(family, state_dict, hf_config, prefix, opts=o)
+    if "router_bias" in tensors and "router_bias" not in kw:  # DeepSeek-V3's selection bias
+        o["router_bias"] = tensors["router_bias"].tolist()
     moe = MoE(**o)
     moe.load_logical(tensors, source=f"{family} state_dict" + (f" {prefix!r}" if prefix else ""))
     return moe
+
+
+# Whole models: transformers' experts registry runs epmoe (epmoe/hf_models.py).
+from .hf_models import expert_bytes, expert_parallel, local_experts, use_epmoe  # noqa: E402

@@ -29,10 +29,11 @@ EXAMPLE = os.path.join(ROOT, "examples", "python", "train_tiny_moe.py")
 TIMEOUT = 240  # seconds for the whole run; its collectives give up sooner (--timeout)
 
 
-def run_example(out, *args):
+def run_example(out, *args, script=EXAMPLE):
     """Runs the example in its own session (so a hang kills it and every process it spawned);
     returns (exit code, stdout + stderr)."""
-    cmd = [sys.executable, EXAMPLE, "--out", str(out), "--timeout", "60", *args]
+    cmd = [sys.executable, script] + (["--out", str(out)] if out else []) + ["--timeout", "60",
+                                                                              *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, cwd=ROOT)
     try:
@@ -87,3 +88,18 @@ def test_mismatch_fails(tmp_path):
                            "--compare-hf", "--hf-rtol", "-1", "--no-plots")
     assert rc == 1, text[-4000:]
     assert "FAIL" in text
+
+
+GENERATE = os.path.join(ROOT, "examples", "python", "generate_expert_parallel.py")
+
+
+def test_generate_expert_parallel():
+    """examples/python/generate_expert_parallel.py on 2 processes: the tokens equal the
+    unmodified model's, each rank holds half the expert bytes."""
+    if not HAS_HF:
+        pytest.skip("transformers is not installed")
+    rc, text = run_example(None, "--procs", "2", script=GENERATE)
+    assert rc == 0, text[-4000:]
+    assert "tokens equal the unmodified model's: yes" in text, text[-4000:]
+    for r in range(2):
+        assert f"rank {r}: expert bytes" in text and "(50%)" in text, text[-4000:]

@@ -105,6 +105,13 @@ def _make(family, variant=None):
         c = T.NllbMoeConfig(d_model=H, encoder_ffn_dim=16, decoder_ffn_dim=16, num_experts=4,
                             moe_token_dropout=0.2)
         b = _mod(family).NllbMoeSparseMLP(c, ffn_dim=16)
+    elif family in FUSED_CONFIGS:
+        cfg, cls, kw = FUSED_CONFIGS[family]
+        kw = dict(kw, **(variant or {}))
+        c = getattr(T, cfg)(hidden_size=H, **kw, **EAGER)
+        b = getattr(_mod(family), cls)(c)
+        if family == "granitemoehybrid":  # the decoder layer's shared MLP, beside the block
+            shared_mlp = _mod(family).GraniteMoeHybridMLP(c)
     else:
         raise AssertionError(family)
     modules = [b] + ([shared_mlp] if shared_mlp is not None else [])
@@ -112,8 +119,75 @@ def _make(family, variant=None):
         for m in modules:
             for _, p in sorted(m.named_parameters()):
                 p.normal_(0.0, 0.3)
+            for _, buf in sorted(m.named_buffers()):  # DeepSeek-V3's selection bias
+                if buf.is_floating_point():
+                    buf.normal_(0.0, 0.3)
             m.eval()
     return c, b, shared_mlp
+
+
+# transformers 5 families read through epmoe/hf_fused.py: config class, block class, fields.
+_DSV3 = dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+             topk_group=1, n_shared_experts=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+_QNEXT = dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+              shared_expert_intermediate_size=24)
+FUSED_CONFIGS = {
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3MoE", _DSV3),
+    # GLM-4.5's own: one group, no renormalisation here (its checkpoints renormalise), K = 4
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeMoE", dict(
+        _DSV3, n_group=1, topk_group=1, num_experts_per_tok=4, norm_topk_prob=False,
+        n_shared_experts=1, routed_scaling_factor=1.5)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteMoE", dict(
+        _DSV3, n_group=4, topk_group=2, num_experts_per_tok=4)),
+    "dots1": ("Dots1Config", "Dots1MoE", _DSV3),
+    "solar_open": ("SolarOpenConfig", "SolarOpenMoE", _DSV3),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearMoE", dict(_DSV3, num_experts=8)),
+    "bailing_hybrid": ("BailingHybridConfig", "BailingHybridMoE", dict(
+        _DSV3, num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4)),
+    "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashMoE", dict(
+        _DSV3, n_shared_experts=None, norm_topk_prob=False)),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeSparseMoEBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=8, n_group=1, topk_group=1,
+        num_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2Moe", dict(
+        moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=4, n_group=4,
+        topk_group=2, topk_method="group_limited_greedy", n_shared_experts=1,
+        routed_scaling_factor=16.0)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextSparseMoeBlock", dict(_QNEXT, norm_topk_prob=True)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeSparseMoeBlock", _QNEXT),
+    "minimax": ("MiniMaxConfig", "MiniMaxSparseMoeBlock", dict(
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2SparseMoeBlock", dict(
+        intermediate_size=16, num_local_experts=8, num_experts_per_tok=4)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1Moe", dict(
+        intermediate_size=16, num_experts=4, moe_topk=2)),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoSparseMoeBlock", dict(
+        intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
+    "mellum": ("MellumConfig", "MellumSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridMoE", dict(
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=24, mamba_n_heads=8, mamba_d_head=8)),
+    "granitemoe_swa": ("GraniteMoeSWAConfig", "GraniteMoeSWAMoE", dict(
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2)),
+    "afmoe": ("AfmoeConfig", "AfmoeSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=4, num_shared_experts=2,
+        route_scale=2.0)),
+    "hy_v3": ("HYV3Config", "HYV3MoE", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        router_scaling_factor=2.5)),
+    "laguna": ("LagunaConfig", "LagunaSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=24, moe_routed_scaling_factor=1.5,
+        moe_router_logit_softcapping=0.0)),
+    "flint": ("FlintConfig", "FlintSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=24, norm_topk_prob=True)),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeSparseMoeBlock", dict(
+        intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
+}
+_COHERE_SIGMOID = dict(expert_selection_fn="sigmoid", norm_topk_prob=True, num_shared_experts=1,
+                       shared_expert_combination_strategy="sum")
 
 
 def _hf_params(block, shared_mlp):
@@ -121,6 +195,14 @@ def _hf_params(block, shared_mlp):
     out = dict(block.named_parameters())
     if shared_mlp is not None:
         out.update({"shared_mlp." + k: p for k, p in shared_mlp.named_parameters()})
+    return out
+
+
+def _hf_state(block, shared_mlp):
+    """The block's state dict (parameters and buffers; the shared MLP under shared_mlp.)."""
+    out = dict(block.state_dict())
+    if shared_mlp is not None:
+        out.update({"shared_mlp." + k: v for k, v in shared_mlp.state_dict().items()})
     return out
 
 
@@ -151,8 +233,8 @@ def _hf_run(family, block, shared_mlp, x, dy, train):
     y = _hf_forward(family, block, shared_mlp, x3)
     if not train:
         return y.detach().reshape(-1, H), None, None
-    params = _hf_params(block, shared_mlp)
-    for p in params.values():
+    params = {k: p for k, p in _hf_params(block, shared_mlp).items() if p.requires_grad}
+    for p in params.values():  # a frozen selection bias (AFMoE, Laguna) has none
         p.grad = None
     (y * dy.view(B, S, H)).sum().backward()
     return (y.detach().reshape(-1, H), x3.grad.reshape(-1, H),
@@ -179,7 +261,16 @@ FAMILY_CASES = [
     ("jamba", None, True), ("dbrx", 1.0, True), ("dbrx", 2.0, True), ("granitemoe", None, True),
     ("granitemoeshared", None, True), ("jetmoe", None, True), ("aria", None, True),
     ("phimoe", None, False), ("switch_transformers", None, True), ("nllb_moe", None, True),
-]
+] + [(f, None, True) for f in FUSED_CONFIGS] + [
+    ("cohere2_moe", _COHERE_SIGMOID, True),
+    ("cohere2_moe", dict(_COHERE_SIGMOID, expert_selection_fn="softmax",
+                         shared_expert_combination_strategy="average"), True)]
+
+
+def _case_id(f, v):
+    if isinstance(v, dict):
+        return "-".join([f, v["expert_selection_fn"], v["shared_expert_combination_strategy"]])
+    return f + ("" if v is None else f"-p{v:g}")
 
 
 def test_every_family_has_a_case():
@@ -187,12 +278,12 @@ def test_every_family_has_a_case():
 
 
 @pytest.mark.parametrize("family,variant,train", FAMILY_CASES,
-                         ids=[f + ("" if v is None else f"-p{v:g}") for f, v, _ in FAMILY_CASES])
+                         ids=[_case_id(f, v) for f, v, _ in FAMILY_CASES])
 def test_family_equals_hf(family, variant, train):
     config, block, shared_mlp = _make(family, variant)
     assert hf.family_of(block) == family
     x, dy = _inputs()
-    sd = {k: p.detach() for k, p in _hf_params(block, shared_mlp).items()}
+    sd = _hf_state(block, shared_mlp)  # with buffers: DeepSeek-V3's selection bias
     _all_experts_chosen(family, config, sd, x)
 
     # The state dict survives logical_tensors -> hf_state_dict unchanged (NLLB's folded
@@ -310,9 +401,10 @@ def _two_ranks(rank, world, group, cases):
 
 
 def test_two_processes():
-    """Mixtral and Qwen2-MoE on 2 gloo processes, experts split: each rank's y and dx equal
+    """Mixtral, Qwen2-MoE, DeepSeek-V3 (sigmoid, bias, groups, shared experts) and
+    Qwen3-Next (gated shared expert) on 2 gloo processes, experts split: each rank's y and dx equal
     HF's rows, its experts' gradients HF's, the gate's (and shared) summed over ranks HF's."""
-    families = ["mixtral", "qwen2_moe"]
+    families = ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next"]
     x, dy = _inputs()
     cases = []
     for family in families:
@@ -371,8 +463,8 @@ def test_unknown_block_and_family():
         hf.family_of(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="Linear"):
         hf.from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="family = 'deepseek_v3'"):
-        hf.from_hf_state_dict({}, {}, "deepseek_v3")
+    with pytest.raises(ValueError, match="family = 'gpt_oss'"):
+        hf.from_hf_state_dict({}, {}, "gpt_oss")
 
 
 @pytest.mark.parametrize("family,change,field", [
@@ -382,6 +474,13 @@ def test_unknown_block_and_family():
     ("mixtral", dict(hidden_act="gelu"), "hidden_act"),
     ("aria", dict(mlp_bias=True), "mlp_bias"),
     ("nllb_moe", dict(decoder_ffn_dim=8), "decoder_ffn_dim"),
+    ("cohere2_moe", dict(num_shared_experts=1, shared_expert_combination_strategy="max"),
+     "shared_expert_combination_strategy"),
+    ("cohere2_moe", dict(expert_selection_fn="relu"), "expert_selection_fn"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method"),
+    ("hunyuan_v1_moe", dict(moe_topk=[2, 2]), "num_experts_per_tok|moe_topk"),
+    ("deepseek_v3", dict(hidden_act="gelu"), "hidden_act"),
+    ("laguna", dict(moe_router_logit_softcapping=30.0), "moe_router_logit_softcapping"),
 ])
 def test_unsupported_config_names_field(family, change, field):
     config, _, _ = _make(family)

@@ -1,0 +1,251 @@
+# SPDX-FileCopyrightText: 2026 The epmoe authors
+# SPDX-License-Identifier: Apache-2.0
+"""Whole transformers 5 models whose experts run in epmoe (docs/pytorch.md, "Whole models").
+
+    model = AutoModelForCausalLM.from_config(config)        # float32, on the CPU
+    epmoe.hf.expert_parallel(model, dist.group.WORLD)       # each rank keeps E/R experts
+    model.generate(ids, ...)                                # every rank, the same inputs
+
+transformers 5 dispatches each `*Experts` module's forward(hidden [T, H], top_k_index [T, K],
+top_k_weights [T, K]) through its experts registry (transformers.integrations.moe); this module
+registers an "epmoe" implementation there and switches the model to it. The router, shared
+experts, attention and dense layers stay transformers' own, replicated on every rank: every
+rank runs the same tokens, and the experts function hands each rank 1/R of the rows, runs
+epmoe's exchange on that share (epmoe.torch.Experts) and all-gathers the outputs.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+__all__ = ["IMPLEMENTATION", "register", "use_epmoe", "expert_parallel", "experts_modules",
+           "local_experts", "expert_bytes"]
+
+IMPLEMENTATION = "epmoe"  # the name in transformers' experts registry
+
+
+def _err(what: str) -> str:
+    return f"epmoe.hf: {what}"
+
+
+# --- rows: each rank's share of the replicated tokens ----------------------------------------
+
+def _shares(T: int, R: int):
+    """Rows per rank: T split as evenly as possible, the first ranks one more."""
+    base, extra = divmod(T, R)
+    return [base + (r < extra) for r in range(R)]
+
+
+def _gather_rows(t: torch.Tensor, counts, group) -> torch.Tensor:
+    """Every rank's rows in rank order (all_gather needs equal sizes: padded to the largest)."""
+    import torch.distributed as dist
+
+    n = max(counts)
+    pad = t.new_zeros((n - t.shape[0],) + tuple(t.shape[1:]))
+    parts = [t.new_empty((n,) + tuple(t.shape[1:])) for _ in counts]
+    dist.all_gather(parts, torch.cat([t, pad]).contiguous(), group=group)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+class _TakeShare(torch.autograd.Function):
+    """Forward: this rank's rows of a replicated [T, ...] tensor. Backward: every rank's share
+    of the gradient gathered, so the replicated layers upstream see the whole batch's."""
+
+    @staticmethod
+    def forward(ctx, t, group, counts, rank):
+        ctx.group, ctx.counts = group, counts
+        start = sum(counts[:rank])
+        return t[start:start + counts[rank]]
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather_rows(g.contiguous(), ctx.counts, ctx.group), None, None, None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Forward: the ranks' output rows gathered into the replicated [T, H]. Backward: this
+    rank's rows of the gradient (every rank holds the same one: no sum over ranks)."""
+
+    @staticmethod
+    def forward(ctx, y, group, counts, rank):
+        ctx.start, ctx.n = sum(counts[:rank]), counts[rank]
+        return _gather_rows(y, counts, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.start:ctx.start + ctx.n], None, None, None
+
+
+# --- the experts implementation ---------------------------------------------------------------
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
+    """transformers' experts contract: [T, H], [T, K] global expert ids, [T, K] -> [T, H]."""
+    st = self.__dict__.get("_epmoe")
+    if st is None:
+        raise RuntimeError(_err(f"{type(self).__name__} has no epmoe experts: call "
+                                "epmoe.hf.use_epmoe(model) (or expert_parallel) on the model "
+                                "before switching it to experts_implementation='epmoe'"))
+    ex, group = st["experts"], st["group"]
+    if ex.training != self.training:  # eval packs the expert weights, train reads them
+        ex.train(self.training)
+    x, ids, w = hidden_states, top_k_index, top_k_weights
+    if group is None:
+        return ex(x, ids, w, self.gate_up_proj, self.down_proj)
+    R, r = group.size(), group.rank()
+    counts = _shares(x.shape[0], R)
+    start = sum(counts[:r])
+    if counts[r] == 0:
+        # T < R (a decode step): this rank has no rows, but the exchange is collective. Experts
+        # (main 09c2b44) cannot reshape an empty routing, so it gets one row weighted 0 and
+        # its output is dropped; backward still reaches the Experts (a zero gradient).
+        ys = ex(x[:1].detach(), ids[:1], torch.zeros_like(w[:1]).detach(), self.gate_up_proj,
+                self.down_proj)[:0]
+    else:
+        xs = _TakeShare.apply(x, group, counts, r)
+        ws = _TakeShare.apply(w, group, counts, r)
+        ys = ex(xs, ids[start:start + counts[r]], ws, self.gate_up_proj, self.down_proj)
+    return _GatherShares.apply(ys, group, counts, r)
+
+
+def register():
+    """Registers the "epmoe" experts implementation with transformers (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(IMPLEMENTATION, _experts_forward)
+
+
+# --- finding and checking the experts ---------------------------------------------------------
+
+def experts_modules(model):
+    """[(name, module)] of the model's transformers 5 experts modules (those its experts
+    registry dispatches: fused gate_up_proj and down_proj)."""
+    return [(n, m) for n, m in model.named_modules()
+            if hasattr(m, "is_concatenated") and isinstance(getattr(m, "down_proj", None),
+                                                            torch.Tensor)]
+
+
+def _check(name: str, m):
+    """epmoe.torch.Experts computes act(x W_gate) * (x W_up) W_down with SiLU, no biases."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    from .hf import _act_name
+
+    where = f"{name} ({type(m).__name__})"
+    for flag, want, rule in (("has_gate", True, "epmoe's experts are gated (SwiGLU)"),
+                             ("has_bias", False, "epmoe's experts have no biases"),
+                             ("is_transposed", False, "gate_up_proj must be [E, 2F, H]"),
+                             ("is_concatenated", True, "gate rows then up rows, not interleaved"),
+                             ("has_post_expert_norm", False, "no norm after each expert")):
+        if bool(getattr(m, flag, want)) != want:
+            raise ValueError(_err(f"{where}: {flag} = {not want}: {rule}"))
+    if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        raise ValueError(_err(f"{where}: its own _apply_gate (a clamped or custom gate): "
+                              "epmoe's experts compute silu(gate) * up"))
+    fn = getattr(m, "act_fn", None)
+    act = fn.__name__ if callable(fn) and hasattr(fn, "__name__") else _act_name(fn)  # F.silu
+    if act != "silu":
+        raise ValueError(_err(f"{where}: act_fn = {act!r}: epmoe's swiglu experts compute silu"))
+    gu, down = m.gate_up_proj, m.down_proj
+    if gu.dim() != 3 or down.dim() != 3 or gu.shape[1] != 2 * down.shape[2] \
+            or gu.shape[2] != down.shape[1] or gu.shape[0] != down.shape[0]:
+        raise ValueError(_err(f"{where}: gate_up_proj {tuple(gu.shape)} and down_proj "
+                              f"{tuple(down.shape)}: must be [E, 2F, H] and [E, H, F]"))
+    if gu.dtype != torch.float32 or down.dtype != torch.float32 or gu.device.type != "cpu":
+        raise TypeError(_err(f"{where}: expert weights are {gu.dtype} on {gu.device}: epmoe "
+                             "computes in float32 on the CPU"))
+
+
+def _top_k(name: str, m, model) -> int:
+    """K from the router beside the experts (its top_k), else the config."""
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    for child in parent.children():
+        k = getattr(child, "top_k", None)
+        if child is not m and isinstance(k, int):
+            return k
+    for field in ("num_experts_per_tok", "moe_topk", "top_k"):
+        k = getattr(getattr(m, "config", None), field, None)
+        if isinstance(k, int):
+            return k
+    raise ValueError(_err(f"{name}: no router with an int top_k beside it and no "
+                          "num_experts_per_tok in its config: pass top_k="))
+
+
+# --- switching a model ---------------------------------------------------------------------------
+
+def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "block",
+              exchange: str = "flat", max_tokens: int = 4096, exchange_timeout: float = 600.0,
+              pack_weights: Union[bool, str] = "auto", top_k: Optional[int] = None):
+    """Runs the experts of a transformers 5 model in epmoe (returns the model, changed in place).
+
+    Registers the "epmoe" experts implementation, builds an epmoe.torch.Experts per experts
+    module and switches the model to it (model.set_experts_implementation("epmoe")).
+    group: a torch.distributed process group of R ranks: each rank then keeps only its
+    experts' slices of gate_up_proj [L, 2F, H] and down_proj [L, H, F] (L = E/R; new
+    Parameters, the full tensors freed once nothing else holds them: build optimizers
+    after this call), every rank must run the same inputs (the rest of the model is
+    replicated), and each experts call computes 1/R of the rows on each rank. Every rank
+    calls this with the same model, in the same order (each Experts makes a group of its
+    own). placement, exchange, max_tokens (rows per rank and pass), exchange_timeout,
+    pack_weights: epmoe.torch.Experts's. top_k: K where no router beside the experts has it.
+    Raises ValueError (TypeError for dtypes) naming the module and the rule for experts
+    epmoe cannot compute (biases, a custom gate, another activation, other layouts)."""
+    import epmoe.torch as et
+
+    found = experts_modules(model)
+    if not found:
+        raise ValueError(_err(f"{type(model).__name__} has no transformers 5 experts modules "
+                              "(a fused gate_up_proj / down_proj with an experts registry)"))
+    for name, m in found:
+        if "_epmoe" in m.__dict__:  # a second call would slice the slices again
+            raise ValueError(_err(f"{name}: already runs in epmoe (use_epmoe was called on "
+                                  "this model)"))
+        _check(name, m)
+    if not hasattr(model, "set_experts_implementation"):
+        raise TypeError(_err(f"{type(model).__name__} is not a transformers PreTrainedModel"))
+    register()
+    R = group.size() if group is not None else 1
+    rank = group.rank() if group is not None else 0
+    for name, m in found:
+        E, F2, H = m.gate_up_proj.shape
+        if E % R:
+            raise ValueError(_err(f"{name}: {E} experts: must be a multiple of the group's "
+                                  f"{R} ranks"))
+        K = top_k or _top_k(name, model=model, m=m)
+        ex = et.Experts(H, F2 // 2, E, K, expert="swiglu", layout="gate_up", group=group,
+                        placement=placement, exchange=exchange, max_tokens=max_tokens,
+                        exchange_timeout=exchange_timeout, pack_weights=pack_weights)
+        ex.train(m.training)
+        L = E // R
+        held = [int(e) for e in ex.phy_to_log[rank * L:(rank + 1) * L]]  # this rank's slots
+        if group is not None:  # keep this rank's slots, in slot order
+            idx = torch.tensor(held, dtype=torch.long)
+            with torch.no_grad():
+                for pname in ("gate_up_proj", "down_proj"):
+                    old = getattr(m, pname)
+                    setattr(m, pname, torch.nn.Parameter(old.detach().index_select(0, idx),
+                                                         requires_grad=old.requires_grad))
+        # Outside the module tree: no new state_dict keys or parameters.
+        m.__dict__["_epmoe"] = dict(experts=ex, group=group, held=held, experts_total=E)
+    model.set_experts_implementation(IMPLEMENTATION)
+    return model
+
+
+def expert_parallel(model, group, **kw):
+    """use_epmoe(model, group, **kw): the experts split over the process group's ranks."""
+    if group is None:
+        raise ValueError(_err("expert_parallel needs a process group (use_epmoe(model) for "
+                              "one process)"))
+    return use_epmoe(model, group, **kw)
+
+
+def local_experts(model) -> dict:
+    """{experts module name: the logical expert of each slot this rank holds}."""
+    return {n: list(m.__dict__["_epmoe"]["held"]) for n, m in experts_modules(model)
+            if "_epmoe" in m.__dict__}
+
+
+def expert_bytes(model) -> int:
+    """Bytes of the routed experts' parameters this rank holds (numel * element_size)."""
+    return sum(p.numel() * p.element_size() for _, m in experts_modules(model)
+               for p in m.parameters(recurse=False))
