@@ -168,7 +168,7 @@ class Experts(nn.Module):
         if flat.dtype in (torch.bfloat16, torch.float16):  # autocast's: computed in float32
             flat = flat.float()
         flat = flat.contiguous()
-        ids = top_k_index.reshape(flat.shape[0], -1).to(torch.int32).contiguous()
+        ids = top_k_index.reshape(flat.shape[0], self.top_k).to(torch.int32).contiguous()
         w = top_k_weights.reshape(ids.shape).float().contiguous()
         params = list(tensors)
         keep = _ops.wants_backward(flat, params) or (torch.is_grad_enabled() and w.requires_grad)

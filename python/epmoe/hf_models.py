@@ -95,16 +95,11 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
     R, r = group.size(), group.rank()
     counts = _shares(x.shape[0], R)
     start = sum(counts[:r])
-    if counts[r] == 0:
-        # T < R (a decode step): this rank has no rows, but the exchange is collective. Experts
-        # (main 09c2b44) cannot reshape an empty routing, so it gets one row weighted 0 and
-        # its output is dropped; backward still reaches the Experts (a zero gradient).
-        ys = ex(x[:1].detach(), ids[:1], torch.zeros_like(w[:1]).detach(), self.gate_up_proj,
-                self.down_proj)[:0]
-    else:
-        xs = _TakeShare.apply(x, group, counts, r)
-        ws = _TakeShare.apply(w, group, counts, r)
-        ys = ex(xs, ids[start:start + counts[r]], ws, self.gate_up_proj, self.down_proj)
+    # T < R (a decode step) leaves a rank no rows: it still takes part in every collective
+    # call (the exchange, the gathers, their backward) with an empty share.
+    xs = _TakeShare.apply(x, group, counts, r)
+    ws = _TakeShare.apply(w, group, counts, r)
+    ys = ex(xs, ids[start:start + counts[r]], ws, self.gate_up_proj, self.down_proj)
     return _GatherShares.apply(ys, group, counts, r)
 
 
