@@ -240,3 +240,28 @@ def test_experts_on_two_processes(rows):
     for errs, nonzero in run_ranks(_experts_on_a_group, 2, args=(rows,)):
         assert max(errs, default=0) < 2e-5, errs
         assert all(nonzero)  # rank 1's experts get rank 0's rows even when it has none
+
+
+def test_compile_a_whole_transformers_model_fullgraph():
+    """A transformers 5 model whose experts run in epmoe (epmoe.hf.use_epmoe) traces as one
+    graph. Backend aot_eager: torch 2.15's inductor fails on this CPU for the unmodified model
+    too (its generated kernel misses Sleef_expf16_u10)."""
+    transformers = pytest.importorskip("transformers")
+    from epmoe import hf
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, eos_token_id=None)
+    model = transformers.MixtralForCausalLM(cfg).eval()
+    ids = torch.randint(3, 120, (2, 8))
+    with torch.no_grad():
+        want = model(ids).logits
+    hf.use_epmoe(model)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        got = compiled(ids).logits
+    close(got, want, "compiled model logits", tol=1e-5)
+    from epmoe.hf_models import experts_modules
+    ex = [m for _, m in experts_modules(model)][0].__dict__["_epmoe"]["experts"]
+    assert ex.stats()["tokens"] > 0  # epmoe ran inside the graph
