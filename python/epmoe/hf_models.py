@@ -180,8 +180,8 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
     Parameters, the full tensors freed once nothing else holds them: build optimizers
     after this call), every rank must run the same inputs (the rest of the model is
     replicated), and each experts call computes 1/R of the rows on each rank. Every rank
-    calls this with the same model, in the same order (each Experts makes a group of its
-    own). placement, exchange, max_tokens (rows per rank and pass), exchange_timeout,
+    calls this with the same model, in the same order (the experts modules share one
+    exchange group of their own, made here: the layers run one after another). placement, exchange, max_tokens (rows per rank and pass), exchange_timeout,
     pack_weights: epmoe.torch.Experts's. top_k: K where no router beside the experts has it.
     Raises ValueError (TypeError for dtypes) naming the module and the rule for experts
     epmoe cannot compute (biases, a custom gate, another activation, other layouts)."""
@@ -201,6 +201,7 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
     register()
     R = group.size() if group is not None else 1
     rank = group.rank() if group is not None else 0
+    shared = None  # the first module's exchange group, for all (one gloo group, not one a layer)
     for name, m in found:
         E, F2, H = m.gate_up_proj.shape
         if E % R:
@@ -209,7 +210,9 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
         K = top_k or _top_k(name, model=model, m=m)
         ex = et.Experts(H, F2 // 2, E, K, expert="swiglu", layout="gate_up", group=group,
                         placement=placement, exchange=exchange, max_tokens=max_tokens,
-                        exchange_timeout=exchange_timeout, pack_weights=pack_weights)
+                        exchange_timeout=exchange_timeout, pack_weights=pack_weights,
+                        exchange_group=shared)
+        shared = ex._exchange[0]
         ex.train(m.training)
         L = E // R
         held = [int(e) for e in ex.phy_to_log[rank * L:(rank + 1) * L]]  # this rank's slots
