@@ -40,7 +40,6 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import compare_torch as ct  # noqa: E402
-import hf_block_bench as hb  # noqa: E402
 import hf_common as hc  # noqa: E402
 
 SKIP = 77
@@ -72,7 +71,8 @@ def parse_args(argv=None):
     ct.add_fairness_args(p)
     p.set_defaults(threads=1, min_reps=5, max_reps=30, min_seconds=1.0, wait_idle=30.0)
     p.add_argument("--json", help="write every figure here")
-    p.add_argument("--smoke", action="store_true", help="a tiny model: decode T=1, prefill T=16, 4 new tokens, 2 repetitions")
+    p.add_argument("--smoke", action="store_true",
+                   help="a tiny model: decode T=1, prefill T=16, 4 new tokens, 2 repetitions")
     p.add_argument("--markdown", metavar="JSON", help="print the README tables of an earlier "
                    "run's JSON and exit")
     a = p.parse_args(argv)
@@ -159,7 +159,8 @@ def steps(torch, dist, args, ref, models, flush, rank):
         points.append(p)
         if rank == 0:
             busy = f"  (busy: others {100 * others.share:.0f}%)" if others.share > 0.05 else ""
-            print(f"{kind + ' T=' + str(T):>14} {hf['all_to_all']:>14.2f} {hf['all_reduce']:>14.2f} "
+            print(f"{kind + ' T=' + str(T):>14} {hf['all_to_all']:>14.2f} "
+                  f"{hf['all_reduce']:>14.2f} "
                   f"{ms['epmoe']:>10.2f} {p['speedup']:>8.2f}x  {stage_line(st)}{busy}", flush=True)
     return points
 
@@ -255,7 +256,8 @@ def worker(rank, args, port):
     if rank == 0:
         local = models["hf:all_to_all"].model.layers[0].mlp.experts
         print(f"each process: {local.num_experts} of {args.experts} experts per layer "
-              f"(transformers: experts {args.experts_impl}; epmoe: {hf.local_experts(models['epmoe'])}"
+              f"(transformers: experts {args.experts_impl}; epmoe: "
+              f"{hf.local_experts(models['epmoe'])}"
               f", {hf.expert_bytes(models['epmoe']) >> 20} MiB)", flush=True)
     flush = torch.ones(96 << 18)
     out = {}
