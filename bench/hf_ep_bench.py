@@ -30,28 +30,23 @@ torch, transformers 5, gloo or the epmoe package.
 """
 import argparse
 import os
-import socket
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import compare_torch as ct  # noqa: E402
+import hf_common as hc  # noqa: E402 - the model, transformers' EP, the 2 processes
 
 SKIP = 77
 GOAL = 1.5
-EP_IMPLS = ("all_to_all", "all_reduce")
+EP_IMPLS = hc.EP_IMPLS
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="1,4,16,64,1024", help="the shared batch T")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=3584)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--experts-impl", default="grouped_mm", choices=["grouped_mm", "batched_mm", "eager"],
-                   help="transformers' experts implementation inside its EP")
+    hc.add_model_args(p)
     ct.add_fairness_args(p)
     p.set_defaults(threads=1, min_reps=5, max_reps=30, min_seconds=1.0, wait_idle=30.0)
     p.add_argument("--json", help="write every figure here")
@@ -60,7 +55,7 @@ def parse_args(argv=None):
                    "(README form) and exit")
     a = p.parse_args(argv)
     if a.smoke:
-        a.hidden, a.ffn, a.experts, a.top_k = 64, 224, 8, 2
+        hc.smoke_shape(a)
         if a.tokens == p.get_default("tokens"):
             a.tokens = "1,16"
         a.min_reps, a.max_reps, a.min_seconds, a.wait_idle = 2, 2, 0.0, 0.0
@@ -75,39 +70,8 @@ def parse_args(argv=None):
     return a
 
 
-def model_config(args, impl):
-    from transformers import MixtralConfig
-    heads = max(1, args.hidden // 128)
-    return MixtralConfig(vocab_size=512, hidden_size=args.hidden, intermediate_size=args.ffn,
-                         num_hidden_layers=1, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=args.hidden // heads, num_local_experts=args.experts,
-                         num_experts_per_tok=args.top_k, router_jitter_noise=0.0,
-                         experts_implementation=impl, eos_token_id=None)
-
-
-def seeded_model(torch, args):
-    """The same model on every process: transformers' EP keeps each process's own slice of the
-    expert weights (no broadcast), so they must agree. Block weights as hf_block_bench's."""
-    from transformers import MixtralForCausalLM
-    import hf_block_bench as hb
-    torch.manual_seed(0)
-    m = MixtralForCausalLM(model_config(args, args.experts_impl)).eval()
-    block = hb.hf_block(torch, dict(family="mixtral", hidden=args.hidden, ffn=args.ffn,
-                                    experts=args.experts, top_k=args.top_k, shared=0))
-    m.model.layers[0].mlp.load_state_dict(block.state_dict())
-    return m
-
-
 def distributed_block(torch, args, ref, ep_impl):
-    from transformers import MixtralForCausalLM
-    from transformers.distributed import DistributedConfig
-    torch.manual_seed(0)
-    m = MixtralForCausalLM(model_config(args, args.experts_impl))
-    m.load_state_dict(ref.state_dict())
-    dc, _, mesh = MixtralForCausalLM.prepare_distribute_model(
-        DistributedConfig(tp_size=2, ep_size=2, ep_implementation=ep_impl))
-    m = MixtralForCausalLM.maybe_distribute_model(m, dc, mesh).eval()
-    return m.model.layers[0].mlp
+    return hc.hf_distributed(torch, args, ref, ep_impl).model.layers[0].mlp
 
 
 def halves(T, rank):
@@ -166,15 +130,12 @@ def check_same(torch, sides, ref_block):
     return out
 
 
-def worker(rank, args, port, result):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def worker(rank, args, port):
+    dist = hc.init_worker(rank, port)
     import torch
-    import torch.distributed as dist
     from epmoe.torch import MoE
-    dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(args.threads)
-    ref = seeded_model(torch, args)
+    ref = hc.seeded_model(torch, args)
     ref_block = ref.model.layers[0].mlp
     blocks = {impl: distributed_block(torch, args, ref, impl) for impl in EP_IMPLS}
     local = blocks["all_to_all"].experts
@@ -195,7 +156,7 @@ def worker(rank, args, port, result):
         if rank == 0 and args.wait_idle > 0:
             ct.wait_idle(args.wait_idle)
         dist.barrier()
-        with ct.others_meter() as others:
+        with hc.pair_meter(torch, dist) as others:
             stages = []
             def one(i):  # noqa: E306 - the epmoe stages of this process, after each repetition
                 r = sides.one(i)
@@ -216,18 +177,9 @@ def worker(rank, args, port, result):
             print(f"{T:>5} {hf['all_to_all']:>14.3f} {hf['all_reduce']:>14.3f} {best:>11} "
                   f"{ms['epmoe']:>10.3f} {p['speedup']:>8.2f}x  {hb.dominant(st)}{busy}", flush=True)
     if rank == 0:
-        result.update(points=points)
-        import json
-        with open(args._out, "w") as f:
-            json.dump(points, f)
+        hc.write_out(args, points)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def markdown(result):
@@ -254,7 +206,6 @@ def main(argv=None):
     try:
         import torch
         import torch.distributed as dist
-        import torch.multiprocessing as mp
         import transformers
         from transformers.distributed import DistributedConfig  # noqa: F401
         import epmoe.torch  # noqa: F401
@@ -265,36 +216,17 @@ def main(argv=None):
     if not dist.is_gloo_available():
         print("hf_ep_bench: SKIP: torch.distributed without gloo")
         return SKIP
-    import hf_block_bench as hb
-    print(hb.machine_line(torch, args, coretype).replace("torch 2,", f"torch {args.threads},"))
-    print(f"2 gloo processes, {args.threads} torch thread(s) each; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}; epmoe kernel {hb.kernel_path()}")
-    print(f"model: MixtralForCausalLM, 1 layer, H={args.hidden} F={args.ffn} E={args.experts} "
-          f"top-{args.top_k}, fp32; transformers: DistributedConfig(tp_size=2, ep_size=2, "
+    hc.header(torch, args, coretype, transformers)
+    print(f"model: {hc.describe(args)}; transformers: DistributedConfig(tp_size=2, ep_size=2, "
           f"ep_implementation=all_to_all | all_reduce)")
-    import tempfile
-    fd, args._out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")])
-    mp.spawn(worker, args=(args, free_port(), {}), nprocs=2, join=True)
-    import json
-    with open(args._out) as f:
-        points = json.load(f)
-    os.unlink(args._out)
+    points = hc.spawn(worker, args, HERE)
     print(f"\ngoal: best transformers EP / epmoe EP >= {GOAL}x at every T")
     for p in points:
         print(f"  {'PASS' if p['speedup'] >= GOAL else 'MISS'} T={p['tokens']:<5} "
               f"{p['speedup']:.2f}x against {p['best']}")
     if args.json:
-        ct.write_json(args.json, {
-            "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "machine": {"cpu_model": ct.cpu_model(), "logical_cpus": os.cpu_count()},
-            "processes": 2, "threads_per_process": args.threads, "openblas_coretype": coretype,
-            "kernel": hb.kernel_path(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "experts_impl": args.experts_impl,
-            "shape": dict(hidden=args.hidden, ffn=args.ffn, experts=args.experts, top_k=args.top_k),
-            "goal": GOAL, "points": points})
+        ct.write_json(args.json, dict(hc.run_info(torch, args, coretype, transformers, sys),
+                                      goal=GOAL, points=points))
     return 0
 
 
