@@ -117,6 +117,17 @@ def _twice(ctx, *grads):
 moe_backward.register_autograd(_twice, setup_context=lambda ctx, inputs, output: None)
 
 
+def run(module, x: Tensor, params, ids: Optional[Tensor], weights: Optional[Tensor],
+        keep: bool) -> List[Tensor]:
+    """moe_forward of `module`. An eager pass that keeps nothing for a backward (inference)
+    calls the module directly: torch's custom-op dispatch costs ~40 µs a call, a decode step's
+    worth at small shapes; traced (torch.compile) or with autograd, the op."""
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+    if not keep and not compiling and x.device.type == "cpu":
+        return module._op_forward(x, params, ids, weights, False)
+    return moe_forward(x, params, ids, weights, module._key, keep)
+
+
 def wants_backward(x: Tensor, params) -> bool:
     """Whether this call's forward must keep what backward reads: grad mode on and something
     that requires grad (no_grad and inference_mode: nothing is kept)."""

@@ -172,7 +172,7 @@ class Experts(nn.Module):
         w = top_k_weights.reshape(ids.shape).float().contiguous()
         params = list(tensors)
         keep = _ops.wants_backward(flat, params) or (torch.is_grad_enabled() and w.requires_grad)
-        y = _ops.moe_forward(flat, params, ids, w, self._key, keep)[0]
+        y = _ops.run(self, flat, params, ids, w, keep)[0]
         return y.to(dtype).view(x.shape)
 
     # The custom op's implementations (epmoe/_ops.py), on real tensors.

@@ -467,8 +467,8 @@ class MoE(nn.Module):
         if self.fuse_grad_accumulation:
             y, aux, seq, z = _FusedMoEFunction.apply(self, flat.contiguous(), *params)
         else:
-            y, aux, seq, z, _ = _ops.moe_forward(flat.contiguous(), params, None, None, self._key,
-                                                 _ops.wants_backward(flat, params))
+            y, aux, seq, z, _ = _ops.run(self, flat.contiguous(), params, None, None,
+                                         _ops.wants_backward(flat, params))
         return y.to(dtype).view(shape), RouterLosses(aux, seq, z)
 
     # The custom op's implementations (epmoe/_ops.py), on real tensors.
