@@ -45,7 +45,10 @@ FAMILIES = {
     "SwitchTransformersSparseMLP": "switch_transformers",
     "NllbMoeSparseMLP": "nllb_moe",
     **hf_fused.FAMILIES,  # DeepSeek-V2/V3, Qwen3-Next, GLM-4-MoE, ... (epmoe/hf_fused.py)
+    "GptOssMLP": "gpt_oss",
 }
+# GPT-OSS's gate constants, as the menu's gpt_oss expert compiles them (expert::gpt_oss_clamp).
+_GPT_OSS_ALPHA, _GPT_OSS_LIMIT = 1.702, 7.0
 _FAMILY_NAMES = sorted(set(FAMILIES.values()))
 
 
@@ -174,6 +177,15 @@ def options(family: str, hf_config, **overrides) -> dict:
                  "epmoe's gate has no bias")
         o = dict(hidden=f("d_model"), ffn=f("d_ff"), experts=f("num_experts"), top_k=1,
                  router="softmax_raw", expert="mlp_relu", capacity="dropless")
+    elif family == "gpt_oss":
+        alpha, limit = float(f("swiglu_alpha")), float(f("swiglu_limit"))
+        _require(family, abs(alpha - _GPT_OSS_ALPHA) < 1e-6, "swiglu_alpha", alpha,
+                 f"epmoe's gpt_oss expert computes alpha = {_GPT_OSS_ALPHA}")
+        _require(family, limit == _GPT_OSS_LIMIT, "swiglu_limit", limit,
+                 f"epmoe's gpt_oss expert clamps at {_GPT_OSS_LIMIT}")
+        o = dict(hidden=f("hidden_size"), ffn=f("intermediate_size"),
+                 experts=f("num_local_experts"), top_k=f("num_experts_per_tok"),
+                 router="gpt_oss", expert="gpt_oss")
     elif family == "nllb_moe":
         _act(family, "activation_function", f("activation_function"), "relu")
         _require(family, not f("router_bias", False, required=False), "router_bias", True,
@@ -259,8 +271,8 @@ _QWEN_SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"
 
 def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_config,
                     prefix: str = "", *, opts: Optional[dict] = None) -> dict:
-    """load_logical()'s tensors (gate [E, H]; w1, w3 [E, F, H]; w2 [E, H, F]; b1 [E, 1, F];
-    b2 [E, 1, H]; shared_* [1, ...]; shared_gate [1, H]; output_bias [H]) from a block's
+    """load_logical()'s tensors (gate [E, H]; w1, w3 [E, F, H]; w2 [E, H, F]; b1, b3 [E, 1, F];
+    b2 [E, 1, H]; shared_* [1, ...]; shared_gate [1, H]; output_bias [H]; gate_bias [E]) from a block's
     state dict, its keys under `prefix`. opts: the MoE options (default options(family,
     hf_config)). A missing key raises KeyError and a wrong shape ValueError, each naming the
     full key. GraniteMoE-shared's shared MLP is read under the block's sibling `shared_mlp.`."""
@@ -306,6 +318,14 @@ def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_conf
             t.update(shared_w1=get("shared_experts.gate_proj.weight", (Fs, H))[None],
                      shared_w3=get("shared_experts.up_proj.weight", (Fs, H))[None],
                      shared_w2=get("shared_experts.down_proj.weight", (H, Fs))[None])
+    elif family == "gpt_oss":  # [in, out], gate and up interleaved column by column
+        gate_up = get("experts.gate_up_proj", (E, H, 2 * F))
+        bias = get("experts.gate_up_proj_bias", (E, 2 * F))
+        t = dict(gate=get("router.weight", (E, H)), gate_bias=get("router.bias", (E,)),
+                 w1=gate_up[..., 0::2].transpose(1, 2), w3=gate_up[..., 1::2].transpose(1, 2),
+                 w2=get("experts.down_proj", (E, F, H)).transpose(1, 2),
+                 b1=bias[:, None, 0::2], b3=bias[:, None, 1::2],
+                 b2=get("experts.down_proj_bias", (E, H))[:, None])
     elif family == "switch_transformers":
         t = dict(gate=get("router.classifier.weight", (E, H)),
                  w1=get.stack("experts.expert_{}.wi.weight", E, (F, H)),
@@ -369,6 +389,14 @@ def hf_state_dict(family: str, tensors: Mapping[str, torch.Tensor], hf_config, p
             out.update({"shared_experts.gate_proj.weight": t["shared_w1"][0],
                         "shared_experts.up_proj.weight": t["shared_w3"][0],
                         "shared_experts.down_proj.weight": t["shared_w2"][0]})
+    elif family == "gpt_oss":  # interleave gate and up back: column 2f gate f, 2f + 1 up f
+        out = {"router.weight": t["gate"], "router.bias": t["gate_bias"],
+               "experts.gate_up_proj": torch.stack(
+                   [t["w1"].transpose(1, 2), t["w3"].transpose(1, 2)], -1).reshape(E, H, 2 * F),
+               "experts.gate_up_proj_bias": torch.stack(
+                   [t["b1"][:, 0], t["b3"][:, 0]], -1).reshape(E, 2 * F),
+               "experts.down_proj": t["w2"].transpose(1, 2),
+               "experts.down_proj_bias": t["b2"][:, 0]}
     elif family == "switch_transformers":
         out["router.classifier.weight"] = t["gate"]
         per_expert("experts.expert_{}.wi.weight", t["w1"])
@@ -462,6 +490,12 @@ def _block_config(family: str, b, shared_mlp=None):
         return dict(hidden_size=b.input_size, intermediate_size=b.hidden_size,
                     num_local_experts=b.router.num_experts, num_experts_per_tok=b.router.top_k,
                     activation_function=_act_name(b.activation))
+    if family == "gpt_oss":
+        x = b.experts
+        E, H, F2 = x.gate_up_proj.shape
+        return dict(hidden_size=H, intermediate_size=F2 // 2, num_local_experts=E,
+                    num_experts_per_tok=b.router.top_k, swiglu_alpha=x.alpha,
+                    swiglu_limit=x.limit)
     if family == "switch_transformers":
         r, x = b.router, b.experts["expert_0"]
         return dict(d_model=x.wi.weight.shape[1], d_ff=x.wi.weight.shape[0],

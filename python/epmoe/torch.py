@@ -31,12 +31,16 @@ EXPERT_TENSORS = {
     "swiglu": ("w1", "w3", "w2"),
     "mlp_relu": ("w1", "w2"),
     "mlp_relu_bias": ("w1", "w2", "b1", "b2"),
+    # GPT-OSS: clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), clamp 7) with biases.
+    "gpt_oss": ("w1", "w3", "w2", "b1", "b3", "b2"),
 }
+# Routers whose gate has a learned logit bias: the parameter gate_bias [E].
+GATE_BIAS_ROUTERS = ("gpt_oss",)
 
 
 def _shape(name: str, n: int, hidden: int, ffn: int):
     return {"w1": (n, ffn, hidden), "w3": (n, ffn, hidden), "w2": (n, hidden, ffn),
-            "b1": (n, 1, ffn), "b2": (n, 1, hidden)}[name]
+            "b1": (n, 1, ffn), "b3": (n, 1, ffn), "b2": (n, 1, hidden)}[name]
 
 
 class RouterLosses(NamedTuple):
@@ -167,7 +171,8 @@ class MoE(nn.Module):
     raising CommTimeout (0: no deadline); a rank that fails mid-pass makes its peers' waits
     raise CommAborted (docs/pytorch.md, "Errors"). Parameters: gate [E, H]; w1, w3 [L, F, H], w2
     [L, H, F] (this process's slots in slot order; `expert_ids` names each slot's expert);
-    shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H].
+    shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H]; gate_bias [E]
+    (router="gpt_oss": the bias on the gate's logits, replicated like the gate).
 
     pack_weights: whether the layer keeps packed copies of the expert weights (a second copy,
     laid out for its CPU kernel, which reads each weight once per pass at any batch size).
@@ -247,6 +252,8 @@ class MoE(nn.Module):
 
         n = len(held)
         self.gate = nn.Parameter(torch.empty(experts, hidden))
+        if router in GATE_BIAS_ROUTERS:
+            self.gate_bias = nn.Parameter(torch.empty(experts))
         for name in EXPERT_TENSORS[expert]:
             setattr(self, name, nn.Parameter(torch.empty(_shape(name, n, hidden, ffn))))
         if shared_experts:
@@ -324,7 +331,7 @@ class MoE(nn.Module):
         generator seed on every rank (the gate is replicated) or load a state dict."""
         for name in self._param_names:
             p = getattr(self, name)
-            if name in ("output_bias",) or name.endswith(("b1", "b2")):
+            if name in ("output_bias", "gate_bias") or name.endswith(("b1", "b2", "b3")):
                 p.zero_()
             else:
                 fan_in = p.shape[-1]
@@ -363,6 +370,8 @@ class MoE(nn.Module):
         out = []
         for r in range(local):
             w = {"gate": self.gate, "experts": self._experts("", r * L, L)}
+            if hasattr(self, "gate_bias"):
+                w["gate_bias"] = self.gate_bias
             if self.shared_experts:
                 w["shared"] = self._experts("shared_", 0, self.shared_experts)
             if self.config["shared_gate"]:
@@ -432,6 +441,8 @@ class MoE(nn.Module):
                 g["shared_gate"] = own("shared_gate")
             if self.config["output_bias"]:
                 g["output_bias"] = own("output_bias")
+            if "gate_bias" in grads:
+                g["gate_bias"] = own("gate_bias")
             per_rank.append(g)
         return per_rank
 
@@ -442,7 +453,7 @@ class MoE(nn.Module):
             for i, k in enumerate(kinds):
                 if self.shared_experts:
                     grads["shared_" + k] += g["shared"][i]
-            for k in ("shared_gate", "output_bias"):
+            for k in ("shared_gate", "output_bias", "gate_bias"):
                 if k in g:
                     grads[k] += g[k]
 

@@ -146,6 +146,7 @@ class layer_of final : public any_layer {
     v.noise_gate = w.noise_gate;
     v.shared_gate = w.shared_gate;
     v.output_bias = w.output_bias;
+    v.gate_bias = w.gate_bias;
     return v;
   }
   static typename layer::weights weights_of(const rank_weights& w) {
@@ -195,6 +196,7 @@ bundle entry(std::string router, std::string expert, std::string capacity, std::
               reference::loss_backward(w, router, x, tokens_per_rank, scales);
           reference::gradients& g = *out.grads;
           for (std::size_t i = 0; i < g.dgate.size(); ++i) g.dgate[i] += l.dgate[i];
+          for (std::size_t i = 0; i < g.dgate_bias.size(); ++i) g.dgate_bias[i] += l.dgate_bias[i];
           for (std::size_t i = 0; i < g.dx.size(); ++i) g.dx[i] += l.dx[i];
         }
       }

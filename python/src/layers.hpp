@@ -48,7 +48,8 @@ struct layer_args {
 
 /// One rank's weights (T = const float: views into the framework's tensors) or gradients
 /// (T = float), shaped as moe_layer's weights. Expert tensors in the expert policy's
-/// tensors() order (swiglu: w1, w3, w2; mlp: w1, w2 and, with biases, b1, b2).
+/// tensors() order (swiglu: w1, w3, w2; mlp: w1, w2 and, with biases, b1, b2; gpt_oss: w1,
+/// w3, w2, b1, b3, b2).
 template <class T>
 struct rank_tensors {
   matrix_view<T> gate{};
@@ -57,6 +58,7 @@ struct rank_tensors {
   matrix_view<T> noise_gate{};
   matrix_view<T> shared_gate{};
   matrix_view<T> output_bias{};
+  matrix_view<T> gate_bias{};  // [E]: router::logit_bias (GPT-OSS)
 };
 using rank_weights = rank_tensors<const float>;
 using rank_grads = rank_tensors<float>;
@@ -132,12 +134,14 @@ struct bundle {
 // Each bundles_*.cpp adds its entries.
 void add_softmax_bundles(std::vector<bundle>& menu);
 void add_other_bundles(std::vector<bundle>& menu);
+void add_gpt_oss_bundles(std::vector<bundle>& menu);
 void add_exchange_bundles(std::vector<bundle>& menu);
 
 inline std::vector<bundle> menu() {
   std::vector<bundle> m;
   add_softmax_bundles(m);
   add_other_bundles(m);
+  add_gpt_oss_bundles(m);
   add_exchange_bundles(m);
   return m;
 }

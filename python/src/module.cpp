@@ -83,6 +83,7 @@ rank_tensors<T> tensors_of(const ::py::dict& d, const std::string& who) {
   w.noise_gate = optional_matrix<T>(d, "noise_gate", who);
   w.shared_gate = optional_matrix<T>(d, "shared_gate", who);
   w.output_bias = optional_matrix<T>(d, "output_bias", who);
+  w.gate_bias = optional_matrix<T>(d, "gate_bias", who);
   return w;
 }
 rank_weights weights_of(const ::py::dict& d, const std::string& who) {
@@ -473,6 +474,7 @@ at::Tensor doubles(const std::vector<double>& v) {
   w.gate = floats_of(weights, "gate");
   w.w1 = floats_of(weights, "w1"), w.w3 = floats_of(weights, "w3"), w.w2 = floats_of(weights, "w2");
   w.b1 = floats_of(weights, "b1"), w.b2 = floats_of(weights, "b2");
+  w.b3 = floats_of(weights, "b3"), w.gate_bias = floats_of(weights, "gate_bias");
   w.shared_w1 = floats_of(weights, "shared_w1"), w.shared_w3 = floats_of(weights, "shared_w3");
   w.shared_w2 = floats_of(weights, "shared_w2");
   w.shared_b1 = floats_of(weights, "shared_b1"), w.shared_b2 = floats_of(weights, "shared_b2");
@@ -500,6 +502,7 @@ at::Tensor doubles(const std::vector<double>& v) {
     d["shared_w2"] = doubles(g.dshared_w2), d["shared_b1"] = doubles(g.dshared_b1);
     d["shared_b2"] = doubles(g.dshared_b2), d["shared_gate"] = doubles(g.dshared_gate);
     d["output_bias"] = doubles(g.doutput_bias), d["x"] = doubles(g.dx);
+    d["b3"] = doubles(g.db3), d["gate_bias"] = doubles(g.dgate_bias);
     out["grads"] = d;
   }
   return out;

@@ -112,6 +112,10 @@ def _make(family, variant=None):
         b = getattr(_mod(family), cls)(c)
         if family == "granitemoehybrid":  # the decoder layer's shared MLP, beside the block
             shared_mlp = _mod(family).GraniteMoeHybridMLP(c)
+    elif family == "gpt_oss":  # a router bias; gate and up interleaved; clamped at 7
+        c = T.GptOssConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
+                           num_experts_per_tok=2, **EAGER)
+        b = _mod(family).GptOssMLP(c)
     else:
         raise AssertionError(family)
     modules = [b] + ([shared_mlp] if shared_mlp is not None else [])
@@ -123,6 +127,8 @@ def _make(family, variant=None):
                 if buf.is_floating_point():
                     buf.normal_(0.0, 0.3)
             m.eval()
+        if family == "gpt_oss":  # gate and up values past the clamp (7) on both sides
+            b.experts.gate_up_proj.mul_(4.0)
     return c, b, shared_mlp
 
 
@@ -248,9 +254,11 @@ def _inputs():
 
 def _all_experts_chosen(family, config, sd, x):
     """Every expert is some token's choice (else its weights would be untested)."""
-    gate = hf.logical_tensors(family, sd, config)["gate"]
+    t = hf.logical_tensors(family, sd, config)
+    gate = t["gate"]
     k = hf.options(family, config)["top_k"]
-    chosen = set((x @ gate.t()).topk(k, dim=-1).indices.flatten().tolist())
+    logits = x @ gate.t() + t.get("gate_bias", torch.zeros(gate.shape[0]))
+    chosen = set(logits.topk(k, dim=-1).indices.flatten().tolist())
     assert chosen == set(range(gate.shape[0])), f"{family}: experts {chosen} chosen: pick a seed"
 
 
@@ -261,6 +269,7 @@ FAMILY_CASES = [
     ("jamba", None, True), ("dbrx", 1.0, True), ("dbrx", 2.0, True), ("granitemoe", None, True),
     ("granitemoeshared", None, True), ("jetmoe", None, True), ("aria", None, True),
     ("phimoe", None, False), ("switch_transformers", None, True), ("nllb_moe", None, True),
+    ("gpt_oss", None, True),
 ] + [(f, None, True) for f in FUSED_CONFIGS] + [
     ("cohere2_moe", _COHERE_SIGMOID, True),
     ("cohere2_moe", dict(_COHERE_SIGMOID, expert_selection_fn="softmax",
@@ -334,10 +343,10 @@ def test_nllb_block_width_from_its_weights():
     close(moe(x)[0], _hf_run("nllb_moe", block, None, x, None, False)[0], "nllb width: y")
 
 
-def test_thread_ranks():
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_thread_ranks(family):
     """from_hf(ranks=2): two thread ranks (12 tokens each), experts placed round robin (the
     slots are not in logical order), equal HF's block."""
-    family = "qwen2_moe"
     config, block, _ = _make(family)
     x, dy = _inputs()
     moe = hf.from_hf(block, ranks=2, placement="round_robin")
@@ -401,10 +410,10 @@ def _two_ranks(rank, world, group, cases):
 
 
 def test_two_processes():
-    """Mixtral, Qwen2-MoE, DeepSeek-V3 (sigmoid, bias, groups, shared experts) and
-    Qwen3-Next (gated shared expert) on 2 gloo processes, experts split: each rank's y and dx equal
-    HF's rows, its experts' gradients HF's, the gate's (and shared) summed over ranks HF's."""
-    families = ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next"]
+    """Mixtral, Qwen2-MoE, DeepSeek-V3 (sigmoid, bias, groups, shared experts), Qwen3-Next
+    (gated shared expert) and GPT-OSS on 2 gloo processes, experts split: each rank's y and dx
+    equal HF's rows, its experts' gradients HF's, the gate's (and shared) summed over ranks HF's."""
+    families = ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss"]
     x, dy = _inputs()
     cases = []
     for family in families:
@@ -502,3 +511,25 @@ def test_overrides_reach_the_module():
     assert moe.bundle["capacity"] == "factor" and moe.bundle["schedule"] == "pipelined"
     x, _ = _inputs()
     close(moe(x)[0], _hf_run("mixtral", block, None, x, None, False)[0], "factor 8: y")
+
+
+def test_gpt_oss_clamps_bind_and_interleave():
+    """The GPT-OSS case exercises both clamps (gate above, up on both sides), and a loader
+    that swapped gate and up (or dropped the +1) would differ: the block's own gate is not
+    symmetric in them."""
+    config, block, _ = _make("gpt_oss")
+    x, _ = _inputs()
+    e = block.experts
+    gate_up = x @ e.gate_up_proj[0] + e.gate_up_proj_bias[0]
+    g, u = gate_up[:, ::2], gate_up[:, 1::2]
+    assert (g > e.limit).any() and (u > e.limit).any() and (u < -e.limit).any()
+    assert ((g <= e.limit) & (u.abs() <= e.limit)).any()
+    swapped = e._apply_gate(torch.stack([u, g], -1).flatten(-2))
+    assert not torch.allclose(swapped, e._apply_gate(gate_up))
+
+
+def test_gpt_oss_other_limit_is_named():
+    config, block, _ = _make("gpt_oss")
+    block.experts.limit = 10.0
+    with pytest.raises(ValueError, match="swiglu_limit"):
+        hf.from_hf(block)

@@ -67,6 +67,8 @@ CASES = {
                                           max_recv_rows=24),  # windows of 2 tokens
     "hierarchical, a node per rank": dict(experts=8, top_k=2, exchange="hierarchical",
                                           ranks_per_node=1),
+    # GPT-OSS: the logit bias (a parameter) and the clamped SwiGLU with biases.
+    "gpt_oss": dict(experts=8, top_k=4, router="gpt_oss", expert="gpt_oss"),
     "deepseek hierarchical": dict(experts=8, top_k=4, router="sigmoid_bias", groups=4,
                                   top_groups=2, scaling=2.5, exchange="hierarchical",
                                   ranks_per_node=2),

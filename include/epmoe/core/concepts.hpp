@@ -122,6 +122,11 @@ template <class R>
 concept router_with_noise_gate = requires {
   requires R::uses_noise_gate;
 };
+/// A learned bias on the gate's logits (weights.gate_bias, grads.gate_bias: router::logit_bias).
+template <class R>
+concept router_with_gate_bias = requires {
+  requires R::uses_gate_bias;
+};
 template <class R>
 concept router_with_jitter = requires {
   requires R::jitters_input;

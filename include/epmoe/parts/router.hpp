@@ -15,6 +15,7 @@
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
 #include "epmoe/router/gate.hpp"
+#include "epmoe/router/logit_bias.hpp"
 #include "epmoe/router/route.hpp"
 
 // The router stage of a layer: the router policy and everything it routes from and into (the
@@ -35,6 +36,7 @@ struct router_backward {
   float* dx = nullptr;                      // [T, H] dx's home-rank terms (added to)
   backward_options opt{};
   bool routing_given = false;
+  matrix_view<float> dgate_bias{};  // [1, E] (router::logit_bias)
 };
 
 template <class Space, class Router>
@@ -112,7 +114,7 @@ class router_stage {
   template <class Pass>
   void route(const Space& s, const layer_config& cfg, const Pass& p,
              matrix_view<const value_type> gate, matrix_view<const value_type> noise_gate,
-             std::int64_t first) {
+             std::int64_t first, matrix_view<const value_type> gate_bias = {}) {
     const index_t T = p.tokens(), E = cfg.experts;
     if (p.given) return copy_given(s, *p.given, T);
     const matrix_view<float> logits(logits_.device(), Router::uses_gate ? T : 0, E);
@@ -120,7 +122,7 @@ class router_stage {
     const std::int64_t* ids = p.token_ids.empty() ? nullptr : p.token_ids.data();
     router::gate(router_, s,
                  gate_pass<value_type>{p.x, gate, noise_gate, logits, noise, gate_scratch_.data(),
-                                       ids, first, p.id, pass_counter_.device()});
+                                       ids, first, p.id, pass_counter_.device(), gate_bias});
     const router::route_options opt{.noise = noise,
                                     .token_ids = p.token_ids,
                                     .first_token = first,
@@ -210,6 +212,7 @@ class router_stage {
         if (b.opt.accumulate) return;
         for (index_t e = 0; e < E; ++e) s.fill(b.dgate.row(e), H, 0.f);
         for (index_t e = 0; noisy && e < E; ++e) s.fill(b.dnoise_gate.row(e), H, 0.f);
+        if constexpr (router_with_gate_bias<Router>) s.fill(b.dgate_bias.data, E, 0.f);
         return;
       }
       const matrix_view<float> dl(dlogits_.device(), T, E);
@@ -234,6 +237,8 @@ class router_stage {
                         std::span<float>(loss_probs_), std::span<double>(loss_acc_));
           s.to_device(dlogits_, 0, T * E);
         }
+      if constexpr (router_with_gate_bias<Router>)  // logits = x Wᵀ + b: db = Σ_t dlogits
+        s.for_each(E, router::logit_bias_grad{dl, b.dgate_bias.data, b.opt.accumulate});
       all_.host()[0] = 0;
       all_.host()[1] = T;
       s.to_device(all_, 0, 2);

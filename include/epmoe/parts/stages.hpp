@@ -282,7 +282,7 @@ struct forward_stages : stages_base<L> {
   void route() {
     early(&stage_times::route, [&] {
       const auto& w = l.store_.views();
-      l.router_.route(l.space_, l.cfg_, l.pass_, w.gate, w.noise_gate, first_token(l));
+      l.router_.route(l.space_, l.cfg_, l.pass_, w.gate, w.noise_gate, first_token(l), w.gate_bias);
     });
   }
   void plan() {
@@ -485,11 +485,12 @@ struct backward_stages : stages_base<L> {
       if constexpr (L::dedup)
         l.space_.for_each(T, rows::gather_weight_grad{l.ex_.weight_grad_send(), p.slot,
                                                       l.train_->weight_grad(T)});
-      l.router_.backward(l.space_, l.cfg_,
-                         {l.pass_.x, l.pass_.token_ids.empty() ? nullptr : l.pass_.token_ids.data(),
-                          forward_stages<L>::first_token(l), l.pass_.id, w.gate, w.noise_gate,
-                          call().grads.gate, call().grads.noise_gate, l.train_->weight_grad(T),
-                          l.train_->dx_home(), call().opt, l.pass_.routing_given});
+      l.router_.backward(
+          l.space_, l.cfg_,
+          {l.pass_.x, l.pass_.token_ids.empty() ? nullptr : l.pass_.token_ids.data(),
+           forward_stages<L>::first_token(l), l.pass_.id, w.gate, w.noise_gate, call().grads.gate,
+           call().grads.noise_gate, l.train_->weight_grad(T), l.train_->dx_home(), call().opt,
+           l.pass_.routing_given, call().grads.gate_bias});
       if (const matrix_view<float> g = call().opt.routing_grad; g.data)  // a given routing's
         l.space_.for_each_row(T, g.cols, rows::copy<float>{l.train_->weight_grad(T), g});
       if constexpr (L::dedup)

@@ -46,6 +46,8 @@ struct layer_gradients {
   matrix_view<float> shared_gate{};  // [N, H] (config shared_gate)
   matrix_view<float> output_bias{};  // [1, H] (config output_bias)
   matrix_view<float> noise_gate{};   // [E, H] noisy top-k's noise projection (while training)
+  matrix_view<float> gate_bias{};    // [1, E] the gate's logit bias (router::logit_bias);
+                                     //   replicated like the gate
 };
 
 }  // namespace epmoe
@@ -83,6 +85,8 @@ template <class Expert, class Router, class Grads>
 void check_gradients(const Grads& g, const layer_config& cfg, index_t L, bool noisy) {
   const index_t H = cfg.hidden;
   if constexpr (Router::uses_gate) detail::require_shape(g.gate, cfg.experts, H, "grads.gate");
+  if constexpr (router_with_gate_bias<Router>)
+    detail::require_shape(g.gate_bias, 1, cfg.experts, "grads.gate_bias");
   if constexpr (requires { Expert::validate(g.experts, 0, 0, 0, std::string{}); }) {
     if (!frozen_experts<Expert>(g.experts))  // else frozen: every view empty
       Expert::validate(g.experts, L, H, cfg.ffn, "grads.experts");
@@ -305,6 +309,8 @@ class training_state {
     };
     const index_t E = cfg.experts, H = cfg.hidden, N = cfg.shared_experts;
     if constexpr (Router::uses_gate) seg(count_only ? matrix_view<float>{nullptr, E, H} : g.gate);
+    if constexpr (router_with_gate_bias<Router>)
+      seg(count_only ? matrix_view<float>{nullptr, 1, E} : g.gate_bias);
     if constexpr (router_with_noise_gate<Router>)
       seg(count_only ? matrix_view<float>{nullptr, E, H} : g.noise_gate);
     if constexpr (requires { Expert::tensors(g.shared); }) {

@@ -27,6 +27,7 @@ struct layer_weights {
   matrix_view<const T> noise_gate{};   // [E, H] noisy top-k's noise projection
   matrix_view<const T> shared_gate{};  // [N, H] (config shared_gate)
   matrix_view<const T> output_bias{};  // [1, H] (config output_bias)
+  matrix_view<const T> gate_bias{};    // [1, E] the gate's logit bias (router::logit_bias)
 };
 
 namespace detail {

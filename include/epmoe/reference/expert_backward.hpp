@@ -5,6 +5,7 @@
 // The float64 backward of one expert (reference/backward.hpp): the gradients it adds into,
 // each activation's derivative, and expert_grad<Expert> beside experts.hpp's expert_math.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <span>
@@ -12,6 +13,7 @@
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/clamped_glu.hpp"
 #include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/reference/experts.hpp"
@@ -26,6 +28,8 @@ struct gradients {
   std::vector<double> dgate;                   // [E, H]
   std::vector<double> dw1, dw3, dw2;           // [E, F, H], [E, F, H], [E, H, F]
   std::vector<double> db1, db2;                // [E, F], [E, H]
+  std::vector<double> db3;                     // [E, F] (clamped_glu's up bias)
+  std::vector<double> dgate_bias;              // [E] (router::logit_bias)
   std::vector<double> dshared_w1, dshared_w3;  // [N, Fs, H]
   std::vector<double> dshared_w2;              // [N, H, Fs]
   std::vector<double> dshared_b1, dshared_b2;  // [N, Fs], [N, H]
@@ -45,6 +49,8 @@ struct gradients {
     g.dw2.assign(E * H * F, 0.0);
     g.db1.assign(E * F, 0.0);
     g.db2.assign(E * H, 0.0);
+    g.db3.assign(E * F, 0.0);
+    g.dgate_bias.assign(E, 0.0);
     g.dshared_w1.assign(N * Fs * H, 0.0);
     g.dshared_w3.assign(N * Fs * H, 0.0);
     g.dshared_w2.assign(N * H * Fs, 0.0);
@@ -203,6 +209,52 @@ struct expert_grad<expert::mlp<Act, Biases>> {
       for (index_t i = 0; i < H; ++i) {
         d.w1[f * H + i] += da * x[i];
         dx[i] += double{e.w1[f * H + i]} * da;
+      }
+    }
+    return dscale;
+  }
+};
+
+/// Clamped gated: with d = scale · dout, dW2 += d hᵀ, db2 += d, dh = W2ᵀ d; a clamp's
+/// derivative is 1 inside its bounds (bounds included, as torch.clamp) and 0 outside:
+/// da = dh (u + up_shift) [a <= limit] (σ(αg) + α g σ(αg)(1 - σ(αg))), db = dh g σ(αg)
+/// [-limit <= b <= limit]; dW1 += da xᵀ, db1 += da, dW3 += db xᵀ, db3 += db,
+/// dx += W1ᵀ da + W3ᵀ db.
+template <class Form>
+struct expert_grad<expert::clamped_glu<Form>> {
+  static double add(const full_weights& w, expert_ref which, const float* x, double scale,
+                    std::span<const double> dout, gradients& g, std::span<double> dx) {
+    using M = expert_math<expert::clamped_glu<Form>>;
+    const index_t H = w.cfg.hidden, F = w.cfg.ffn, e = which.index;
+    std::vector<double> a(F), b(F), h(F), dh(F, 0.0);
+    M::hidden(w, e, x, a, b);
+    for (index_t f = 0; f < F; ++f) h[f] = M::gated(a[f], b[f]);
+    const float* w2 = w.w2.data() + e * H * F;
+    double dscale = 0;
+    for (index_t o = 0; o < H; ++o) {
+      double out = Form::biases ? double{w.b2[e * H + o]} : 0.0;
+      for (index_t f = 0; f < F; ++f) out += double{w2[o * F + f]} * h[f];
+      dscale += dout[o] * out;
+      const double dd = scale * dout[o];
+      if (Form::biases) g.db2[e * H + o] += dd;
+      for (index_t f = 0; f < F; ++f) {
+        g.dw2[(e * H + o) * F + f] += dd * h[f];
+        dh[f] += double{w2[o * F + f]} * dd;
+      }
+    }
+    const double lim = Form::limit, alpha = Form::alpha;
+    for (index_t f = 0; f < F; ++f) {
+      const double gv = std::min(a[f], lim), u = std::min(std::max(b[f], -lim), lim);
+      const double s = 1.0 / (1.0 + std::exp(-alpha * gv));
+      const double da =
+          a[f] <= lim ? dh[f] * (u + double{Form::up_shift}) * (s + alpha * gv * s * (1.0 - s))
+                      : 0.0;
+      const double db = (b[f] >= -lim && b[f] <= lim) ? dh[f] * gv * s : 0.0;
+      if (Form::biases) g.db1[e * F + f] += da, g.db3[e * F + f] += db;
+      for (index_t i = 0; i < H; ++i) {
+        g.dw1[(e * F + f) * H + i] += da * x[i];
+        g.dw3[(e * F + f) * H + i] += db * x[i];
+        dx[i] += double{w.w1[(e * F + f) * H + i]} * da + double{w.w3[(e * F + f) * H + i]} * db;
       }
     }
     return dscale;

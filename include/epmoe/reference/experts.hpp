@@ -2,12 +2,14 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <span>
 #include <type_traits>
 #include <vector>
 
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/clamped_glu.hpp"
 #include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/reference/weights.hpp"
@@ -125,6 +127,40 @@ struct expert_math<expert::mlp<Act, Biases>> {
       h[f] = activation<Act>::of(a);
     }
     detail::down(e, h, Biases ? e.b2 : nullptr, scale, out);
+  }
+};
+
+/// Clamped gated (GPT-OSS, DeepSeek-V4), from `_apply_gate`: a = W1 x + b1, b = W3 x + b3,
+/// g = min(a, limit), u = min(max(b, -limit), limit), h = g σ(alpha g) (u + up_shift),
+/// W2 h + b2 (the biases when Form::biases). Routed experts only.
+template <class Form>
+struct expert_math<expert::clamped_glu<Form>> {
+  static void hidden(const full_weights& w, index_t e, const float* x, std::vector<double>& a,
+                     std::vector<double>& b) {
+    const index_t H = w.cfg.hidden, F = w.cfg.ffn;
+    for (index_t f = 0; f < F; ++f) {
+      double sa = Form::biases ? double{w.b1[e * F + f]} : 0.0;
+      double sb = Form::biases ? double{w.b3[e * F + f]} : 0.0;
+      for (index_t i = 0; i < H; ++i) {
+        sa += double{w.w1[(e * F + f) * H + i]} * x[i];
+        sb += double{w.w3[(e * F + f) * H + i]} * x[i];
+      }
+      a[f] = sa, b[f] = sb;
+    }
+  }
+  static double gated(double a, double b) {
+    const double lim = Form::limit, g = std::min(a, lim), u = std::min(std::max(b, -lim), lim);
+    return g / (1.0 + std::exp(-double{Form::alpha} * g)) * (u + double{Form::up_shift});
+  }
+  static void add(const full_weights& w, expert_ref which, const float* x, double scale,
+                  std::span<double> out) {
+    const index_t F = w.cfg.ffn, e = which.index;
+    std::vector<double> a(F), b(F), h(F);
+    hidden(w, e, x, a, b);
+    for (index_t f = 0; f < F; ++f) h[f] = gated(a[f], b[f]);
+    const detail::expert_rows rows{nullptr, nullptr, w.w2.data() + e * w.cfg.hidden * F,
+                                   nullptr, nullptr, F};
+    detail::down(rows, h, Form::biases ? w.b2.data() + e * w.cfg.hidden : nullptr, scale, out);
   }
 };
 

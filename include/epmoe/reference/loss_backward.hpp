@@ -121,7 +121,10 @@ router_losses rank_losses(const Router&, const rank_batch& b, const rank_routing
   router_losses out;
   out.valid = true;
   if (T == 0) return out;
-  const auto l = project(b, b.w->gate);
+  auto l = project(b, b.w->gate);
+  if constexpr (router_with_gate_bias<Router>)  // GPT-OSS: the losses see the biased logits
+    for (index_t t = 0; t < T; ++t)
+      for (index_t e = 0; e < E; ++e) l[t * E + e] += double{b.w->gate_bias[e]};
   std::vector<double> p(l.size()), dp(l.size(), 0.0);
   for (index_t t = 0; t < T; ++t) {
     const auto row = std::span<const double>(l).subspan(t * E, E);
@@ -214,6 +217,9 @@ gradients loss_backward(const full_weights& w, const Router& router, matrix_view
     const rank_batch b = detail::loss_batch(router, detail::batch_of(w, x, r, t0, T, opt), m);
     detail::rank_losses(router, b, routing[r], scales, dl);
     detail::project_grad(b, w.gate, dl, g.dgate, dxb);
+    if constexpr (router_with_gate_bias<Router>)
+      for (index_t t = 0; t < T; ++t)
+        for (index_t e = 0; e < E; ++e) g.dgate_bias[e] += dl[t * E + e];
     for (std::size_t i = 0; i < dxb.size(); ++i)
       g.dx[t0 * H + i] += m.empty() ? dxb[i] : dxb[i] * m[i];
     t0 += T;

@@ -19,6 +19,7 @@
 #include "epmoe/router/expert_choice.hpp"
 #include "epmoe/router/hash.hpp"
 #include "epmoe/router/jitter.hpp"
+#include "epmoe/router/logit_bias.hpp"
 #include "epmoe/router/noisy_topk.hpp"
 #include "epmoe/router/sigmoid_bias.hpp"
 #include "epmoe/router/sinkhorn.hpp"
@@ -202,6 +203,28 @@ rank_routing routing_of(const router::topk_softmax<K, Renormalize>& r, const ran
       out.id(t, k) = ids[k];
       out.weight(t, k) = (Renormalize ? p[ids[k]] / chosen : p[ids[k]]) * double{r.scaling};
     }
+  }
+  return out;
+}
+
+/// GPT-OSS (`GptOssTopKRouter`): l = x Wᵀ + b, the K largest l (ties to the lower index),
+/// weights softmax over those K alone: w_k = e^(l_k) / Σ_{j∈S} e^(l_j). Groups, p-norms and
+/// scaling are not part of it (left at their defaults).
+template <int K>
+rank_routing routing_of(const router::logit_bias<router::topk_softmax<K, true>>&,
+                        const rank_batch& b) {
+  const index_t T = b.tokens, E = b.cfg->experts;
+  auto l = detail::project(b, b.w->gate);
+  for (index_t t = 0; t < T; ++t)
+    for (index_t e = 0; e < E; ++e) l[t * E + e] += double{b.w->gate_bias[e]};
+  rank_routing out(T, K);
+  for (index_t t = 0; t < T; ++t) {
+    const auto row = std::span<const double>(l).subspan(static_cast<std::size_t>(t * E), E);
+    const auto ids = detail::best(row, K, {});
+    std::vector<double> chosen;
+    for (int e : ids) chosen.push_back(row[e]);
+    const auto w = detail::softmax(chosen);
+    for (int k = 0; k < K; ++k) out.id(t, k) = ids[k], out.weight(t, k) = w[k];
   }
   return out;
 }

@@ -87,6 +87,27 @@ void routing_grad(const router::topk_softmax<K, Renormalize>& r, const rank_batc
   detail::project_grad(b, b.w->gate, dl, g.dgate, dx);
 }
 
+/// GPT-OSS: w = softmax over the chosen S of l = x Wᵀ + b (S fixed): dl_j = w_j (g_j - Σ_k
+/// w_k g_k) for j ∈ S, 0 elsewhere; db += Σ_t dl, then the gate's projection.
+template <int K>
+void routing_grad(const router::logit_bias<router::topk_softmax<K, true>>& r, const rank_batch& b,
+                  const rank_routing& route, std::span<const double> dweights, gradients& g,
+                  std::span<double> dx) {
+  const index_t T = b.tokens, E = b.cfg->experts;
+  const rank_routing fwd = routing_of(r, b);
+  std::vector<double> dl(static_cast<std::size_t>(T * E), 0.0);
+  for (index_t t = 0; t < T; ++t) {
+    const std::int32_t* ids = &route.ids[t * route.width];
+    const double* gk = &dweights[t * route.width];
+    double wg = 0;
+    for (int k = 0; k < K; ++k) wg += fwd.weights[t * K + k] * gk[k];
+    for (int k = 0; k < K; ++k) dl[t * E + ids[k]] = fwd.weights[t * K + k] * (gk[k] - wg);
+  }
+  for (index_t t = 0; t < T; ++t)
+    for (index_t e = 0; e < E; ++e) g.dgate_bias[e] += dl[t * E + e];
+  detail::project_grad(b, b.w->gate, dl, g.dgate, dx);
+}
+
 /// Sigmoid + bias: s = σ(l), S chosen on s + bias (fixed; the bias gets no gradient),
 /// c = scaling. normalize: w_k = c s_k / Σ_{j∈S} s_j, dL/ds_j = (c / Σ) (g_j - Σ_k g_k w_k / c);
 /// else w_k = c s_k, dL/ds_j = c g_j. Then dl_j = dL/ds_j s_j (1 - s_j).

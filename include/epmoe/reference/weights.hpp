@@ -11,6 +11,7 @@
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/expert/clamped_glu.hpp"
 #include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 
@@ -48,6 +49,8 @@ struct full_weights {
   std::vector<float> shared_b1, shared_b2;  // [N, Fs], [N, H]
   std::vector<float> shared_gate;           // [N, H] (config shared_gate: Qwen2-MoE)
   std::vector<float> output_bias;           // [H] (config output_bias: JetMoE)
+  std::vector<float> b3;                    // [E, F]: the up projection's bias (GPT-OSS)
+  std::vector<float> gate_bias;             // [E]: the gate's logit bias (GPT-OSS)
 
   /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in); the gate
   /// dyadic times a power of two (see above).
@@ -63,6 +66,8 @@ struct full_weights {
                    std::vector<float>(N * Fs * H),
                    std::vector<float>(N * H * Fs),
                    std::vector<float>(E * H),
+                   {},
+                   {},
                    {},
                    {},
                    {},
@@ -96,6 +101,8 @@ struct full_weights {
     w.shared_b2 = draw(N * H, ss);
     w.shared_gate = draw(N * H, 4 * sh);  // sigmoid scales spread over (0, 1)
     w.output_bias = draw(H, sf);
+    w.b3 = draw(E * F, sh);
+    w.gate_bias = draw(E, 1.f);  // logits of std ~2: a bias of this size reorders them
     return w;
   }
 
@@ -126,6 +133,7 @@ struct rank_weights {
   std::vector<float> w1, w3, w2;
   index_t local = 0, hidden = 0, ffn = 0;
   std::vector<float> b1, b2;  // [L, F], [L, H]
+  std::vector<float> b3;      // [L, F] (GPT-OSS)
 
   expert::swiglu::weights experts() const {
     return {{w1.data(), local, ffn, hidden},
@@ -167,6 +175,18 @@ struct views_of<expert::mlp<Act, Biases>> {
   }
 };
 
+template <class Form>
+struct views_of<expert::clamped_glu<Form>> {
+  using X = expert::clamped_glu<Form>;
+  static typename X::weights of(const rank_weights& r) {
+    const index_t L = r.local, H = r.hidden, F = r.ffn;
+    typename X::weights v{{r.w1.data(), L, F, H}, {r.w3.data(), L, F, H}, {r.w2.data(), L, H, F}};
+    if constexpr (X::biases)
+      v.b1 = {r.b1.data(), L, 1, F}, v.b3 = {r.b3.data(), L, 1, F}, v.b2 = {r.b2.data(), L, 1, H};
+    return v;
+  }
+};
+
 template <class Placement>
 rank_weights slice(const full_weights& w, const Placement& placement, int rank) {
   const index_t L = placement.slots_per_rank(), H = w.cfg.hidden, F = w.cfg.ffn;
@@ -177,13 +197,15 @@ rank_weights slice(const full_weights& w, const Placement& placement, int rank) 
                  H,
                  F,
                  std::vector<float>(L * F),
-                 std::vector<float>(L * H)};
+                 std::vector<float>(L * H),
+                 std::vector<float>(L * F)};
   for (index_t j = 0; j < L; ++j) {
     const index_t e = placement.expert_at(rank, static_cast<int>(j));
     if (!w.b1.empty()) {
       std::copy_n(w.b1.begin() + e * F, F, r.b1.begin() + j * F);
       std::copy_n(w.b2.begin() + e * H, H, r.b2.begin() + j * H);
     }
+    if (!w.b3.empty()) std::copy_n(w.b3.begin() + e * F, F, r.b3.begin() + j * F);
     std::copy_n(w.w1.begin() + e * F * H, F * H, r.w1.begin() + j * F * H);
     std::copy_n(w.w3.begin() + e * F * H, F * H, r.w3.begin() + j * F * H);
     std::copy_n(w.w2.begin() + e * H * F, H * F, r.w2.begin() + j * H * F);

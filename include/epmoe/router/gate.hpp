@@ -25,6 +25,7 @@ struct gate_pass {
   std::int64_t first_token = 0;
   std::uint64_t pass = 0;                       // the layer's pass counter (seeded training noise)
   const std::uint64_t* pass_counter = nullptr;  // the same in the space's memory, when set
+  matrix_view<const T> gate_bias{};             // [1, E] (routers with uses_gate_bias), else empty
 };
 
 namespace router {
