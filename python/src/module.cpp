@@ -424,7 +424,7 @@ class layer {
             rethrow_reason(errors);
             throw;
           }
-        } else {  // one rank (a process group's, or a single thread rank): on this thread,
+        } else {       // one rank (a process group's, or a single thread rank): on this thread,
           f(0, 0, T);  // not a thread spawned per call (tens of µs of a decode step)
         }
       } catch (const std::exception&) {
