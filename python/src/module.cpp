@@ -424,8 +424,10 @@ class layer {
             rethrow_reason(errors);
             throw;
           }
-        } else {       // one rank (a process group's, or a single thread rank): on this thread,
-          f(0, 0, T);  // not a thread spawned per call (tens of µs of a decode step)
+        } else {
+          // One rank (a process group's, or a single thread rank) runs on this thread, not on
+          // one spawned per call (tens of µs of a decode step).
+          f(0, 0, T);
         }
       } catch (const std::exception&) {
         if (world_) world_->reset();  // every rank has left: the next pass may run
