@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from . import _epmoe, _ops
-from .torch import EXPERT_TENSORS, _exchange_group, _placement_table, _viewable
+from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
+from .torch import _viewable
 
 __all__ = ["Experts"]
 
@@ -52,17 +53,8 @@ class Experts(nn.Module):
                  group=None, exchange_group=None, ranks: Optional[int] = None):
         super().__init__()
         self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
-        if group is not None and ranks is not None:
-            raise ValueError("epmoe: pass group (torch.distributed ranks) or ranks (threads), not both")
-        R = group.size() if group is not None else (ranks or 1)
-        for name, v in (("hidden", hidden), ("ffn", ffn), ("experts", experts), ("top_k", top_k),
-                        ("max_tokens", max_tokens)):
-            if int(v) < 1:
-                raise ValueError(f"epmoe: {name} = {v}: must be >= 1")
-        if experts % R:
-            raise ValueError(f"epmoe: experts = {experts}: must be a multiple of the ranks ({R})")
-        if expert not in EXPERT_TENSORS:
-            raise ValueError(f"epmoe: expert = {expert!r}: must be one of {sorted(EXPERT_TENSORS)}")
+        R = _check_sizes(hidden, ffn, experts, top_k, max_tokens, expert, group, exchange_group,
+                         ranks)
         if layout not in LAYOUTS or (layout == "gate_up" and expert != "swiglu"):
             raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu only) or "
                              "'separate'")
