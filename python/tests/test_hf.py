@@ -472,8 +472,8 @@ def test_unknown_block_and_family():
         hf.family_of(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="Linear"):
         hf.from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="family = 'gpt_oss'"):
-        hf.from_hf_state_dict({}, {}, "gpt_oss")
+    with pytest.raises(ValueError, match="family = 'llama4'"):
+        hf.from_hf_state_dict({}, {}, "llama4")
 
 
 @pytest.mark.parametrize("family,change,field", [
