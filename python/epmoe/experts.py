@@ -22,6 +22,13 @@ from .torch import _viewable
 
 __all__ = ["Experts"]
 
+
+class _PassState:
+    """The tensors bound (pointers and strides), the versions packed, the pass counters."""
+
+    bound = packed = None
+    passes = consumed = 0
+
 # How the caller's tensors hold each expert kind's (w1, w3, w2 | w1, w2, b1, b2).
 LAYOUTS = {
     # transformers 5: gate_up_proj [E, 2F, H] (w1 = the first F rows, w3 the next), down_proj [E, H, F]
@@ -82,8 +89,8 @@ class Experts(nn.Module):
                           if group is not None else (None, None, ""))
         self._pack = pack_weights
         self._layer = None  # built at the first call, from the tensors it is given
-        self._bound = self._packed = None
-        self._passes = self._consumed = 0
+        # Per-pass state on a plain object: nn.Module.__setattr__ costs µs a write, per call.
+        self._state = _PassState()
 
     def extra_repr(self):
         return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, "
@@ -123,6 +130,7 @@ class Experts(nn.Module):
                 for r in range(self._local)]
 
     def _prepare(self, tensors):
+        st = self._state
         pointers = tuple((t.data_ptr(), t.stride()) for t in tensors)
         if self._layer is None:
             self._check(tensors)
@@ -134,19 +142,19 @@ class Experts(nn.Module):
                                             jitter_eps=0.01),
                                        self._rank_weights(tensors), group,
                                        0 if self.group is not None else self.ranks, store, key)
-        elif pointers != self._bound:
+        elif pointers != st.bound:
             self._check(tensors)
             self._layer.rebind(self._rank_weights(tensors))
-            self._packed = None
-        self._bound = pointers
+            st.packed = None
+        st.bound = pointers
         packs = self._pack in (True, "bf16") or (self._pack == "auto" and not self.training)
         versions = tuple(t._version for t in tensors)
-        if not packs and self._packed is not None:
+        if not packs and st.packed is not None:
             self._layer.pack(False)
-            self._packed = None
-        elif packs and versions != self._packed:
+            st.packed = None
+        elif packs and versions != st.packed:
             self._layer.pack(True, self._pack == "bf16")
-            self._packed = versions
+            st.packed = versions
 
     # --- forward --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -172,16 +180,17 @@ class Experts(nn.Module):
         self._prepare(params)
         y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
         self._layer.forward(x, y, ids, weights, keep)
-        self._passes += 1
+        self._state.passes += 1
         zero = x.new_zeros(())
-        return [y, zero, zero.clone(), zero.clone(), torch.tensor(self._passes)]
+        return [y, zero, zero.clone(), zero.clone(), torch.tensor(self._state.passes)]
 
     def _op_backward(self, dy, losses, x, pass_id, params, weights, wanted, routing_grad):
         pid = int(pass_id)
-        if pid != self._passes or self._consumed == pid:
+        st = self._state
+        if pid != st.passes or st.consumed == pid:
             raise RuntimeError("epmoe: backward of a forward that is not the Experts' last (call "
                                "backward before the next forward of this module)")
-        self._consumed = pid
+        st.consumed = pid
         frozen = not any(wanted)
         grads = [torch.empty_like(p) for p in params] if not frozen else []
         views = self._kind_tensors(grads) if grads else []
