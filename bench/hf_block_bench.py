@@ -360,12 +360,19 @@ def markdown(result):
     return "\n".join(out)
 
 
+def print_markdown(args, markdown) -> bool:
+    """--markdown JSON: prints the README table of an earlier run (True: nothing else to do)."""
+    if not args.markdown:
+        return False
+    import json
+    with open(args.markdown) as f:
+        print(markdown(json.load(f)))
+    return True
+
+
 def main(argv=None):
     args = parse_args(argv)
-    if args.markdown:
-        import json
-        with open(args.markdown) as f:
-            print(markdown(json.load(f)))
+    if print_markdown(args, markdown):
         return 0
     coretype = ct.set_environment(args)  # before torch (and OpenBLAS) loads
     try:

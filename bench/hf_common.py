@@ -182,3 +182,23 @@ def run_info(torch, args, coretype, transformers, sys):
             "transformers": transformers.__version__, "experts_impl": args.experts_impl,
             "shape": dict(hidden=args.hidden, ffn=args.ffn, experts=args.experts,
                           top_k=args.top_k, layers=args.layers)}
+
+
+def distributed_or_skip(name):
+    """(torch, transformers) with transformers 5's DistributedConfig, the epmoe package and
+    gloo, or None after a SKIP line naming what is missing."""
+    try:
+        import torch
+        import torch.distributed as dist
+        import transformers
+        from transformers.distributed import DistributedConfig  # noqa: F401
+        import epmoe.hf  # noqa: F401
+        import epmoe.torch  # noqa: F401
+    except ImportError as e:
+        print(f"{name}: SKIP: {e} (needs torch, transformers 5 and the epmoe package: "
+              "PYTHONPATH=build/py/python)")
+        return None
+    if not dist.is_gloo_available():
+        print(f"{name}: SKIP: torch.distributed without gloo")
+        return None
+    return torch, transformers

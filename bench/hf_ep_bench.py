@@ -197,25 +197,13 @@ def markdown(result):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.markdown:
-        import json
-        with open(args.markdown) as f:
-            print(markdown(json.load(f)))
+    if hc.hb.print_markdown(args, markdown):
         return 0
     coretype = ct.set_environment(args)
-    try:
-        import torch
-        import torch.distributed as dist
-        import transformers
-        from transformers.distributed import DistributedConfig  # noqa: F401
-        import epmoe.torch  # noqa: F401
-    except ImportError as e:
-        print(f"hf_ep_bench: SKIP: {e} (needs torch, transformers 5 and the epmoe package: "
-              "PYTHONPATH=build/py/python)")
+    found = hc.distributed_or_skip("hf_ep_bench")
+    if found is None:
         return SKIP
-    if not dist.is_gloo_available():
-        print("hf_ep_bench: SKIP: torch.distributed without gloo")
-        return SKIP
+    torch, transformers = found
     hc.header(torch, args, coretype, transformers)
     print(f"model: {hc.describe(args)}; transformers: DistributedConfig(tp_size=2, ep_size=2, "
           f"ep_implementation=all_to_all | all_reduce)")
