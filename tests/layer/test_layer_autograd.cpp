@@ -59,6 +59,29 @@ struct grads {
   }
 };
 
+/// Runs body(layer, x, T, L, r, cfg, lock) on R thread ranks, each with a training layer of
+/// seeded weights (placement::block) and `tokens` seeded tokens; body takes the lock for its
+/// checks, after its collective calls. Returns the ranks that ran to the end.
+template <class P, class Body>
+int on_ranks(int R, unsigned seed, index_t tokens, Body&& body) {
+  const layer_config cfg = train_cfg(R);
+  const auto w = reference::full_weights::random(cfg, seed);
+  const auto g = test::make_tokens(std::vector<index_t>(R, tokens), cfg.hidden, seed + 1);
+  int done = 0;
+  std::mutex m;
+  comm::threads_world(R).run([&](comm::threads c) {
+    const int r = c.rank();
+    const placement::block where(cfg);
+    const index_t L = where.slots_per_rank();
+    test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
+    moe_layer<P> layer(cfg, c, arrays.views(cfg, L));
+    body(layer, g.x.data() + g.offset(r) * cfg.hidden, g.per_rank[r], L, r, cfg, m);
+    std::lock_guard lock(m);
+    ++done;
+  });
+  return done;
+}
+
 // Catches what `f` throws, as text ("" when nothing).
 template <class F>
 std::string thrown(F&& f) {
@@ -76,48 +99,42 @@ TEMPLATE_TEST_CASE("autograd: a forward that keeps nothing has the same outputs 
                    "[layer][autograd]", autograd_policies<false>, autograd_policies<true>) {
   using P = TestType;
   for (int R : {1, 2}) {
-    const layer_config cfg = train_cfg(R);
-    const auto w = reference::full_weights::random(cfg, 41);
-    const auto g = test::make_tokens(std::vector<index_t>(R, 9), cfg.hidden, 42);
-    const index_t H = cfg.hidden;
-    int checked = 0;
-    std::mutex m;
-    comm::threads_world(R).run([&](comm::threads c) {
-      const int r = c.rank();
-      const placement::block where(cfg);
-      const index_t L = where.slots_per_rank(), T = g.per_rank[r];
-      test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
-      moe_layer<P> layer(cfg, c, arrays.views(cfg, L));
-      const float* x = g.x.data() + g.offset(r) * H;
-      std::vector<float> kept(T * H, nan_f), bare(T * H, nan_f), dy(T * H, 1.f), dx(T * H, nan_f);
-      grads gr(cfg, L);
-      const auto kept_pass = layer.forward({x, T, H}, {kept.data(), T, H});
-      const index_t saved = layer.stats().saved_bytes;
-      const auto bare_pass =
-          layer.forward({x, T, H}, {bare.data(), T, H}, {}, {.keep_for_backward = false});
-      const index_t bare_saved = layer.stats().saved_bytes;
-      // Every rank refuses the backward of the pass that kept nothing, and of the one before.
-      const std::string none = thrown([&] {
-        layer.backward(bare_pass, {dy.data(), T, H}, {dx.data(), T, H}, gr.views<P>(cfg, L, false));
-      });
-      const std::string stale = thrown([&] {
-        layer.backward(kept_pass, {dy.data(), T, H}, {dx.data(), T, H}, gr.views<P>(cfg, L, false));
-      });
-      std::lock_guard lock(m);
-      CHECK(kept_pass.training);
-      CHECK_FALSE(bare_pass.training);
-      CHECK(saved > 0);
-      CHECK(bare_saved == 0);
-      CHECK(std::memcmp(kept.data(), bare.data(), kept.size() * sizeof(float)) == 0);
-      for (float v : bare) CHECK(std::isfinite(v));
-      INFO(none);
-      CHECK(none.find("keep_for_backward") != std::string::npos);
-      CHECK(stale.find("last forward only") != std::string::npos);
-      for (float v : dx) CHECK(std::isnan(v));  // nothing written
-      for (float v : gr.gate) CHECK(std::isnan(v));
-      ++checked;
-    });
-    CHECK(checked == R);
+    const int ran = on_ranks<P>(
+        R, 41, 9,
+        [&](moe_layer<P>& layer, const float* x, index_t T, index_t L, int, const layer_config& cfg,
+            std::mutex& m) {
+          const index_t H = cfg.hidden;
+          std::vector<float> kept(T * H, nan_f), bare(T * H, nan_f), dy(T * H, 1.f),
+              dx(T * H, nan_f);
+          grads gr(cfg, L);
+          const auto kept_pass = layer.forward({x, T, H}, {kept.data(), T, H});
+          const index_t saved = layer.stats().saved_bytes;
+          const auto bare_pass =
+              layer.forward({x, T, H}, {bare.data(), T, H}, {}, {.keep_for_backward = false});
+          const index_t bare_saved = layer.stats().saved_bytes;
+          // Every rank refuses the backward of the pass that kept nothing, and of the one before.
+          const std::string none = thrown([&] {
+            layer.backward(bare_pass, {dy.data(), T, H}, {dx.data(), T, H},
+                           gr.views<P>(cfg, L, false));
+          });
+          const std::string stale = thrown([&] {
+            layer.backward(kept_pass, {dy.data(), T, H}, {dx.data(), T, H},
+                           gr.views<P>(cfg, L, false));
+          });
+          std::lock_guard lock(m);
+          CHECK(kept_pass.training);
+          CHECK_FALSE(bare_pass.training);
+          CHECK(saved > 0);
+          CHECK(bare_saved == 0);
+          CHECK(std::memcmp(kept.data(), bare.data(), kept.size() * sizeof(float)) == 0);
+          for (float v : bare) CHECK(std::isfinite(v));
+          INFO(none);
+          CHECK(none.find("keep_for_backward") != std::string::npos);
+          CHECK(stale.find("last forward only") != std::string::npos);
+          for (float v : dx) CHECK(std::isnan(v));  // nothing written
+          for (float v : gr.gate) CHECK(std::isnan(v));
+        });
+    CHECK(ran == R);
   }
 }
 
@@ -125,46 +142,37 @@ TEMPLATE_TEST_CASE("autograd: frozen experts: dx and the gate's gradient as befo
                    "[layer][autograd]", autograd_policies<false>, autograd_policies<true>) {
   using P = TestType;
   for (int R : {1, 2}) {
-    const layer_config cfg = train_cfg(R);
-    const auto w = reference::full_weights::random(cfg, 43);
-    const auto g = test::make_tokens(std::vector<index_t>(R, 11), cfg.hidden, 44);
-    const index_t H = cfg.hidden;
-    int checked = 0;
-    std::mutex m;
-    comm::threads_world(R).run([&](comm::threads c) {
-      const int r = c.rank();
-      const placement::block where(cfg);
-      const index_t L = where.slots_per_rank(), T = g.per_rank[r];
-      test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
-      moe_layer<P> layer(cfg, c, arrays.views(cfg, L));
-      const float* x = g.x.data() + g.offset(r) * H;
-      std::vector<float> y(T * H, nan_f), dy(T * H), dx_full(T * H, nan_f), dx(T * H, nan_f);
-      for (index_t i = 0; i < T * H; ++i) dy[i] = std::sin(0.3f * static_cast<float>(i + r));
-      grads full(cfg, L), frozen(cfg, L);
-      layer.forward({x, T, H}, {y.data(), T, H});
-      layer.backward({dy.data(), T, H}, {dx_full.data(), T, H}, full.views<P>(cfg, L, false));
-      layer.forward({x, T, H}, {y.data(), T, H});
-      layer.backward({dy.data(), T, H}, {dx.data(), T, H}, frozen.views<P>(cfg, L, true));
-      // All or none: one expert tensor without the others is named.
-      layer.forward({x, T, H}, {y.data(), T, H});
-      auto partial = frozen.views<P>(cfg, L, false);
-      partial.experts.w3 = {};
-      const std::string named = thrown([&] {
-        layer.backward({dy.data(), T, H}, {dx.data(), T, H}, partial);
-      });
-      std::lock_guard lock(m);
-      CHECK(std::memcmp(dx.data(), dx_full.data(), dx.size() * sizeof(float)) == 0);
-      CHECK(std::memcmp(frozen.gate.data(), full.gate.data(), full.gate.size() * 4) == 0);
-      for (float v : dx) CHECK(std::isfinite(v));
-      for (const auto* v : {&frozen.w1, &frozen.w3, &frozen.w2})
-        for (float f : *v) CHECK(std::isnan(f));  // never touched
-      for (const auto* v : {&full.w1, &full.w3, &full.w2})
-        for (float f : *v) CHECK(std::isfinite(f));
-      INFO(named);
-      CHECK(named.find("grads.experts.w3") != std::string::npos);
-      ++checked;
-    });
-    CHECK(checked == R);
+    const int ran = on_ranks<P>(
+        R, 43, 11,
+        [&](moe_layer<P>& layer, const float* x, index_t T, index_t L, int r,
+            const layer_config& cfg, std::mutex& m) {
+          const index_t H = cfg.hidden;
+          std::vector<float> y(T * H, nan_f), dy(T * H), dx_full(T * H, nan_f), dx(T * H, nan_f);
+          for (index_t i = 0; i < T * H; ++i) dy[i] = std::sin(0.3f * static_cast<float>(i + r));
+          grads full(cfg, L), frozen(cfg, L);
+          layer.forward({x, T, H}, {y.data(), T, H});
+          layer.backward({dy.data(), T, H}, {dx_full.data(), T, H}, full.views<P>(cfg, L, false));
+          layer.forward({x, T, H}, {y.data(), T, H});
+          layer.backward({dy.data(), T, H}, {dx.data(), T, H}, frozen.views<P>(cfg, L, true));
+          // All or none: one expert tensor without the others is named.
+          layer.forward({x, T, H}, {y.data(), T, H});
+          auto partial = frozen.views<P>(cfg, L, false);
+          partial.experts.w3 = {};
+          const std::string named = thrown([&] {
+            layer.backward({dy.data(), T, H}, {dx.data(), T, H}, partial);
+          });
+          std::lock_guard lock(m);
+          CHECK(std::memcmp(dx.data(), dx_full.data(), dx.size() * sizeof(float)) == 0);
+          CHECK(std::memcmp(frozen.gate.data(), full.gate.data(), full.gate.size() * 4) == 0);
+          for (float v : dx) CHECK(std::isfinite(v));
+          for (const auto* v : {&frozen.w1, &frozen.w3, &frozen.w2})
+            for (float f : *v) CHECK(std::isnan(f));  // never touched
+          for (const auto* v : {&full.w1, &full.w3, &full.w2})
+            for (float f : *v) CHECK(std::isfinite(f));
+          INFO(named);
+          CHECK(named.find("grads.experts.w3") != std::string::npos);
+        });
+    CHECK(ran == R);
   }
 }
 
@@ -172,69 +180,61 @@ TEMPLATE_TEST_CASE("autograd: a given routing's weights get dL/dw = dy . E_k(x),
                    "[layer][autograd]", autograd_policies<false>, autograd_policies<true>) {
   using P = TestType;
   for (int R : {1, 2}) {
-    const layer_config cfg = train_cfg(R);
-    const auto w = reference::full_weights::random(cfg, 45);
-    const auto g = test::make_tokens(std::vector<index_t>(R, 7), cfg.hidden, 46);
-    const index_t H = cfg.hidden, K = 2, E = cfg.experts;
-    int checked = 0;
-    std::mutex m;
-    comm::threads_world(R).run([&](comm::threads c) {
-      const int r = c.rank();
-      const placement::block where(cfg);
-      const index_t L = where.slots_per_rank(), T = g.per_rank[r];
-      test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
-      moe_layer<P> layer(cfg, c, arrays.views(cfg, L));
-      const float* x = g.x.data() + g.offset(r) * H;
-      std::vector<std::int32_t> ids(T * K);
-      std::vector<float> rw(T * K), dy(T * H), y(T * H, nan_f), dx(T * H, nan_f), dw(T * K, nan_f);
-      for (index_t t = 0; t < T; ++t) {
-        ids[t * K] = static_cast<std::int32_t>((t + 3 * r) % E);
-        ids[t * K + 1] = t == 2 ? no_expert : static_cast<std::int32_t>((t + 5) % E);
-        if (ids[t * K + 1] == ids[t * K]) ids[t * K + 1] = (ids[t * K] + 1) % E;
-        rw[t * K] = 0.25f + 0.05f * static_cast<float>(t), rw[t * K + 1] = 0.5f;
-      }
-      for (index_t i = 0; i < T * H; ++i) dy[i] = std::cos(0.7f * static_cast<float>(i) + r);
-      const auto loss = [&](const std::vector<float>& weights) {  // L = sum dy . y
-        std::vector<float> out(T * H, nan_f);
-        layer.forward({x, T, H}, {{ids.data(), T, K}, {weights.data(), T, K}}, {out.data(), T, H},
-                      {.keep_for_backward = false});
-        double s = 0;
-        for (index_t i = 0; i < T * H; ++i) s += static_cast<double>(dy[i]) * out[i];
-        return s;
-      };
-      // y is linear in the weights: central differences are exact up to rounding. Every
-      // rank runs every pass (collective), one weight at a time.
-      std::vector<double> fd(T * K);
-      const index_t most = 7 * K;  // every rank's count, so all take part in each pass
-      for (index_t i = 0; i < most; ++i) {
-        std::vector<float> up = rw, down = rw;
-        if (i < T * K) up[i] += 0.125f, down[i] -= 0.125f;
-        const double lu = loss(up), ld = loss(down);
-        if (i < T * K) fd[i] = (lu - ld) / 0.25;
-      }
-      grads gr(cfg, L);
-      layer.forward({x, T, H}, {{ids.data(), T, K}, {rw.data(), T, K}}, {y.data(), T, H});
-      layer.backward({dy.data(), T, H}, {dx.data(), T, H}, gr.views<P>(cfg, L, false),
-                     {.routing_grad = {dw.data(), T, K}});
-      // A computed routing has no routing gradient to give: named.
-      layer.forward({x, T, H}, {y.data(), T, H});
-      std::vector<float> dw2(T * K, nan_f);
-      const std::string named = thrown([&] {
-        layer.backward({dy.data(), T, H}, {dx.data(), T, H}, gr.views<P>(cfg, L, false),
-                       {.routing_grad = {dw2.data(), T, K}});
-      });
-      std::lock_guard lock(m);
-      for (index_t i = 0; i < T * K; ++i) {
-        INFO("rank " << r << " assignment " << i);
-        REQUIRE(std::isfinite(dw[i]));
-        CHECK(std::abs(dw[i] - fd[i]) <= 1e-4 * (1 + std::abs(fd[i])));
-        if (ids[i] == no_expert) CHECK(dw[i] == 0.f);
-      }
-      for (float v : dw2) CHECK(std::isnan(v));
-      INFO(named);
-      CHECK(named.find("routing_grad") != std::string::npos);
-      ++checked;
-    });
-    CHECK(checked == R);
+    const int ran = on_ranks<P>(
+        R, 45, 7,
+        [&](moe_layer<P>& layer, const float* x, index_t T, index_t L, int r,
+            const layer_config& cfg, std::mutex& m) {
+          const index_t H = cfg.hidden, K = 2, E = cfg.experts;
+          std::vector<std::int32_t> ids(T * K);
+          std::vector<float> rw(T * K), dy(T * H), y(T * H, nan_f), dx(T * H, nan_f),
+              dw(T * K, nan_f);
+          for (index_t t = 0; t < T; ++t) {
+            ids[t * K] = static_cast<std::int32_t>((t + 3 * r) % E);
+            ids[t * K + 1] = t == 2 ? no_expert : static_cast<std::int32_t>((t + 5) % E);
+            if (ids[t * K + 1] == ids[t * K]) ids[t * K + 1] = (ids[t * K] + 1) % E;
+            rw[t * K] = 0.25f + 0.05f * static_cast<float>(t), rw[t * K + 1] = 0.5f;
+          }
+          for (index_t i = 0; i < T * H; ++i) dy[i] = std::cos(0.7f * static_cast<float>(i) + r);
+          const auto loss = [&](const std::vector<float>& weights) {  // L = sum dy . y
+            std::vector<float> out(T * H, nan_f);
+            layer.forward({x, T, H}, {{ids.data(), T, K}, {weights.data(), T, K}},
+                          {out.data(), T, H}, {.keep_for_backward = false});
+            double s = 0;
+            for (index_t i = 0; i < T * H; ++i) s += static_cast<double>(dy[i]) * out[i];
+            return s;
+          };
+          // y is linear in the weights: central differences are exact up to rounding. Every
+          // rank runs every pass (collective), one weight at a time.
+          std::vector<double> fd(T * K);
+          const index_t most = 7 * K;  // every rank's count, so all take part in each pass
+          for (index_t i = 0; i < most; ++i) {
+            std::vector<float> up = rw, down = rw;
+            if (i < T * K) up[i] += 0.125f, down[i] -= 0.125f;
+            const double lu = loss(up), ld = loss(down);
+            if (i < T * K) fd[i] = (lu - ld) / 0.25;
+          }
+          grads gr(cfg, L);
+          layer.forward({x, T, H}, {{ids.data(), T, K}, {rw.data(), T, K}}, {y.data(), T, H});
+          layer.backward({dy.data(), T, H}, {dx.data(), T, H}, gr.views<P>(cfg, L, false),
+                         {.routing_grad = {dw.data(), T, K}});
+          // A computed routing has no routing gradient to give: named.
+          layer.forward({x, T, H}, {y.data(), T, H});
+          std::vector<float> dw2(T * K, nan_f);
+          const std::string named = thrown([&] {
+            layer.backward({dy.data(), T, H}, {dx.data(), T, H}, gr.views<P>(cfg, L, false),
+                           {.routing_grad = {dw2.data(), T, K}});
+          });
+          std::lock_guard lock(m);
+          for (index_t i = 0; i < T * K; ++i) {
+            INFO("rank " << r << " assignment " << i);
+            REQUIRE(std::isfinite(dw[i]));
+            CHECK(std::abs(dw[i] - fd[i]) <= 1e-4 * (1 + std::abs(fd[i])));
+            if (ids[i] == no_expert) CHECK(dw[i] == 0.f);
+          }
+          for (float v : dw2) CHECK(std::isnan(v));
+          INFO(named);
+          CHECK(named.find("routing_grad") != std::string::npos);
+        });
+    CHECK(ran == R);
   }
 }
