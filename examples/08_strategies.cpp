@@ -47,6 +47,11 @@ struct deepseek : bundle<router::sigmoid_bias<2>> {
     return {.groups = 4, .top_groups = 2, .scaling = 1.f, .gamma = 0.01f};
   }
 };
+/// GPT-OSS: a learned bias on the logits, softmax over the top 2; clamped SwiGLU experts with
+/// biases (alpha 1.702, limit 7, the +1 on up).
+struct gpt_oss : bundle<router::gpt_oss<2>> {
+  using expert = epmoe::expert::gpt_oss;
+};
 using expert_choice = bundle<router::expert_choice>;
 using hashed = bundle<router::hash<2>>;
 using replicated = bundle<router::mixtral<2>, capacity::dropless, placement::table>;
@@ -68,7 +73,7 @@ constexpr ex::treatment over_link{.throttled = true};
 using strategies = ex::list<
     ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
     ex::bundle<"deepseek +bias", deepseek, ex::treatment{.bias_steps = 50}>,
-    ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
+    ex::bundle<"gpt-oss", gpt_oss>, ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
     ex::bundle<"block (table)", replicated>,
     ex::bundle<"balanced +4", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
     ex::bundle<"dedup", dedup>, ex::bundle<"padded cf 1.25", padded>,
