@@ -1,7 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 //
-// Strategies side by side: fourteen policy bundles (three of them user policies from
+// Strategies side by side: fifteen policy bundles (three of them user policies from
 // examples/policies/), each one compile-time type, run by
 // epmoe::experiment on the same tokens, weights and in-process ranks, uniform tokens and
 // then tokens skewed toward one expert. One table per input, then a verdict per question,
@@ -142,7 +142,7 @@ int main(int argc, char** argv) {
       "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
       "                        [--topology NAME] [--nodes N] [--no-turns]\n"
       "                        [--json FILE] [--csv FILE]\n"
-      "  Fourteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
+      "  Fifteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
       "  three user policies) on the same tokens and R in-process ranks\n"
       "  (1, 2 or 4; default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
       "  uniform and one for skewed tokens, then one verdict per question.\n"
