@@ -40,16 +40,17 @@ def _module(key: int):
 
 @torch.library.custom_op("epmoe::moe_forward", mutates_args=())
 def moe_forward(x: Tensor, params: List[Tensor], ids: Optional[Tensor], weights: Optional[Tensor],
-                layer: int, keep: bool) -> List[Tensor]:
+                layer: int, keep: bool, token_ids: Optional[Tensor] = None) -> List[Tensor]:
     """[y, aux, seq_aux, z, pass]: y = MoE(x) [T, H] float32 with the module's parameters
     `params` (its own, or a framework's tensors it reads in place); ids/weights a given routing
-    [T, K] or None; keep: the layer keeps what backward reads (grad mode). pass: the pass's
-    number (int64), which the backward checks."""
-    return _module(layer)._op_forward(x, params, ids, weights, keep)
+    [T, K] or None; keep: the layer keeps what backward reads (grad mode); token_ids: the
+    tokens' vocabulary ids [T] int64 (table routers) or None. pass: the pass's number (int64),
+    which the backward checks."""
+    return _module(layer)._op_forward(x, params, ids, weights, keep, token_ids)
 
 
 @moe_forward.register_fake
-def _(x, params, ids, weights, layer, keep):
+def _(x, params, ids, weights, layer, keep, token_ids=None):
     s = x.new_empty(())
     return [torch.empty_like(x), s, s.clone(), s.clone(), x.new_empty((), dtype=torch.int64)]
 
@@ -74,7 +75,7 @@ def _(dy, losses, x, pass_id, params, weights, layer, wanted, routing_grad):
 
 
 def _setup(ctx, inputs, output):
-    x, params, ids, weights, layer, keep = inputs
+    x, params, ids, weights, layer, keep = inputs[:6]
     ctx.layer, ctx.kept, ctx.n = layer, keep, len(params)
     ctx.save_for_backward(x, output[4], weights if weights is not None else x.new_empty((0,)),
                           *params)
@@ -104,7 +105,7 @@ def _backward(ctx, grads):
                        bool(ctx.given and wants_routing))
     dx, dw, pgrads = out[0], out[1], out[2:]
     return (dx, [g if w else None for g, w in zip(pgrads, wanted)], None,
-            dw if ctx.given and wants_routing else None, None, None)
+            dw if ctx.given and wants_routing else None, None, None, None)
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup)
@@ -118,14 +119,14 @@ moe_backward.register_autograd(_twice, setup_context=lambda ctx, inputs, output:
 
 
 def run(module, x: Tensor, params, ids: Optional[Tensor], weights: Optional[Tensor],
-        keep: bool) -> List[Tensor]:
+        keep: bool, token_ids: Optional[Tensor] = None) -> List[Tensor]:
     """moe_forward of `module`. An eager pass that keeps nothing for a backward (inference)
     calls the module directly: torch's custom-op dispatch costs ~40 µs a call, a decode step's
     worth at small shapes; traced (torch.compile) or with autograd, the op."""
     compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
     if not keep and not compiling and x.device.type == "cpu":
-        return module._op_forward(x, params, ids, weights, False)
-    return moe_forward(x, params, ids, weights, module._key, keep)
+        return module._op_forward(x, params, ids, weights, False, token_ids)
+    return moe_forward(x, params, ids, weights, module._key, keep, token_ids)
 
 
 def wants_backward(x: Tensor, params) -> bool:

@@ -14,6 +14,8 @@ EXPERT_TENSORS = {
     "mlp_relu_bias": ("w1", "w2", "b1", "b2"),
     # GPT-OSS: clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), clamp 7) with biases.
     "gpt_oss": ("w1", "w3", "w2", "b1", "b3", "b2"),
+    # DeepSeek-V4: SwiGLU with the gate clamped above and up clamped both ways at 10.
+    "deepseek_v4": ("w1", "w3", "w2"),
 }
 # Routers whose gate has a learned logit bias: the parameter gate_bias [E].
 GATE_BIAS_ROUTERS = ("gpt_oss",)

@@ -223,7 +223,7 @@ class Experts(nn.Module):
         return y.to(dtype).view(x.shape)
 
     # The custom op's implementations (epmoe/_ops.py), on real tensors.
-    def _op_forward(self, x, params, ids, weights, keep):
+    def _op_forward(self, x, params, ids, weights, keep, token_ids=None):
         self._prepare(params)
         y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
         self._layer.forward(x, y, ids, weights, keep)

@@ -437,6 +437,8 @@ def module_tensors(moe, *, grad: bool = False) -> dict:
 
 def _act_name(fn) -> str:
     """transformers' ACT2FN module -> its config name ("silu", "relu", else the class name)."""
+    if fn is torch.nn.functional.silu:  # LFM2-MoE's experts call the function
+        return "silu"
     name = type(fn).__name__
     return {"SiLU": "silu", "SiLUActivation": "silu", "ReLU": "relu"}.get(name, name)
 
@@ -537,10 +539,14 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
 
     _check_family(family)
     prefix = _prefix(prefix)
+    if family == "deepseek_v4" and prefix + "gate.tid2eid" in state_dict and "router" not in kw:
+        kw = dict(kw, router="sqrtsoftplus_table")  # a hash_moe layer (mlp_layer_types)
     o = options(family, hf_config, **_nllb_ffn(family, kw, state_dict, prefix))
     tensors = logical_tensors(family, state_dict, hf_config, prefix, opts=o)
     if "router_bias" in tensors and "router_bias" not in kw:  # DeepSeek-V3's selection bias
         o["router_bias"] = tensors["router_bias"].tolist()
+    if "router_table" in tensors and "router_table" not in kw:  # DeepSeek-V4's tid2eid
+        o["router_table"] = tensors["router_table"]
     moe = MoE(**o)
     moe.load_logical(tensors, source=f"{family} state_dict" + (f" {prefix!r}" if prefix else ""))
     return moe

@@ -4,7 +4,9 @@
 down_proj [E, H, F]) and whose router and shared expert the MoE menu expresses exactly:
 DeepSeek-V2/V3 and their router's clones (GLM-4-MoE, dots1, Kimi-Linear, ...), Qwen3-Next,
 Qwen3.5-MoE, MiniMax(-M2), AFMoE, HY-V3, Laguna, Flint, Hunyuan-MoE,
-FlexOlmo, Mellum, Granite-MoE-hybrid/-SWA, Cohere2-MoE (docs/pytorch.md, docs/models.md).
+FlexOlmo, Mellum, Granite-MoE-hybrid/-SWA, Cohere2-MoE, ERNIE 4.5 MoE, LFM2-MoE, Kolibri, and
+DeepSeek-V4 (its experts clamped: expert "deepseek_v4"; its hash layers route by a token-id
+table, forward(x, token_ids)) (docs/pytorch.md, docs/models.md).
 
 epmoe.hf reads these through SPECS: each family's router kind, where its tensors live and
 which config fields size it. The functions here are epmoe.hf's per-family parts; use hf.
@@ -30,6 +32,8 @@ class Spec(NamedTuple):
     norm: Optional[tuple] = None
     softcap: Optional[tuple] = None
     group_mask: str = "minus_inf"  # "dsv3": what a dropped group's experts score (-inf or 0)
+    bias_rows: int = 0      # the bias stored [bias_rows, E] (ERNIE's moe_statics: [1, E])
+    expert: str = "swiglu"  # the menu's expert (DeepSeek-V4: "deepseek_v4", clamped)
 
 
 _DSV3 = dict(router="dsv3", ffn="moe_intermediate_size", gate="gate.weight",
@@ -88,12 +92,28 @@ SPECS = {
     "cohere2_moe": Spec("Cohere2MoeSparseMoeBlock", router="cohere2", ffn="intermediate_size",
                         shared="mlp:shared_experts.",
                         shared_width=("intermediate_size", "num_shared_experts")),
+    # transformers 5.23's scored routers (router::biased, router::table; docs/routers.md)
+    "ernie4_5_moe": Spec("Ernie4_5_MoeSparseMoeBlock", router="ernie",
+                         ffn="moe_intermediate_size", bias="gate.moe_statics.e_score_correction_bias",
+                         bias_rows=1, shared="mlp:shared_experts.",
+                         shared_width=("moe_intermediate_size", "moe_num_shared_experts")),
+    "lfm2_moe": Spec("Lfm2MoeSparseMoeBlock", router="lfm2", ffn="moe_intermediate_size",
+                     bias="expert_bias"),
+    "kolibri1": Spec("Kolibri1SparseMoeBlock", router="kolibri", ffn="moe_intermediate_size",
+                     bias="gate.e_score_correction_bias", shared="mlp:shared_experts.",
+                     shared_width=("shared_expert_intermediate_size",)),
+    "deepseek_v4": Spec("DeepseekV4SparseMoeBlock", router="dsv4", ffn="moe_intermediate_size",
+                        bias="gate.e_score_correction_bias", shared="mlp:shared_experts.",
+                        shared_width=("moe_intermediate_size", "n_shared_experts"),
+                        expert="deepseek_v4"),
 }
+# DeepSeek-V4's clamp, as the menu's deepseek_v4 expert compiles it (expert::deepseek_v4_clamp).
+_DSV4_LIMIT = 10.0
 FAMILIES = {s.block: family for family, s in SPECS.items()}
 
 # The fields naming the experts count and top-k (the configs alias some of them).
 _EXPERTS = ("num_local_experts", "n_routed_experts", "num_experts")
-_TOP_K = ("num_experts_per_tok", "moe_topk")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "moe_k")
 
 
 def _first(f, names):
@@ -142,6 +162,24 @@ def _router_options(family: str, spec: Spec, f, require) -> dict:
         if method == "group_limited_greedy":
             o.update(groups=f("n_group"), top_groups=f("topk_group"), group_by="max")
         return o
+    if r == "ernie":  # softmax, selection on p + moe_statics, p / clamp(sum, moe_norm_min)
+        return dict(router="softmax_bias", norm_min=float(f("moe_norm_min")))
+    if r == "lfm2":  # sigmoid + expert_bias, / (sum + 1e-6) when norm_topk_prob, scaled
+        norm = bool(f("norm_topk_prob"))
+        return dict(router="sigmoid_bias", normalize=norm, eps=1e-6 if norm else 0.0,
+                    scaling=float(f("routed_scaling_factor")))
+    if r == "kolibri":  # top-k of logits + bias, sigmoid of the chosen logits
+        return dict(router="logit_sigmoid", normalize=bool(f("norm_topk_prob")))
+    if r == "dsv4":  # sqrtsoftplus, selection + bias (or the hash table), / (sum + 1e-20)
+        fn = f("scoring_func")
+        require(family, fn == "sqrtsoftplus", "scoring_func", fn,
+                "epmoe's DeepSeek-V4 routers score with sqrtsoftplus")
+        limit = float(f("swiglu_limit"))
+        require(family, limit == _DSV4_LIMIT, "swiglu_limit", limit,
+                f"epmoe's deepseek_v4 expert clamps at {_DSV4_LIMIT}")
+        table = f("mlp_layer_type", "moe", required=False) == "hash_moe"
+        return dict(router="sqrtsoftplus_table" if table else "sqrtsoftplus_bias", eps=1e-20,
+                    scaling=float(f("routed_scaling_factor")))
     if r == "cohere2":
         fn = f("expert_selection_fn")
         require(family, fn in ("softmax", "sigmoid"), "expert_selection_fn", fn,
@@ -166,10 +204,14 @@ def shared_ffn(spec: Spec, f) -> int:
 def options(family: str, f, require, act) -> dict:
     """MoE keyword arguments of a SPECS family; f reads config fields (epmoe.hf._field)."""
     spec = SPECS[family]
-    act(family, "hidden_act", f("hidden_act"), "silu")
+    # LFM2-MoE's config has no hidden_act: its experts call F.silu.
+    act(family, "hidden_act", f("hidden_act", "silu", required=spec.router != "lfm2"), "silu")
+    for bias in ("use_bias", "mlp_bias"):  # the shared MLP's projections (ERNIE, DeepSeek-V4)
+        on = f(bias, False, required=False)
+        require(family, not on, bias, on, "the shared expert must have no biases")
     o = dict(hidden=f("hidden_size"), ffn=f(spec.ffn),
              experts=_int_field(family, f, _EXPERTS, require),
-             top_k=_int_field(family, f, _TOP_K, require), expert="swiglu")
+             top_k=_int_field(family, f, _TOP_K, require), expert=spec.expert)
     o.update(_router_options(family, spec, f, require))
     Fs = shared_ffn(spec, f)
     if family == "cohere2_moe" and Fs:
@@ -199,6 +241,9 @@ def _shared_scale(family: str, o: dict) -> float:
     return o.get("scaling", 1.0) if family == "cohere2_moe" else 1.0
 
 
+_TABLE = "gate.tid2eid"  # DeepSeek-V4's hash router's table
+
+
 def logical_tensors(family: str, get, o: dict, sibling_prefix: str) -> dict:
     """load_logical's tensors (plus router_bias [E] where the family has one)."""
     spec = SPECS[family]
@@ -206,8 +251,13 @@ def logical_tensors(family: str, get, o: dict, sibling_prefix: str) -> dict:
     fused = get("experts.gate_up_proj", (E, 2 * F, H))
     t = dict(gate=get(spec.gate, (E, H)), w1=fused[:, :F], w3=fused[:, F:],
              w2=get("experts.down_proj", (E, H, F)))
-    if spec.bias:
-        t["router_bias"] = get(spec.bias, (E,))
+    if o["router"] == "sqrtsoftplus_table" or (spec.router == "dsv4" and
+                                               get.prefix + _TABLE in get.sd):  # hash layers
+        rows = get.sd[get.prefix + _TABLE].shape[0] if get.prefix + _TABLE in get.sd else 0
+        t["router_table"] = get(_TABLE, (rows, o["top_k"]))
+    elif spec.bias and (spec.router != "lfm2" or get.prefix + spec.bias in get.sd):
+        b = get(spec.bias, (spec.bias_rows, E) if spec.bias_rows else (E,))  # LFM2: optional
+        t["router_bias"] = b.reshape(E)
     if o.get("shared_experts"):
         Fs = o["shared_ffn"]
         if spec.shared == "sibling":
@@ -228,10 +278,13 @@ def hf_state_dict(family: str, t: dict, o: dict, sibling_prefix: str, gradients:
     logical_tensors (router_bias only when t has it: gradients have none; a folded shared
     scale divides weights back out and multiplies gradients)."""
     spec = SPECS[family]
+    E = o["experts"]
     out = {spec.gate: t["gate"], "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1),
            "experts.down_proj": t["w2"]}
     if spec.bias and "router_bias" in t:
-        out[spec.bias] = t["router_bias"]
+        out[spec.bias] = t["router_bias"].reshape(-1, E) if spec.bias_rows else t["router_bias"]
+    if "router_table" in t:
+        out[_TABLE] = t["router_table"]
     extra = {}
     if o.get("shared_experts"):
         if spec.shared == "sibling":
@@ -298,6 +351,17 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
         for field in (spec.scale, spec.norm, spec.softcap):
             if field:
                 c[field[0]] = _attr(b, field[1])
+    elif spec.router == "ernie":
+        c["moe_norm_min"] = router.norm_min
+    elif spec.router in ("lfm2", "kolibri"):
+        c["norm_topk_prob"] = router.norm_topk_prob
+        if spec.router == "lfm2":
+            c["routed_scaling_factor"] = router.routed_scaling_factor
+    elif spec.router == "dsv4":
+        fn = type(router.score_fn).__name__
+        c.update(scoring_func={"SqrtSoftplusActivation": "sqrtsoftplus"}.get(fn, fn),
+                 swiglu_limit=b.experts.limit, routed_scaling_factor=router.routed_scaling_factor,
+                 mlp_layer_type="hash_moe" if b.is_hash else "moe")
     elif spec.router == "cohere2":
         c.update(expert_selection_fn=router.expert_selection_fn,
                  norm_topk_prob=router.norm_topk_prob,
@@ -305,6 +369,9 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
                      b, "shared_expert_combination_strategy", "sum"))
     if spec.shared is not None:
         c.update(_shared_fields(family, spec, b, shared_mlp, F, c["hidden_act"], act_name, err))
+        mlp = getattr(b, "shared_experts", None)
+        if spec.router in ("ernie", "dsv4") and mlp is not None:  # biased projections?
+            c["mlp_bias"] = mlp.gate_proj.bias is not None
     return c
 
 

@@ -52,8 +52,8 @@ class _FusedMoEFunction(torch.autograd.Function):
     p.grad (which a custom op cannot do: it returns new gradients). Eager only."""
 
     @staticmethod
-    def forward(ctx, module: "MoE", x: torch.Tensor, *params: torch.Tensor):
-        y, aux, seq, z, pid = module._op_forward(x, list(params), None, None, True)
+    def forward(ctx, module: "MoE", x: torch.Tensor, token_ids, *params: torch.Tensor):
+        y, aux, seq, z, pid = module._op_forward(x, list(params), None, None, True, token_ids)
         ctx.save_for_backward(x)  # the layer's backward reads x again (the gate's dW = dlᵀ x)
         ctx.module, ctx.pass_id = module, int(pid)
         return y, aux, seq, z
@@ -67,7 +67,19 @@ class _FusedMoEFunction(torch.autograd.Function):
         grads, accumulate = module._grad_targets(True)
         dx = module._run_backward(dy, (float(daux), float(dseq), float(dz)), grads, accumulate,
                                   None)
-        return (None, dx) + (None,) * len(module._param_names)  # written into p.grad already
+        return (None, dx, None) + (None,) * len(module._param_names)  # in p.grad already
+
+
+def _table_args(table, top_k: int) -> dict:
+    """A table router's [vocab, top_k] expert ids (DeepSeek-V4's tid2eid) as the layer's
+    arguments; the layer checks every entry and keeps its own copy."""
+    if table is None:
+        return {}
+    t = torch.as_tensor(table)
+    if t.dim() != 2 or t.shape[1] != top_k or t.is_floating_point():
+        raise ValueError(f"epmoe: router_table has shape {tuple(t.shape)} ({t.dtype}): must be "
+                         f"integer [vocab, top_k = {top_k}]")
+    return dict(table=t.to(torch.int32).reshape(-1).tolist(), vocab=int(t.shape[0]))
 
 
 def _viewable(t: torch.Tensor) -> bool:
@@ -81,8 +93,12 @@ class MoE(nn.Module):
     Policies come from the precompiled menu (epmoe.menu()): router in softmax (renormalised
     top-k: Mixtral, Qwen3, OLMoE/Qwen norm_topk_prob, DBRX, Granite, JetMoE), softmax_raw (the
     top-k probabilities as they are: Qwen1.5/2-MoE, Jamba, OLMoE, Switch), sigmoid_bias
-    (DeepSeek-V3), sparsemixer (PhiMoE, forward only), sinkhorn; expert in swiglu, mlp_relu,
-    mlp_relu_bias; capacity in dropless, factor, padded; schedule in sequential, pipelined;
+    (DeepSeek-V3, LFM2-MoE with eps), sqrtsoftplus_bias (DeepSeek-V4), sqrtsoftplus_table
+    (DeepSeek-V4's hash layers: router_table [vocab, K], forward(x, token_ids)), softmax_bias
+    (ERNIE 4.5 with norm_min, LongCat-Flash), logit_sigmoid (Kolibri, the Llama 4 router),
+    sparsemixer (PhiMoE, forward only), sinkhorn, gpt_oss; the scored routers' weights are
+    divided by max(sum + eps, norm_min) when `normalize`; expert in swiglu, mlp_relu,
+    mlp_relu_bias, gpt_oss, deepseek_v4 (clamped SwiGLU); capacity in dropless, factor, padded; schedule in sequential, pipelined;
     exchange in flat, dedup (a token sends one row to each rank holding any of its experts),
     hierarchical (one row per node of `ranks_per_node` consecutive ranks crosses between
     nodes, fanned out inside the node; docs/architecture.md). An unknown combination raises
@@ -122,6 +138,7 @@ class MoE(nn.Module):
                  groups: int = 1, top_groups: int = 1, norm_p: float = 1.0, scaling: float = 1.0,
                  group_by: str = "top2_sum", normalize: bool = True, group_mask: str = "minus_inf",
                  router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
+                 eps: float = 0.0, norm_min: float = 0.0, router_table=None,
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
                  max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
                  fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = "auto",
@@ -160,7 +177,8 @@ class MoE(nn.Module):
                                 normalize=bool(normalize), group_mask_zero=group_mask == "zero",
                                 gamma=float(bias_update),
                                 bias=None if router_bias is None else [float(b) for b in router_bias],
-                                jitter_eps=float(jitter_eps))
+                                jitter_eps=float(jitter_eps), eps=float(eps),
+                                norm_min=float(norm_min), **_table_args(router_table, top_k))
         self.phy_to_log = _placement_table(placement, experts, R)
         L = experts // R
         held = self.phy_to_log if group is None else self.phy_to_log[rank * L:(rank + 1) * L]
@@ -379,30 +397,32 @@ class MoE(nn.Module):
         return tuple(sum(r[i] for r in rows) / n for i in range(3))
 
     # --- forward ------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor):
+    def forward(self, x: torch.Tensor, token_ids: Optional[torch.Tensor] = None):
         """y, losses = moe(x): x [..., hidden] on the CPU (float32; bf16/fp16 inputs, as
         autocast makes them, are computed in float32 and y is returned in x's dtype); y the
         same shape; losses a RouterLosses of torch scalars. Collective over the ranks. Runs
         as the custom op epmoe::moe_forward (torch.compile keeps it in one graph); under
         no_grad / inference_mode, or with nothing requiring grad, the layer keeps nothing
-        for a backward."""
+        for a backward. token_ids [...] (x's leading shape): the tokens' vocabulary ids, which
+        a table router (router="sqrtsoftplus_table", DeepSeek-V4's hash layers) routes by."""
         shape, dtype = x.shape, x.dtype
         flat = x.reshape(-1, shape[-1])
         if flat.dtype in (torch.bfloat16, torch.float16):  # autocast's: computed in float32
             flat = flat.float()
         params = [getattr(self, n) for n in self._param_names]
+        ids = None if token_ids is None else token_ids.reshape(-1).to(torch.int64).contiguous()
         if self.fuse_grad_accumulation:
-            y, aux, seq, z = _FusedMoEFunction.apply(self, flat.contiguous(), *params)
+            y, aux, seq, z = _FusedMoEFunction.apply(self, flat.contiguous(), ids, *params)
         else:
             y, aux, seq, z, _ = _ops.run(self, flat.contiguous(), params, None, None,
-                                         _ops.wants_backward(flat, params))
+                                         _ops.wants_backward(flat, params), ids)
         return y.to(dtype).view(shape), RouterLosses(aux, seq, z)
 
     # The custom op's implementations (epmoe/_ops.py), on real tensors.
-    def _op_forward(self, x, params, ids, weights, keep):
+    def _op_forward(self, x, params, ids, weights, keep, token_ids=None):
         self._prepare()
         y = torch.empty_like(x) if _viewable(x) else torch.empty(0)
-        self._layer.forward(x, y, ids, weights, keep)
+        self._layer.forward(x, y, ids, weights, keep, token_ids)
         self._passes += 1
         aux, seq, z = self._mean_losses()
         return [y, x.new_tensor(aux), x.new_tensor(seq), x.new_tensor(z),

@@ -51,6 +51,9 @@ Router make_router(const router_args& a) {
   if constexpr (requires { r.gamma; }) r.gamma = a.gamma;
   if constexpr (requires { r.bias; }) r.bias = a.bias.empty() ? nullptr : a.bias.data();
   if constexpr (requires { r.jitter_eps; }) r.jitter_eps = a.jitter_eps;
+  if constexpr (requires { r.eps; }) r.eps = a.eps, r.norm_min = a.norm_min;
+  if constexpr (requires { r.vocab; })  // the layer copies the table (router::table)
+    r.ids = a.table.empty() ? nullptr : a.table.data(), r.vocab = a.vocab;
   return r;
 }
 
@@ -73,11 +76,11 @@ class layer_of final : public any_layer {
                placement::table(a.cfg.experts, a.cfg.ranks, a.phy_to_log)) {}
 
   void forward(matrix_view<const float> x, matrix_view<float> y, const routing_view* routing,
-               bool keep) override {
+               bool keep, std::span<const std::int64_t> token_ids) override {
     if (routing)
       layer_.forward(x, *routing, y, {.keep_for_backward = keep});
     else
-      layer_.forward(x, y, {}, {.keep_for_backward = keep});
+      layer_.forward(x, y, token_ids, {.keep_for_backward = keep});
   }
 
   void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,

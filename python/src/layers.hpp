@@ -37,6 +37,10 @@ struct router_args {
   float gamma = 0.f;             // sigmoid_bias: bias update speed (0: the bias stays)
   std::vector<float> bias;       // sigmoid_bias: [E] or empty
   float jitter_eps = 0.01f;      // sparsemixer
+  float eps = 0.f;               // scored routers: added to the chosen scores' sum
+  float norm_min = 0.f;          // scored routers: the sum clamped below at this
+  std::vector<std::int32_t> table;  // table routers: [vocab, K] expert ids per token id
+  std::int64_t vocab = 0;           // table routers: rows of `table`
 };
 
 /// Everything a bundle needs to build its layer on one rank.
@@ -75,8 +79,10 @@ class any_layer {
   virtual ~any_layer() = default;
   /// routing: a given routing (ids [T, K], weights [T, K]) or nullptr for the router's own;
   /// keep: a training layer keeps what backward reads (false: no_grad, nothing kept).
+  /// token_ids: the tokens' vocabulary ids [T] (table routers need them), or empty.
   virtual void forward(matrix_view<const float> x, matrix_view<float> y,
-                       const routing_view* routing, bool keep) = 0;
+                       const routing_view* routing, bool keep,
+                       std::span<const std::int64_t> token_ids) = 0;
   /// Empty expert gradients: frozen experts (no dW). routing_grad: a given routing's
   /// weights' gradient [T, K], or empty.
   virtual void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
@@ -136,6 +142,7 @@ void add_softmax_bundles(std::vector<bundle>& menu);
 void add_other_bundles(std::vector<bundle>& menu);
 void add_gpt_oss_bundles(std::vector<bundle>& menu);
 void add_exchange_bundles(std::vector<bundle>& menu);
+void add_scored_bundles(std::vector<bundle>& menu);
 
 inline std::vector<bundle> menu() {
   std::vector<bundle> m;
@@ -143,6 +150,7 @@ inline std::vector<bundle> menu() {
   add_other_bundles(m);
   add_gpt_oss_bundles(m);
   add_exchange_bundles(m);
+  add_scored_bundles(m);
   return m;
 }
 

@@ -174,6 +174,12 @@ router_args router_of(const ::py::dict& r) {
   a.gamma = r["gamma"].cast<float>();
   if (!r["bias"].is_none()) a.bias = r["bias"].cast<std::vector<float>>();
   a.jitter_eps = r["jitter_eps"].cast<float>();
+  if (r.contains("eps")) a.eps = r["eps"].cast<float>();
+  if (r.contains("norm_min")) a.norm_min = r["norm_min"].cast<float>();
+  if (r.contains("table") && !r["table"].is_none()) {
+    a.table = r["table"].cast<std::vector<std::int32_t>>();
+    a.vocab = r["vocab"].cast<std::int64_t>();
+  }
   return a;
 }
 
@@ -264,18 +270,31 @@ class layer {
   /// layer rejects), so the peers learn of it and nobody waits; then it raises here.
   /// ids and weights: a given routing ([T, K] int32 and float32) or undefined tensors (the
   /// router's own); keep: whether a training layer keeps what backward reads (no_grad: not).
+  /// token_ids: the tokens' vocabulary ids [T] int64 (table routers), or undefined.
   void forward(const at::Tensor& x, const at::Tensor& y, const std::optional<at::Tensor>& ids_in,
-               const std::optional<at::Tensor>& weights_in, bool keep) {
+               const std::optional<at::Tensor>& weights_in, bool keep,
+               const std::optional<at::Tensor>& token_ids_in) {
     const at::Tensor ids = ids_in.value_or(at::Tensor()),
-                     weights = weights_in.value_or(at::Tensor());
+                     weights = weights_in.value_or(at::Tensor()),
+                     tokens = token_ids_in.value_or(at::Tensor());
     const bool given = ids.defined() || weights.defined();
     std::string bad = first_bad({{x, "x"}, {y, "y"}});
     if (bad.empty() && given) bad = bad_routing(ids, weights, x.size(0));
+    if (bad.empty() && tokens.defined() &&
+        (tokens.scalar_type() != at::kLong || tokens.dim() != 1 || !tokens.is_contiguous() ||
+         !tokens.device().is_cpu() || tokens.size(0) != x.size(0)))
+      bad = "token_ids: must be a contiguous CPU int64 tensor [T] (one id per row of x)";
     run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
       const routing_view routing{rows<const std::int32_t>(ids, a, n, !bad.empty()),
                                  rows<const float>(weights, a, n, !bad.empty())};
+      const std::span<const std::int64_t> tok =
+          tokens.defined() && bad.empty()
+              ? std::span<const std::int64_t>(tokens.data_ptr<std::int64_t>() + a,
+                                              static_cast<std::size_t>(n))
+              : std::span<const std::int64_t>{};
       layers_[r]->forward(rows<const float>(x, a, n, !bad.empty()),
-                          rows<float>(y, a, n, !bad.empty()), given ? &routing : nullptr, keep);
+                          rows<float>(y, a, n, !bad.empty()), given ? &routing : nullptr, keep,
+                          tok);
     });
   }
 
@@ -551,7 +570,7 @@ PYBIND11_MODULE(_epmoe, m) {
            ::py::arg("store") = ::py::none(), ::py::arg("abort_key") = "")
       .def("forward", &ep::layer::forward, ::py::arg("x"), ::py::arg("y"),
            ::py::arg("ids") = ::py::none(), ::py::arg("weights") = ::py::none(),
-           ::py::arg("keep") = true)
+           ::py::arg("keep") = true, ::py::arg("token_ids") = ::py::none())
       .def("backward", &ep::layer::backward, ::py::arg("dy"), ::py::arg("dx"), ::py::arg("grads"),
            ::py::arg("aux"), ::py::arg("seq_aux"), ::py::arg("z"), ::py::arg("accumulate"),
            ::py::arg("routing_grad") = ::py::none())

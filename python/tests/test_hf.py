@@ -18,6 +18,8 @@ from epmoe.torch import EXPERT_TENSORS, MoE  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
 B, S, H = 2, 12, 32  # 24 tokens
+VOCAB = 50  # DeepSeek-V4's hash layers: token ids in [0, VOCAB)
+TOKENS = torch.randint(0, VOCAB, (B * S,), generator=torch.Generator().manual_seed(7))
 RTOL, ATOL = 1e-5, 1e-5  # fp32; ATOL is relative to the compared tensor's largest element
 
 # The blocks' experts run transformers' reference loop (the others are faster, not truer).
@@ -116,6 +118,12 @@ def _make(family, variant=None):
         c = T.GptOssConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
                            num_experts_per_tok=2, **EAGER)
         b = _mod(family).GptOssMLP(c)
+    elif family == "deepseek_v4":  # layer 0 a hash_moe layer (variant "hash"), layer 1 top-k
+        c = T.DeepseekV4Config(hidden_size=H, moe_intermediate_size=16, n_routed_experts=8,
+                               num_experts_per_tok=2, routed_scaling_factor=1.5,
+                               vocab_size=VOCAB, num_hidden_layers=2,
+                               mlp_layer_types=["hash_moe", "moe"], **EAGER)
+        b = _mod(family).DeepseekV4SparseMoeBlock(c, 0 if variant == "hash" else 1)
     else:
         raise AssertionError(family)
     modules = [b] + ([shared_mlp] if shared_mlp is not None else [])
@@ -129,6 +137,14 @@ def _make(family, variant=None):
             m.eval()
         if family == "gpt_oss":  # gate and up values past the clamp (7) on both sides
             b.experts.gate_up_proj.mul_(4.0)
+        if family == "deepseek_v4":  # past the clamp (10) on both sides; a valid tid2eid
+            b.experts.gate_up_proj.mul_(5.0)
+            b.shared_experts.gate_proj.weight.mul_(5.0)
+            b.shared_experts.up_proj.weight.mul_(5.0)
+            if b.is_hash:
+                g = torch.Generator().manual_seed(5)
+                b.gate.tid2eid.copy_(torch.stack([torch.randperm(8, generator=g)[:2]
+                                                  for _ in range(VOCAB)]))
     return c, b, shared_mlp
 
 
@@ -194,6 +210,16 @@ FUSED_CONFIGS = {
         shared_expert_intermediate_size=24, norm_topk_prob=True)),
     "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeSparseMoeBlock", dict(
         intermediate_size=16, num_experts=8, num_experts_per_tok=2)),
+    # transformers 5.23's scored routers: softmax + bias / clamp(sum, moe_norm_min); sigmoid +
+    # expert_bias / (sum + 1e-6), scaled; top-k of logits + bias, sigmoid weights
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeSparseMoeBlock", dict(
+        moe_intermediate_size=16, moe_num_experts=8, moe_k=2, moe_num_shared_experts=2)),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeSparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=4, norm_topk_prob=True,
+        routed_scaling_factor=1.5)),
+    "kolibri1": ("Kolibri1Config", "Kolibri1SparseMoeBlock", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        shared_expert_intermediate_size=24, norm_topk_prob=True)),
 }
 _COHERE_SIGMOID = dict(expert_selection_fn="sigmoid", norm_topk_prob=True, num_shared_experts=1,
                        shared_expert_combination_strategy="sum")
@@ -228,8 +254,16 @@ def _nllb_reference(block, x3):
     return (y * scale).view_as(x3)
 
 
+def _token_kw(block):
+    """The token ids a DeepSeek-V4 hash layer routes by (HF's input_ids), as MoE's argument."""
+    return dict(token_ids=TOKENS) if getattr(block, "is_hash", False) else {}
+
+
 def _hf_forward(family, block, shared_mlp, x3):
-    out = _nllb_reference(block, x3) if family == "nllb_moe" else block(x3)
+    if getattr(block, "is_hash", False):
+        out = block(x3, input_ids=TOKENS.view(B, S))
+    else:
+        out = _nllb_reference(block, x3) if family == "nllb_moe" else block(x3)
     y = out[0] if isinstance(out, tuple) else out
     if shared_mlp is not None:  # GraniteMoE-shared's decoder layer adds its shared MLP
         y = y + shared_mlp(x3)
@@ -260,6 +294,10 @@ def _all_experts_chosen(family, config, sd, x):
     t = hf.logical_tensors(family, sd, config)
     gate = t["gate"]
     k = hf.options(family, config)["top_k"]
+    if "router_table" in t:  # DeepSeek-V4's hash layers: the table chooses
+        chosen = set(t["router_table"][TOKENS].flatten().tolist())
+        assert chosen == set(range(gate.shape[0])), f"{family}: experts {chosen} chosen"
+        return
     logits = x @ gate.t() + t.get("gate_bias", torch.zeros(gate.shape[0]))
     chosen = set(logits.topk(k, dim=-1).indices.flatten().tolist())
     assert chosen == set(range(gate.shape[0])), f"{family}: experts {chosen} chosen: pick a seed"
@@ -276,10 +314,18 @@ FAMILY_CASES = [
 ] + [(f, None, True) for f in FUSED_CONFIGS] + [
     ("cohere2_moe", _COHERE_SIGMOID, True),
     ("cohere2_moe", dict(_COHERE_SIGMOID, expert_selection_fn="softmax",
-                         shared_expert_combination_strategy="average"), True)]
+                         shared_expert_combination_strategy="average"), True),
+    ("ernie4_5_moe", dict(moe_norm_min=0.7), True),  # the clamp binds for most tokens
+    ("lfm2_moe", dict(norm_topk_prob=False, use_expert_bias=False), True),
+    ("kolibri1", dict(norm_topk_prob=False), True),
+    ("deepseek_v4", None, True), ("deepseek_v4", "hash", True)]
 
 
 def _case_id(f, v):
+    if isinstance(v, dict) and "expert_selection_fn" not in v:
+        return "-".join([f] + [f"{k}={x}" for k, x in v.items()])
+    if isinstance(v, str):
+        return f"{f}-{v}"
     if isinstance(v, dict):
         return "-".join([f, v["expert_selection_fn"], v["shared_expert_combination_strategy"]])
     return f + ("" if v is None else f"-p{v:g}")
@@ -310,7 +356,7 @@ def test_family_equals_hf(family, variant, train):
     assert moe.bundle["top_k"] == hf.options(family, config)["top_k"]
     want_y, want_dx, want_grads = _hf_run(family, block, shared_mlp, x, dy, train)
     xe = x.clone().requires_grad_(train)
-    y, _ = moe(xe)
+    y, _ = moe(xe, **_token_kw(block))
     close(y, want_y, f"{family}: y")
     if not train:
         return
@@ -373,14 +419,15 @@ def _two_ranks(rank, world, group, cases):
     results (compared here: tensors sent back from a process that has exited cannot be
     received). Returns the (HF parameter name, expert row or None) pairs compared."""
     checked = {}
-    for family, sd, config, x, dy, (want_y, want_dx, want_grads) in cases:
+    for label, family, sd, config, x, dy, (want_y, want_dx, want_grads) in cases:
         n = x.shape[0] // world
         rows = slice(rank * n, (rank + 1) * n)
         moe = hf.from_hf_state_dict(sd, config, family, group=group)
         held = moe.expert_ids.tolist()
         assert len(held) == moe.experts // world
         xr = x[rows].clone().requires_grad_()
-        y, _ = moe(xr)
+        tokens = dict(token_ids=TOKENS[rows]) if "gate.tid2eid" in sd else {}
+        y, _ = moe(xr, **tokens)
         (y * dy[rows]).sum().backward()
         what = f"{family} rank {rank}"
         close(y, want_y[rows], f"{what}: y")
@@ -399,16 +446,16 @@ def _two_ranks(rank, world, group, cases):
                 dist.all_reduce(g, group=group)
             logical[name] = g
         got = hf.hf_state_dict(family, logical, config, gradients=True)
-        checked[family] = []
+        checked[label] = []
         others = [e for e in range(moe.experts) if e not in held]
         for k, w in want_grads.items():
             if k.startswith("experts."):  # fused [E, ...]: the held experts' rows, others NaN
                 assert torch.isnan(got[k][others]).all(), f"{what}: {k} mixes experts' rows"
                 close(got[k][held], w[held], f"{what}: d {k} rows {held}")
-                checked[family] += [(k, e) for e in held]
+                checked[label] += [(k, e) for e in held]
             else:
                 close(got[k], w, f"{what}: d {k}")
-                checked[family].append((k, None))
+                checked[label].append((k, None))
     return checked
 
 
@@ -416,15 +463,19 @@ def test_two_processes():
     """Mixtral, Qwen2-MoE, DeepSeek-V3 (sigmoid, bias, groups, shared experts), Qwen3-Next
     (gated shared expert) and GPT-OSS on 2 gloo processes, experts split: each rank's y and dx
     equal HF's rows, its experts' gradients HF's, the gate's (and shared) summed over ranks HF's."""
-    families = ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss"]
+    families = ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "ernie4_5_moe",
+                "lfm2_moe", "kolibri1", "deepseek_v4", ("deepseek_v4", "hash")]
     x, dy = _inputs()
     cases = []
     for family in families:
-        config, block, _ = _make(family)
+        family, variant = family if isinstance(family, tuple) else (family, None)
+        label = _case_id(family, variant)
+        config, block, _ = _make(family, variant)
         sd = {k: v.clone() for k, v in block.state_dict().items()}
-        cases.append((family, sd, config, x, dy, _hf_run(family, block, None, x, dy, True)))
+        cases.append((label, family, sd, config, x, dy,
+                      _hf_run(family, block, None, x, dy, True)))
     results = run_ranks(_two_ranks, 2, args=(cases,))
-    for family, *_, (_, _, want_grads) in cases:
+    for family, *_, (_, _, want_grads) in cases:  # family: the case's label
         per_rank = [set(r[family]) for r in results]
         E = want_grads["experts.down_proj"].shape[0]
         every = {(k, e if k.startswith("experts.") else None)

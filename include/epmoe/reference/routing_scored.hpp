@@ -10,9 +10,11 @@
 #include <cmath>
 #include <numeric>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
+#include "epmoe/core/error.hpp"
 #include "epmoe/reference/routing.hpp"
 #include "epmoe/router/biased.hpp"
 #include "epmoe/router/table.hpp"
@@ -119,6 +121,9 @@ rank_routing routing_of(const router::table<K, Score>& r, const rank_batch& b) {
   rank_routing out(T, K);
   std::vector<double> chosen(K);
   for (index_t t = 0; t < T; ++t) {
+    if (b.token[t] < 0 || b.token[t] >= r.vocab)
+      throw config_error("token_ids[" + std::to_string(t) + "]", std::to_string(b.token[t]),
+                         "must be in [0, router.vocab) (reference::routing_of(table))");
     const auto s = detail::scores<Score>(
         std::span<const double>(l).subspan(static_cast<std::size_t>(t * E), E));
     for (int k = 0; k < K; ++k) chosen[k] = s[r.ids[b.token[t] * K + k]];
