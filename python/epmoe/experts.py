@@ -39,8 +39,11 @@ LAYOUTS = {
     "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
     "separate": None,  # the expert kind's own tensors, in its order (EXPERT_TENSORS)
 }
-# The expert kind each fused layout holds.
-LAYOUT_EXPERT = {"gate_up": "swiglu", "gpt_oss": "gpt_oss"}
+# The expert kinds each fused layout holds (DeepSeek-V4's clamped SwiGLU: SwiGLU's tensors).
+LAYOUT_EXPERTS = {"gate_up": ("swiglu", "deepseek_v4"), "gpt_oss": ("gpt_oss",)}
+# The router of the menu entry an expert kind runs under (never run: the routing is given;
+# GPT-OSS's logit bias is given as zeros).
+ROUTER_OF = {"gpt_oss": "gpt_oss", "deepseek_v4": "sqrtsoftplus_bias"}
 # Layouts the layer cannot read in place (interleaved columns, transposed matrices): they are
 # copied into the kind's layout once per version of the caller's tensors (an optimizer step,
 # an in-place load), and their gradients written back through the same views.
@@ -52,7 +55,8 @@ class Experts(nn.Module):
     caller's routing and expert tensors.
 
     hidden, ffn, experts (E, all ranks together), top_k (K of the routing). expert: "swiglu"
-    (w1, w3, w2), "mlp_relu", "mlp_relu_bias", "gpt_oss". layout: "gate_up" (swiglu: a fused
+    (w1, w3, w2), "deepseek_v4" (the same tensors, gate and up clamped at 10), "mlp_relu",
+    "mlp_relu_bias", "gpt_oss". layout: "gate_up" (swiglu, deepseek_v4: a fused
     gate_up_proj [n, 2F, H] and down_proj [n, H, F], as transformers 5 stores them),
     "gpt_oss" (gpt_oss: GPT-OSS's interleaved, transposed tensors with their biases, copied
     into epmoe's layout once per version: LAYOUTS) or "separate" (the kind's own tensors). n: the experts this process holds — E with thread
@@ -73,17 +77,15 @@ class Experts(nn.Module):
         self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
         R = _check_sizes(hidden, ffn, experts, top_k, max_tokens, expert, group, exchange_group,
                          ranks)
-        if layout not in LAYOUTS or LAYOUT_EXPERT.get(layout, expert) != expert:
-            raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu only), "
-                             "'gpt_oss' (gpt_oss only) or 'separate'")
+        if layout not in LAYOUTS or expert not in LAYOUT_EXPERTS.get(layout, (expert,)):
+            raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu, "
+                             "deepseek_v4), 'gpt_oss' (gpt_oss) or 'separate'")
         if pack_weights not in ("auto", True, False, "bf16"):
             raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
                              "False or 'bf16'")
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.ranks, self.group, self.layout, self.expert_kind = R, group, layout, expert
-        # The router is never run: any the menu pairs with the expert (GPT-OSS's has a logit
-        # bias, given as zeros).
-        router = "gpt_oss" if expert == "gpt_oss" else "softmax"
+        router = ROUTER_OF.get(expert, "softmax")
         self.bundle = dict(router=router, top_k=int(top_k), expert=expert, capacity=capacity,
                            schedule=schedule, exchange=exchange)
         found = [b for b in _epmoe.menu() if all(b[k] == v for k, v in self.bundle.items())]

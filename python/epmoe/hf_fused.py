@@ -59,6 +59,9 @@ SPECS = {
     "axk2": Spec("AXK2MoE", **dict(_DSV3, group_mask="zero")),
     "bailing_hybrid": Spec("BailingHybridMoE", **_DSV3),
     "mimo_v2_flash": Spec("MiMoV2FlashMoE", **dict(_DSV3, shared=None, shared_width=())),
+    # Beam: DeepSeek-V3's router with its scaling applied to the experts' sum (the same),
+    # experts computed in float32 (SwiGLU itself for a float32 model), no shared expert.
+    "beam": Spec("BeamMoE", **dict(_DSV3, shared=None, shared_width=())),
     "deepseek_v2": Spec("DeepseekV2Moe", **dict(_DSV3, router="dsv2", bias=None)),
     "qwen3_next": Spec("Qwen3NextSparseMoeBlock", router="softmax_norm", **_QWEN_NEXT),
     "qwen3_5_moe": Spec("Qwen3_5MoeSparseMoeBlock", router="softmax", **_QWEN_NEXT),
@@ -339,8 +342,9 @@ def block_config(family: str, b, shared_mlp, act_name, err) -> dict:
     c = {"hidden_size": H, spec.ffn: F, "num_local_experts": E,
          "num_experts_per_tok": router.top_k, "hidden_act": act_name(b.experts.act_fn)}
     if spec.router in ("dsv3", "dsv2"):
-        c.update(n_group=router.num_group, topk_group=router.topk_group,
-                 routed_scaling_factor=router.routed_scaling_factor)
+        c.update(n_group=router.num_group, topk_group=router.topk_group,  # Beam: the block's
+                 routed_scaling_factor=getattr(router, "routed_scaling_factor",
+                                               getattr(b, "routed_scaling_factor", None)))
         if spec.router == "dsv3":
             c["norm_topk_prob"] = router.norm_topk_prob
         else:

@@ -146,16 +146,34 @@ def _check_gpt_oss(where: str, m):
     return "gpt_oss", "gpt_oss"
 
 
+# Experts whose own _apply_gate is SwiGLU computed in float32: SwiGLU itself for the float32
+# model epmoe requires.
+_FP32_SWIGLU_GATES = ("BeamExperts",)
+# Experts whose own _apply_gate is DeepSeek-V4's clamped SwiGLU, silu(min(gate, limit)) *
+# clamp(up, ±limit), on SwiGLU's fused tensors: class -> the attribute holding the limit.
+_DSV4_GATES = {"DeepseekV4Experts": "limit", "HYV4Experts": "swiglu_limit"}
+
+
 def _check(name: str, m):
     """The (expert, layout) of epmoe.torch.Experts computing m: act(x W_gate) * (x W_up) W_down
-    with SiLU and no biases, or GPT-OSS's experts (LAYOUTS["gpt_oss"]); else ValueError."""
+    with SiLU and no biases (DeepSeek-V4's and HY-V4's with the gate and up clamped at 10), or
+    GPT-OSS's experts (LAYOUTS["gpt_oss"]); else ValueError."""
     from transformers.integrations.moe import _default_apply_gate
 
     from .hf import _act_name
+    from .hf_fused import _DSV4_LIMIT
 
-    where = f"{name} ({type(m).__name__})"
-    if type(m).__name__ == "GptOssExperts":
+    cls = type(m).__name__
+    where = f"{name} ({cls})"
+    if cls == "GptOssExperts":
         return _check_gpt_oss(where, m)
+    expert = "swiglu"
+    if cls in _DSV4_GATES:
+        attr = _DSV4_GATES[cls]
+        if float(getattr(m, attr)) != _DSV4_LIMIT:
+            raise ValueError(_err(f"{where}: {attr} = {getattr(m, attr)!r}: epmoe's deepseek_v4 "
+                                  f"expert clamps at {_DSV4_LIMIT}"))
+        expert = "deepseek_v4"
     for flag, want, rule in (("has_gate", True, "epmoe's experts are gated (SwiGLU)"),
                              ("has_bias", False, "epmoe's experts have no biases"),
                              ("is_transposed", False, "gate_up_proj must be [E, 2F, H]"),
@@ -163,11 +181,14 @@ def _check(name: str, m):
                              ("has_post_expert_norm", False, "no norm after each expert")):
         if bool(getattr(m, flag, want)) != want:
             raise ValueError(_err(f"{where}: {flag} = {not want}: {rule}"))
-    if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+    if expert == "swiglu" and cls not in _FP32_SWIGLU_GATES and \
+            getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
         raise ValueError(_err(f"{where}: its own _apply_gate (a clamped or custom gate): "
                               "epmoe's experts compute silu(gate) * up"))
     fn = getattr(m, "act_fn", None)
     act = fn.__name__ if callable(fn) and hasattr(fn, "__name__") else _act_name(fn)  # F.silu
+    if fn is None and cls == "HYV4Experts":  # its _apply_gate calls F.silu
+        act = "silu"
     if act != "silu":
         raise ValueError(_err(f"{where}: act_fn = {act!r}: epmoe's swiglu experts compute silu"))
     gu, down = m.gate_up_proj, m.down_proj
@@ -178,7 +199,7 @@ def _check(name: str, m):
     if gu.dtype != torch.float32 or down.dtype != torch.float32 or gu.device.type != "cpu":
         raise TypeError(_err(f"{where}: expert weights are {gu.dtype} on {gu.device}: epmoe "
                              "computes in float32 on the CPU"))
-    return "swiglu", "gate_up"
+    return expert, "gate_up"
 
 
 def _top_k(name: str, m, model) -> int:

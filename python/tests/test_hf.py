@@ -167,6 +167,9 @@ FUSED_CONFIGS = {
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32MoE", _DSV3),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaMoE", dict(_DSV3, n_group=4, topk_group=2)),
     "axk2": ("AXK2Config", "AXK2MoE", dict(_DSV3, n_group=4, topk_group=2)),
+    "beam": ("BeamConfig", "BeamMoE", dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True)),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridMoE", dict(
         _DSV3, num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4)),
     "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashMoE", dict(
