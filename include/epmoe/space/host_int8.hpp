@@ -44,9 +44,13 @@ inline const char* name_of(int8_kernel k) {
 
 inline bool cpu_runs(int8_kernel k) {
 #if defined(EPMOE_HOST_PACKED_X86)
-  if (k == int8_kernel::avx512_vnni)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  if (k == int8_kernel::avx512_vnni) {  // (asked once: every int8 GEMM chooses its kernel)
+    static const bool vnni = __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") &&
+                             __builtin_cpu_supports("avx512vnni");
+    return vnni;
+  }
 #endif
   return k == int8_kernel::avx512 ? cpu_runs(cpu_path::avx512)
          : k == int8_kernel::avx2 ? cpu_runs(cpu_path::avx2)
