@@ -221,7 +221,7 @@ std::vector<json> layer_points(const shape& s, Router router, const std::vector<
     const index_t one_rows[2] = {0, M};
     if (bf16) {
       one_packed.pack(rbv, as);
-      one_packed.reserve_inputs(M);
+      one_packed.reserve_inputs(M, one_space.kernel_path());
       one_space.use_packed(&one_packed);
     }
     const auto one_big_gemm = [&] {

@@ -244,8 +244,9 @@ class moe_layer {
   /// once whatever the rows per expert); the passes then read the packed copies. Local. Call
   /// it again after changing the weights' values in place (an optimizer step).
   void pack_weights() { pack_weights(store_.precision()); }
-  /// The same with packed copies of element type `as` (packed_precision::bf16: half the bytes
-  /// per pass, the weights rounded to bf16; the later repacks keep it).
+  /// The same with packed copies in format `as` (weights_format::bf16: half the bytes per
+  /// pass, the weights rounded to bf16; int8_channel: a quarter, forward only; the later
+  /// repacks keep it).
   void pack_weights(packed_precision as) {
     static_assert(decltype(store_)::packs,
                   "epmoe: this space has no packed weight layout (space::host has one); drop "
@@ -442,6 +443,10 @@ class moe_layer {
                       const backward_options& opt) const {
     detail::require(cfg_.training, "config.training", cfg_.training,
                     "must be true for backward (forward then keeps what backward needs)");
+    detail::require(!(store_.packed() && store_.precision().inference_only()), "pack_weights",
+                    store_.precision().name(),
+                    "computes the forward only (inference): unpack_weights() or pack as fp32 "
+                    "or bf16 before a backward");
     train_->check(h);
     const index_t T = pass_.tokens();
     detail::require_shape(dy, T, cfg_.hidden, "dy");

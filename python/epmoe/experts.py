@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
-from .torch import _viewable
+from .torch import _pack_format, _pack_option, _refuse_training, _viewable
 
 __all__ = ["Experts"]
 
@@ -80,9 +80,6 @@ class Experts(nn.Module):
         if layout not in LAYOUTS or expert not in LAYOUT_EXPERTS.get(layout, (expert,)):
             raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu, "
                              "deepseek_v4), 'gpt_oss' (gpt_oss) or 'separate'")
-        if pack_weights not in ("auto", True, False, "bf16"):
-            raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
-                             "False or 'bf16'")
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.ranks, self.group, self.layout, self.expert_kind = R, group, layout, expert
         router = ROUTER_OF.get(expert, "softmax")
@@ -105,7 +102,7 @@ class Experts(nn.Module):
         self._gate_bias_grads = [torch.empty(experts) for _ in range(self._local)]
         self._exchange = (_exchange_group(group, exchange_group, float(exchange_timeout))
                           if group is not None else (None, None, ""))
-        self._pack = pack_weights
+        self._pack = _pack_option(pack_weights)
         self._layer = None  # built at the first call, from the tensors it is given
         # Per-pass state on a plain object: nn.Module.__setattr__ costs µs a write, per call.
         self._state = _PassState()
@@ -196,13 +193,14 @@ class Experts(nn.Module):
             self._layer.rebind(self._rank_weights(tensors))
             st.packed = None
         st.bound = pointers
-        packs = self._pack in (True, "bf16") or (self._pack == "auto" and not self.training)
+        _refuse_training(self._pack, self.training)
+        packs = self._pack in (True, "bf16", "int8") or (self._pack == "auto" and not self.training)
         versions = tuple(t._version for t in tensors)
         if not packs and st.packed is not None:
             self._layer.pack(False)
             st.packed = None
         elif packs and versions != st.packed:
-            self._layer.pack(True, self._pack == "bf16")
+            self._layer.pack(True, _pack_format(self._pack))
             st.packed = versions
 
     # --- forward --------------------------------------------------------------------------

@@ -86,6 +86,32 @@ def _viewable(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous()
 
 
+
+PACK_WEIGHTS = ("auto", True, False, "bf16", "int8")
+
+
+def _pack_option(pack_weights):
+    """pack_weights checked: one of PACK_WEIGHTS (ValueError naming the field otherwise)."""
+    if not any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
+               for v in PACK_WEIGHTS):
+        raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
+                         "False, 'bf16' or 'int8'")
+    return pack_weights
+
+
+def _pack_format(pack_weights) -> str:
+    """The layer's packed format for a pack_weights option that packs."""
+    return pack_weights if pack_weights in ("bf16", "int8") else "fp32"
+
+
+def _refuse_training(pack_weights, training: bool):
+    """int8 copies compute the forward only: a pass in training mode is an error."""
+    if pack_weights == "int8" and training:
+        raise RuntimeError("epmoe: pack_weights = 'int8' is for inference (forward only) and "
+                           "the module is in training mode: call .eval(), or pack as True "
+                           "or 'bf16' to train")
+
+
 class MoE(nn.Module):
     """The MoE block: a router over `experts` FFN experts, top_k per token, optionally shared
     experts, on expert-parallel ranks.
@@ -123,7 +149,10 @@ class MoE(nn.Module):
     directly in train mode (repacking after every optimizer step costs more than it saves:
     one read and write of every expert weight, 81 ms for 8 Mixtral experts on a 2-core EPYC).
     True: packed in both modes; "bf16": packed, rounded to bf16 (half the bytes a pass reads;
-    the parameters, activations and sums stay fp32), in both modes; False: never. Packed
+    the parameters, activations and sums stay fp32), in both modes; "int8": packed as int8
+    per output channel with an fp32 scale each (a quarter of the bytes; activations quantised
+    per token on AVX512-VNNI; docs/quantisation.md), inference only: a forward in training
+    mode raises (call .eval()); False: never. Packed
     copies are made again before a forward whenever an expert parameter changed in place (an
     optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
     bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
@@ -213,10 +242,7 @@ class MoE(nn.Module):
                                    self._rank_weights(), self.exchange_group,
                                    0 if group is not None else R, store, abort_key)
         self._bound = self._pointers()
-        if pack_weights not in ("auto", True, False, "bf16"):
-            raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
-                             "False or 'bf16'")
-        self._pack = pack_weights
+        self._pack = _pack_option(pack_weights)
         self._packed_versions = None  # packed at the first forward that packs
 
     @property
@@ -225,13 +251,14 @@ class MoE(nn.Module):
         return self._packed_versions is not None
 
     def _wants_packing(self) -> bool:
-        return self._pack in (True, "bf16") or (self._pack == "auto" and not self.training)
+        _refuse_training(self._pack, self.training)
+        return self._pack in (True, "bf16", "int8") or (self._pack == "auto" and not self.training)
 
     def pack_weights(self):
         """Packs the expert weights again now (after writing them through `p.data`, which torch's
         version counter does not see); a no-op when this mode reads the parameters."""
         if self._wants_packing():
-            self._layer.pack(True, self._pack == "bf16")
+            self._layer.pack(True, _pack_format(self._pack))
             self._packed_versions = self._versions()
 
     def _versions(self):

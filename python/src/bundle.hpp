@@ -99,11 +99,14 @@ class layer_of final : public any_layer {
 
   const pass_stats& stats() const override { return layer_.stats(); }
   void rebind(const rank_weights& w) override { layer_.set_weights(weights_of(w)); }
-  void pack(bool on, bool bf16) override {
-    if (on)
-      layer_.pack_weights(bf16 ? packed_precision::bf16 : packed_precision::fp32);
-    else
-      layer_.unpack_weights();
+  void pack(bool on, const std::string& format) override {
+    if (!on) return layer_.unpack_weights();
+    const weights_format as = format == "int8"   ? weights_format::int8_channel
+                              : format == "bf16" ? weights_format::bf16
+                                                 : weights_format::fp32;
+    detail::require(format == "int8" || format == "bf16" || format == "fp32", "pack_weights",
+                    format, "must be fp32, bf16 or int8");
+    layer_.pack_weights(as);
   }
   moe_load global_load() override {
     auto g = layer_.gather_load();

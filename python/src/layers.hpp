@@ -92,9 +92,10 @@ class any_layer {
   /// Points the layer at new tensors of the same shapes (a framework replaced a parameter).
   virtual void rebind(const rank_weights& w) = 0;
   /// Packs the expert weights into the layer's own copies (again: their values now), or
-  /// frees those and reads the tensors (moe_layer::pack_weights / unpack_weights); bf16:
-  /// copies rounded to bf16 (half the bytes a pass reads).
-  virtual void pack(bool on, bool bf16) = 0;
+  /// frees those and reads the tensors (moe_layer::pack_weights / unpack_weights), in
+  /// `format`: "fp32", "bf16" (copies rounded to bf16: half the bytes a pass reads) or "int8"
+  /// (weights_format::int8_channel: a quarter, forward only).
+  virtual void pack(bool on, const std::string& format) = 0;
   /// Collective: the last pass's rows per logical expert [E] and rows computed per rank [R],
   /// summed over the ranks (moe_layer::gather_load).
   virtual moe_load global_load() = 0;

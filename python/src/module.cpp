@@ -326,9 +326,9 @@ class layer {
   }
 
   /// Local: every local rank packs its expert weights (their values now), or unpacks them.
-  void pack(bool on, bool bf16) {
+  void pack(bool on, const std::string& format) {
     ::py::gil_scoped_release free;
-    for (auto& l : layers_) l->pack(on, bf16);
+    for (auto& l : layers_) l->pack(on, format);
   }
 
   /// Each local rank's (rows per logical expert, rows computed per rank) of the last pass,
@@ -575,7 +575,7 @@ PYBIND11_MODULE(_epmoe, m) {
            ::py::arg("aux"), ::py::arg("seq_aux"), ::py::arg("z"), ::py::arg("accumulate"),
            ::py::arg("routing_grad") = ::py::none())
       .def("rebind", &ep::layer::rebind)
-      .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("bf16") = false)
+      .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("format") = "fp32")
       .def("stats", &ep::layer::stats)
       .def("exchange_copies", &ep::layer::exchange_copies)
       .def("global_load", &ep::layer::global_load)

@@ -9,10 +9,36 @@
 //   };
 namespace epmoe {
 
-/// The element type of a layer's packed expert weights (layer_options::pack_weights): fp32,
-/// or bf16 (half the bytes a pass reads; each weight rounded to nearest even once, at pack
-/// time; activations, products and sums stay fp32).
-enum class packed_precision { fp32, bf16 };
+/// How a layer's packed expert weights are stored (layer_options::pack_weights), chosen once
+/// per pack and read by the space's kernels (docs/quantisation.md):
+/// - fp32: the weights as they are;
+/// - bf16: half the bytes a pass reads; each weight rounded to nearest even once, at pack
+///   time; activations, products and sums stay fp32;
+/// - int8_channel: a quarter of the bytes; each output channel (row of an [out, in] weight)
+///   as int8 in [-127, 127] times one fp32 scale (max |w| / 127), symmetric; forward only
+///   (inference). Activations quantised per token to int8 on AVX512-VNNI (W8A8), else fp32.
+/// A format is a kind plus its parameters (a group size, zero points: the later int4 kinds),
+/// a plain value: the layer passes it to the store, which the space's kernels read.
+struct weights_format {
+  enum class kind : unsigned char { fp32, bf16, int8_channel };
+  kind id = kind::fp32;
+  int group = 0;  // input elements per scale; 0: one scale per output channel (or none)
+
+  static const weights_format fp32, bf16, int8_channel;
+
+  friend constexpr bool operator==(const weights_format&, const weights_format&) = default;
+  /// Whether the packed copies compute the forward only (no backward reads them).
+  constexpr bool inference_only() const { return id == kind::int8_channel; }
+  constexpr const char* name() const {
+    return id == kind::bf16 ? "bf16" : id == kind::int8_channel ? "int8_channel" : "fp32";
+  }
+};
+inline constexpr weights_format weights_format::fp32{weights_format::kind::fp32};
+inline constexpr weights_format weights_format::bf16{weights_format::kind::bf16};
+inline constexpr weights_format weights_format::int8_channel{weights_format::kind::int8_channel};
+
+/// The name of weights_format from before formats beyond floats (fp32, bf16).
+using packed_precision = weights_format;
 
 struct layer_options {
   /// Per-rank dedup: a token sends one row to each rank that holds any of its experts, and
@@ -33,8 +59,8 @@ struct layer_options {
   /// moe_layer::pack_weights). Costs a second copy of this rank's expert weights; weights
   /// changed in place afterwards (an optimizer step) need pack_weights() again.
   bool pack_weights = false;
-  /// The packed copies' element type (pack_weights() may choose another at run time).
-  packed_precision pack_as = packed_precision::fp32;
+  /// The packed copies' format (pack_weights() may choose another at run time).
+  weights_format pack_as = weights_format::fp32;
 };
 
 namespace detail {

@@ -99,8 +99,7 @@ class weights_store {
       if (shared)
         for (auto* v : Expert::tensors(w_.shared)) all.at(n++) = *v;
       packed_.pack_only(std::span(all.data(), n), as);
-      if (as == packed_precision::bf16 && s.kernel_path() == space::cpu_path::avx512_bf16)
-        packed_.reserve_inputs(input_rows);
+      packed_.reserve_inputs(input_rows, s.kernel_path());
       if (as == packed_precision::bf16) packed_.reserve_unpacked();
       pack_as_ = as;
     }

@@ -159,7 +159,7 @@ class host : public allocates<host> {
   void grouped_gemm_nn(grouped_rows<const float> a, stacked_view<const float> b,
                        grouped_rows<float> c, bool accumulate = false) const {
     const packed_nt* pb = packed_ ? packed_->find(b) : nullptr;
-    const bool rounded = pb && pb->precision() == packed_precision::bf16;
+    const bool rounded = pb && pb->precision() == weights_format::bf16;
     for (int g = 0; g < a.groups; ++g)
       if (a.offsets[g + 1] > a.offsets[g])
         host_gemm_nn(a.group(g), rounded ? packed_->unpacked(pb[g]) : b[g], c.group(g), accumulate);
@@ -271,7 +271,7 @@ class host : public allocates<host> {
     // A group of many rows goes to sgemm (which packs b itself, and then runs a little
     // faster than the panel kernel: epmoe_bench_gemm); the others to one packed job.
     // (fp32 copies only: bf16 ones compute with their rounded values at every row count.)
-    const bool to_blas = has_blas && b[0].precision() == packed_precision::fp32;
+    const bool to_blas = has_blas && b[0].precision() == weights_format::fp32;
     const auto packed_rows = [&](int g) {
       const index_t n = a.offsets[g + 1] - a.offsets[g];
       return to_blas && n > packed_max_rows ? index_t{0} : n;
@@ -286,16 +286,17 @@ class host : public allocates<host> {
     }
     if (active == 0) return;
     const int threads = detail::stream_threads(std::max<index_t>(rows, 2), b[0].rows(), K);
-    // The AVX512-BF16 path multiplies bf16 by bf16: the rows rounded once, here, for every
-    // panel of every piece.
-    bf16_pairs a16;
-    if (packed_reads_bf16_pairs(b[0], path_)) {
-      std::uint32_t* pairs = packed_->input_pairs(a.rows(), K);
-      a16 = {pairs, (K + 1) / 2};
+    // AVX512-BF16 multiplies bf16 by bf16, int8 VNNI u8 by s8: the rows converted once,
+    // here, for every panel of every piece.
+    converted_rows a16;
+    if (const index_t words = packed_input_words(b[0].precision(), K, path_)) {
+      std::uint32_t* out = packed_->input_words(a.rows(), words);
+      float* scales = packed_->input_scales(a.rows());
+      a16 = {out, words, scales};
       const auto convert = [&](int g) {
+        const index_t at = a.offsets[g] - a.offsets[0];
         if (packed_rows(g) > 0)
-          to_bf16_pairs(a.group(g), pairs + (a.offsets[g] - a.offsets[0]) * a16.stride, a16.stride,
-                        path_);
+          convert_inputs(a.group(g), b[0], path_, out + at * words, words, scales + at);
       };
       if (!(threads > 1 && helpers_->run(threads, a.groups, convert)))
         for (int g = 0; g < a.groups; ++g) convert(g);
@@ -308,8 +309,9 @@ class host : public allocates<host> {
       const int g = static_cast<int>(q / pieces);
       const index_t piece = q % pieces;
       if (packed_rows(g) == 0) return;
-      const bf16_pairs ag{
-          a16.data ? a16.data + (a.offsets[g] - a.offsets[0]) * a16.stride : nullptr, a16.stride};
+      const index_t at = a.offsets[g] - a.offsets[0];
+      const converted_rows ag{a16.data ? a16.data + at * a16.stride : nullptr, a16.stride,
+                              a16.scales ? a16.scales + at : nullptr};
       gemm_nt_packed(a.group(g), ag, b[g], c.group(g), panels * piece / pieces,
                      panels * (piece + 1) / pieces, path_);
     };

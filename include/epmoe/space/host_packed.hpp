@@ -8,7 +8,8 @@
 // packs b on every call, which dominates when a has 16-256 rows (an expert's share of a
 // decode batch); the streaming kernel (host_gemm.hpp) re-reads a for every 4 columns.
 // The micro-kernels, one per instruction set and chosen at run time from what the CPU has,
-// are in host_packed_kernels.hpp.
+// are in host_packed_kernels.hpp; each weights_format beyond the floats has a header of its
+// own with its panel layout, quantisation and kernels (host_int8.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -23,78 +24,110 @@
 
 #include "epmoe/core/options.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/space/host_int8.hpp"
 #include "epmoe/space/host_packed_kernels.hpp"
 
 namespace epmoe::space {
 
-/// b [N, K] packed for c = a bᵀ: panel p holds columns [32p, 32p + 32) (columns past N
-/// zero), 64-byte aligned. fp32: K rows of 32 elements. bf16 (packed_precision: half the bytes
+/// b [N, K] packed for c = a bᵀ in a weights_format: panel p holds columns [32p, 32p + 32)
+/// (columns past N zero), 64-byte aligned. fp32: K rows of 32 elements. bf16 (half the bytes
 /// to read, values rounded to nearest even): ceil(K / 2) rows of 32 pairs, column j's
 /// elements k and k + 1 side by side (k even; past K zero), the layout of AVX512-BF16's pair
-/// dot products, which the other paths widen with a shift and a mask. Built once; repack()
-/// refills it in place (new values of the same shape and precision: a training step) without
-/// allocating.
+/// dot products, which the other paths widen with a shift and a mask. int8_channel: int8 quads
+/// and each column's scale and compensation (host_int8.hpp). Built once; repack() refills it
+/// in place (new values of the same shape and format: a training step) without allocating.
 class packed_nt {
  public:
   static constexpr index_t panel_cols = 32;
 
   packed_nt() = default;
-  explicit packed_nt(matrix_view<const float> b, packed_precision as = packed_precision::fp32) {
+  explicit packed_nt(matrix_view<const float> b, weights_format as = weights_format::fp32) {
     repack(b, as);
   }
 
-  /// Packs b, allocating only when its shape or precision differs from the last one.
-  void repack(matrix_view<const float> b, packed_precision as = packed_precision::fp32) {
-    if (b.rows != n_ || b.cols != k_ || as != as_ || !data_) {
-      n_ = b.rows, k_ = b.cols, as_ = as;
-      data_.reset(static_cast<std::byte*>(
-          ::operator new[](std::max<std::size_t>(static_cast<std::size_t>(packed_bytes()), 1),
-                           std::align_val_t{64})));
-    }
-    if (as_ == packed_precision::bf16)
+  /// Packs b, allocating only when its shape or format differs from the last one.
+  /// int8_channel: each output channel quantised (quantise_int8_channel); config_error for NaN
+  /// or Inf, or K past int8_max_cols.
+  void repack(matrix_view<const float> b, weights_format as = weights_format::fp32) {
+    shape(b.rows, b.cols, as);
+    if (as_ == weights_format::int8_channel)
+      for (index_t p = 0; p < panels(); ++p) {
+        const index_t j0 = p * panel_cols;
+        detail::pack_int8_panel(data_.get() + p * panel_bytes(), k_,
+                                std::min(panel_cols, n_ - j0), j0, b, {}, nullptr);
+      }
+    else if (as_ == weights_format::bf16)
       fill<std::uint16_t>(b, bf16_bits);
     else
       fill<float>(b, [](float v) { return v; });
   }
+  /// Packs weights quantised already as int8_channel: q [N, K] (any int8, -128 too) and
+  /// scales [N] (finite, >= 0), as a checkpoint stores them.
+  void repack_int8(matrix_view<const std::int8_t> q, const float* scales) {
+    for (index_t j = 0; j < q.rows; ++j)
+      epmoe::detail::require(std::isfinite(scales[j]) && scales[j] >= 0, "pack_weights(int8_channel)",
+                      scales[j], "a channel's scale must be finite and >= 0");
+    shape(q.rows, q.cols, weights_format::int8_channel);
+    for (index_t p = 0; p < panels(); ++p) {
+      const index_t j0 = p * panel_cols;
+      detail::pack_int8_panel(data_.get() + p * panel_bytes(), k_, std::min(panel_cols, n_ - j0),
+                              j0, {}, q, scales);
+    }
+  }
 
   index_t rows() const { return n_; }  // N: output columns of c
   index_t cols() const { return k_; }  // K
-  packed_precision precision() const { return as_; }
+  weights_format precision() const { return as_; }
   index_t panels() const { return (n_ + panel_cols - 1) / panel_cols; }
-  /// Panel p's elements (E: float for fp32, std::uint16_t for bf16).
+  /// Panel p's elements (E: float for fp32, std::uint16_t for bf16, std::byte for int8).
   template <class E>
   const E* panel(index_t p) const {
-    return reinterpret_cast<const E*>(data_.get()) + p * panel_elements();
+    return reinterpret_cast<const E*>(data_.get() + p * panel_bytes());
   }
-  /// The values this copy holds, as b [N, K] row-major floats (bf16: b rounded): what a
-  /// backward multiplies by so that it differentiates the forward it follows.
+  /// The values this copy holds, as b [N, K] row-major floats (bf16: b rounded; int8: each q
+  /// times its channel's scale): what a backward multiplies by so that it differentiates the
+  /// forward it follows, and the format's definition the tests compare the kernels with.
   void unpack(float* out) const {
-    const bool pairs = as_ == packed_precision::bf16;
+    const bool pairs = as_ == weights_format::bf16;
     for (index_t p = 0; p < panels(); ++p) {
       const index_t j0 = p * panel_cols, cols = std::min(panel_cols, n_ - j0);
+      const detail::int8_panel_view q = detail::int8_panel(panel<std::byte>(p), k_);
       for (index_t k = 0; k < k_; ++k)
         for (index_t j = 0; j < cols; ++j)
           out[(j0 + j) * k_ + k] =
-              pairs ? bf16_value(panel<std::uint16_t>(p)[k / 2 * 2 * panel_cols + 2 * j + k % 2])
-                    : panel<float>(p)[k * panel_cols + j];
+              as_ == weights_format::int8_channel
+                  ? q.scale[j] * q.q[k / 4 * 128 + 4 * j + k % 4]
+              : pairs ? bf16_value(panel<std::uint16_t>(p)[k / 2 * 2 * panel_cols + 2 * j + k % 2])
+                      : panel<float>(p)[k * panel_cols + j];
     }
   }
-  /// Bytes of the panels (weights and zero padding): what one pass reads.
-  index_t packed_bytes() const {
-    return panels() * panel_elements() * (as_ == packed_precision::bf16 ? 2 : 4);
-  }
+  /// Bytes of the panels (weights, scales and zero padding): what one pass reads.
+  index_t packed_bytes() const { return panels() * panel_bytes(); }
 
  private:
-  index_t panel_elements() const {
-    return as_ == packed_precision::bf16 ? (k_ + 1) / 2 * 2 * panel_cols : k_ * panel_cols;
+  index_t panel_bytes() const {
+    return as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
+           : as_ == weights_format::bf16       ? (k_ + 1) / 2 * 2 * panel_cols * 2
+                                               : k_ * panel_cols * 4;
+  }
+  void shape(index_t n, index_t k, weights_format as) {
+    epmoe::detail::require(as != weights_format::int8_channel || k <= int8_max_cols,
+                    "pack_weights(int8_channel)", k,
+                    "K (a weight's inputs) must be at most 66311: vpdpbusd sums in int32");
+    if (n != n_ || k != k_ || as != as_ || !data_) {
+      n_ = n, k_ = k, as_ = as;
+      data_.reset(static_cast<std::byte*>(
+          ::operator new[](std::max<std::size_t>(static_cast<std::size_t>(packed_bytes()), 1),
+                           std::align_val_t{64})));
+    }
   }
   template <class E, class Convert>
   void fill(matrix_view<const float> b, Convert convert) {
     // Element (k, j) of a panel: fp32 at k * 32 + j; bf16 at (k / 2) * 64 + 2 j + k % 2.
-    const bool pairs = as_ == packed_precision::bf16;
+    const bool pairs = as_ == weights_format::bf16;
     for (index_t p = 0; p < panels(); ++p) {
-      E* out = reinterpret_cast<E*>(data_.get()) + p * panel_elements();
-      std::fill_n(out, panel_elements(), E{});
+      E* out = reinterpret_cast<E*>(data_.get() + p * panel_bytes());
+      std::fill_n(out, panel_bytes() / index_t{sizeof(E)}, E{});
       const index_t j0 = p * panel_cols, cols = std::min(panel_cols, n_ - j0);
       for (index_t k = 0; k < k_; ++k) {
         E* row = pairs ? out + k / 2 * 2 * panel_cols + k % 2 : out + k * panel_cols;
@@ -108,7 +141,7 @@ class packed_nt {
   };
   std::unique_ptr<std::byte, aligned_delete> data_;
   index_t n_ = 0, k_ = 0;
-  packed_precision as_ = packed_precision::fp32;
+  weights_format as_ = weights_format::fp32;
 };
 
 static_assert(packed_nt::panel_cols == detail::panel_width,
@@ -117,7 +150,7 @@ static_assert(packed_nt::panel_cols == detail::panel_width,
 namespace detail {
 // The panels [p0, p1) of b, elements E, on `path` (a16: a as bf16 pairs, for avx512_bf16).
 template <class E>
-inline void gemm_nt_panels(matrix_view<const float> a, bf16_pairs a16, const packed_nt& b,
+inline void gemm_nt_panels(matrix_view<const float> a, converted_rows a16, const packed_nt& b,
                            matrix_view<float> c, index_t p0, index_t p1, cpu_path path) {
   const index_t K = b.cols(), N = b.rows(), chunk = packed_row_chunk(K);
   for (index_t i0 = 0; i0 < a.rows; i0 += chunk) {
@@ -148,12 +181,62 @@ inline void gemm_nt_panels(matrix_view<const float> a, bf16_pairs a16, const pac
     }
   }
 }
+
+// The same for int8_channel panels with `kernel` (a8: a quantised per token, for VNNI).
+inline void gemm_nt_int8_panels(matrix_view<const float> a, converted_rows a8, const packed_nt& b,
+                                matrix_view<float> c, index_t p0, index_t p1, int8_kernel kernel) {
+  const index_t K = b.cols(), N = b.rows(), chunk = packed_row_chunk(K);
+  for (index_t i0 = 0; i0 < a.rows; i0 += chunk) {
+    const matrix_view<const float> ai = a.rows_slice(i0, std::min(chunk, a.rows - i0));
+    for (index_t p = p0; p < p1; ++p) {
+      const index_t j0 = p * packed_nt::panel_cols;
+      const index_t cols = std::min(packed_nt::panel_cols, N - j0);
+      float* cp = c.row(i0) + j0;
+      const std::byte* panel = b.panel<std::byte>(p);
+#if defined(EPMOE_HOST_PACKED_X86)
+      if (kernel == int8_kernel::avx512_vnni) {
+        int8_panel_vnni({a8.data + i0 * a8.stride, a8.stride, a8.scales + i0}, ai.rows, panel, K,
+                        cp, c.stride, cols);
+        continue;
+      }
+      if (kernel == int8_kernel::avx512) {
+        int8_panel_avx512(ai, panel, K, cp, c.stride, cols);
+        continue;
+      }
+      if (kernel == int8_kernel::avx2) {
+        int8_panel_avx2(ai, panel, K, cp, c.stride, cols);
+        continue;
+      }
+#endif
+      int8_panel_portable(ai, panel, K, cp, c.stride, cols);
+    }
+  }
+}
 }  // namespace detail
 
 /// Whether gemm_nt_packed over b on `path` reads a as bf16 pairs (to_bf16_pairs): bf16
 /// panels on AVX512-BF16, whose dot products take bf16 on both sides.
 inline bool packed_reads_bf16_pairs(const packed_nt& b, cpu_path path) {
-  return path == cpu_path::avx512_bf16 && b.precision() == packed_precision::bf16;
+  return path == cpu_path::avx512_bf16 && b.precision() == weights_format::bf16;
+}
+
+/// Words per row of a that gemm_nt_packed over panels of format `as` and K inputs reads
+/// converted on `path` (converted_rows: bf16 pairs, u8 quads); 0 when it reads a itself.
+inline index_t packed_input_words(weights_format as, index_t K, cpu_path path) {
+  if (as == weights_format::bf16 && path == cpu_path::avx512_bf16) return (K + 1) / 2;
+  if (as == weights_format::int8_channel && int8_kernel_for(path) == int8_kernel::avx512_vnni)
+    return (K + 3) / 4;
+  return 0;
+}
+
+/// a's rows converted for gemm_nt_packed over b on `path` (packed_input_words(...) > 0):
+/// into out (row stride `stride` words) and, for u8 quads, one scale per row into scales.
+inline void convert_inputs(matrix_view<const float> a, const packed_nt& b, cpu_path path,
+                           std::uint32_t* out, index_t stride, float* scales) {
+  if (b.precision() == weights_format::int8_channel)
+    quantise_u8_rows(a, out, stride, scales, int8_kernel_for(path));
+  else
+    to_bf16_pairs(a, out, stride, path);
 }
 
 /// c[M, N] = a[M, K] bᵀ for b packed, over panels [p0, p1) (c's columns [32 p0, 32 p1) ∩
@@ -162,27 +245,31 @@ inline bool packed_reads_bf16_pairs(const packed_nt& b, cpu_path path) {
 /// over threads shares nothing. Sums run over k in order: bits depend on the shapes alone.
 /// bf16 panels are widened to fp32 as they load (products and sums in fp32), or on
 /// AVX512-BF16 multiplied with a16, a rounded to bf16 (packed_reads_bf16_pairs: products of
-/// two bf16 exact in fp32, sums in fp32).
-inline void gemm_nt_packed(matrix_view<const float> a, bf16_pairs a16, const packed_nt& b,
+/// two bf16 exact in fp32, sums in fp32). int8 panels: int8_kernel_for(path), reading `a16`
+/// as a quantised per token on VNNI (convert_inputs).
+inline void gemm_nt_packed(matrix_view<const float> a, converted_rows a16, const packed_nt& b,
                            matrix_view<float> c, index_t p0, index_t p1,
                            cpu_path path = best_cpu_path()) {
-  if (b.precision() == packed_precision::bf16)
+  if (b.precision() == weights_format::int8_channel)
+    detail::gemm_nt_int8_panels(a, a16, b, c, p0, p1, int8_kernel_for(path));
+  else if (b.precision() == weights_format::bf16)
     detail::gemm_nt_panels<std::uint16_t>(a, a16, b, c, p0, p1, path);
   else
     detail::gemm_nt_panels<float>(a, a16, b, c, p0, p1, path);
 }
 
-/// The same, rounding a to bf16 pairs itself where the path reads them (into memory it
+/// The same, converting a itself where the path reads it converted (into memory it
 /// allocates: the space converts once into storage packed_weights holds).
 inline void gemm_nt_packed(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
                            index_t p0, index_t p1, cpu_path path = best_cpu_path()) {
-  std::vector<std::uint32_t> pairs;
-  bf16_pairs a16;
-  if (packed_reads_bf16_pairs(b, path)) {
-    a16.stride = (a.cols + 1) / 2;
-    pairs.resize(static_cast<std::size_t>(a.rows * a16.stride));
-    to_bf16_pairs(a, pairs.data(), a16.stride, path);
-    a16.data = pairs.data();
+  std::vector<std::uint32_t> words;
+  std::vector<float> scales;
+  converted_rows a16;
+  if (const index_t w = packed_input_words(b.precision(), b.cols(), path)) {
+    words.resize(static_cast<std::size_t>(a.rows * w));
+    scales.resize(static_cast<std::size_t>(a.rows));
+    convert_inputs(a, b, path, words.data(), w, scales.data());
+    a16 = {words.data(), w, scales.data()};
   }
   gemm_nt_packed(a, a16, b, c, p0, p1, path);
 }
@@ -193,6 +280,23 @@ inline void gemm_nt_packed(matrix_view<const float> a, const packed_nt& b, matri
   gemm_nt_packed(a, b, c, 0, b.panels(), path);
 }
 
+/// int8_channel panels on a given kernel (tests and benchmarks: the paths a CPU runs, VNNI
+/// or not), converting a where it reads it quantised.
+inline void gemm_nt_int8(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
+                         int8_kernel kernel) {
+  std::vector<std::uint32_t> words;
+  std::vector<float> scales;
+  converted_rows a8;
+  if (kernel == int8_kernel::avx512_vnni) {
+    const index_t w = (b.cols() + 3) / 4;
+    words.resize(static_cast<std::size_t>(a.rows * w));
+    scales.resize(static_cast<std::size_t>(a.rows));
+    quantise_u8_rows(a, words.data(), w, scales.data(), kernel);
+    a8 = {words.data(), w, scales.data()};
+  }
+  detail::gemm_nt_int8_panels(a, a8, b, c, 0, b.panels(), kernel);
+}
+
 /// Packed copies of stacked weights (an expert tensor [L, N, K]), found again by the tensor
 /// they copy: the storage a layer owns when it packs its experts (moe_layer::pack_weights).
 /// The copies are of the values at pack() time: weights changed in place need pack() again.
@@ -200,7 +304,7 @@ class packed_weights {
  public:
   /// Packs every matrix of w; a tensor held already (same memory and shape) is refilled in
   /// place, without allocating.
-  void pack(stacked_view<const float> w, packed_precision as = packed_precision::fp32) {
+  void pack(stacked_view<const float> w, weights_format as = weights_format::fp32) {
     entry* e = nullptr;
     for (entry& x : entries_)
       if (same(x.source, w)) e = &x;
@@ -227,7 +331,7 @@ class packed_weights {
   /// Holds exactly the tensors of `all`, packed: those held already are refilled in place,
   /// the others dropped (a layer that rebound its weights).
   void pack_only(std::span<const stacked_view<const float>> all,
-                 packed_precision as = packed_precision::fp32) {
+                 weights_format as = weights_format::fp32) {
     std::erase_if(entries_, [&](const entry& x) {
       return std::none_of(all.begin(), all.end(), [&](const auto& w) { return same(x.source, w); });
     });
@@ -235,24 +339,34 @@ class packed_weights {
   }
   void clear() {
     entries_.clear();
-    pairs_ = {};
+    words_ = {};
+    scales_ = {};
     unpacked_ = {};
   }
   bool empty() const { return entries_.empty(); }
 
-  /// Room for `rows` rows of the widest input of the packed tensors as bf16 pairs (the
-  /// AVX512-BF16 path's converted activations): sized when the layer packs, so that its
-  /// passes do not allocate.
-  void reserve_inputs(index_t rows) {
-    index_t k = 0;
-    for (const entry& x : entries_) k = std::max(k, x.source.cols);
-    input_pairs(rows, k);
+  /// Room for `rows` rows of the widest input of the packed tensors converted (bf16 pairs on
+  /// AVX512-BF16, u8 quads and their scales for int8 on VNNI: packed_input_words): sized
+  /// when the layer packs, so that its passes do not allocate.
+  void reserve_inputs(index_t rows, cpu_path path) {
+    index_t words = 0;
+    for (const entry& x : entries_)
+      if (!x.mats.empty())
+        words = std::max(words, packed_input_words(x.mats[0].precision(), x.source.cols, path));
+    if (words == 0) return;
+    input_words(rows, words);
+    input_scales(rows);
   }
-  /// That room for rows x K inputs (grown when it is short: a caller that did not reserve).
-  std::uint32_t* input_pairs(index_t rows, index_t K) const {
-    const auto n = static_cast<std::size_t>(rows * ((K + 1) / 2));
-    if (pairs_.size() < n) pairs_.resize(n);
-    return pairs_.data();
+  /// That room for rows x `words` words (grown when it is short: a caller that did not
+  /// reserve), and for one scale per row.
+  std::uint32_t* input_words(index_t rows, index_t words) const {
+    const auto n = static_cast<std::size_t>(rows * words);
+    if (words_.size() < n) words_.resize(n);
+    return words_.data();
+  }
+  float* input_scales(index_t rows) const {
+    if (scales_.size() < static_cast<std::size_t>(rows)) scales_.resize(std::size_t(rows));
+    return scales_.data();
   }
   /// Room for one matrix of the widest packed tensor, unpacked (bf16 copies: the backward's
   /// dX = dY W multiplies by the rounded values the forward used): sized when the layer packs.
@@ -287,7 +401,8 @@ class packed_weights {
            a.stride == b.stride && a.batch_stride == b.batch_stride;
   }
   std::vector<entry> entries_;
-  mutable std::vector<std::uint32_t> pairs_;  // scratch of the pass that reads these copies
+  mutable std::vector<std::uint32_t> words_;  // scratch of the pass that reads these copies
+  mutable std::vector<float> scales_;         // (u8 quads: a scale per row)
   mutable std::vector<float> unpacked_;       // the same: one bf16 matrix, unpacked
 };
 

@@ -95,11 +95,14 @@ inline float bf16_value(std::uint16_t h) {
 /// v rounded to bf16, as fp32: what a bf16 packed weight holds.
 inline float bf16_rounded(float v) { return bf16_value(bf16_bits(v)); }
 
-/// Rows of a rounded to bf16, two per 32-bit word (element k even in the low half, a last odd
-/// one beside a zero): the input of the AVX512-BF16 path, row i at data + i * stride.
-struct bf16_pairs {
+/// Rows of a converted once for a kernel that multiplies narrow inputs, row i at data + i *
+/// stride: bf16 pairs for AVX512-BF16 (two per 32-bit word, element k even in the low half, a
+/// last odd one beside a zero), or u8 quads for int8 VNNI (four per word, with a scale per
+/// row: host_int8.hpp).
+struct converted_rows {
   const std::uint32_t* data = nullptr;
-  index_t stride = 0;  // words: at least ceil(K / 2)
+  index_t stride = 0;             // words: at least ceil(K / 2) (pairs), ceil(K / 4) (quads)
+  const float* scales = nullptr;  // u8 quads: row i's scale at scales[i]
 };
 
 namespace detail {
@@ -287,7 +290,7 @@ __attribute__((target("avx512f"))) inline void packed_panel_avx512(matrix_view<c
 }
 
 __attribute__((target("avx512f,avx512bf16"))) inline void packed_panel_bf16dot(
-    bf16_pairs a, index_t rows, const std::uint16_t* panel, index_t K, float* c, index_t ldc,
+    converted_rows a, index_t rows, const std::uint16_t* panel, index_t K, float* c, index_t ldc,
     index_t cols) {
   const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
   row_blocks<12>(rows, [&](index_t i, index_t n) {

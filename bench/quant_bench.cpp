@@ -1,0 +1,262 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+//
+// The experts stage over packed weights in each format, side by side in one run (issue 37):
+// int8_channel against bf16 and fp32 copies of the same experts, SwiGLU (expert::swiglu::
+// forward on the host space: the layer's grouped GEMMs), T tokens routed top-k uniformly at
+// random. Prints the time per pass (the three formats back to back in every rep), the ratios,
+// and the bytes roofline: the packed bytes (weights + scales) of the experts the pass
+// activates / the read bandwidth (the faster of the run's start and a read beside the point),
+// and the share of it each format reaches. Weights come from memory before every timed pass
+// (a 64 MB read evicts the caches).
+//
+//   epmoe_bench_quant [--shapes mixtral,deepseek] [--tokens 1,16,128,1024] [--reps N]
+//                     [--read-gbs X] [--smoke]
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_common.hpp"
+#include <epmoe/expert/swiglu.hpp>
+#include <epmoe/space/host.hpp>
+
+using epmoe::index_t;
+using epmoe::weights_format;
+namespace sp = epmoe::space;
+
+namespace {
+
+struct shape {
+  const char* name;
+  const char* note;
+  index_t H, F, E, k;
+};
+
+// Mixtral 8x7B: H 4096, F 14336, 8 experts, top-2 (F an eighth: all 8 experts' fp32 weights
+// and one packed copy in 1.4 GB). DeepSeek-V3: H 7168, F 2048, 256 experts, top-8 (F half,
+// 16 experts).
+const shape shapes[] = {
+    {"mixtral", "Mixtral-like H 4096, F 1792 (14336 / 8), E 8, top-2", 4096, 1792, 8, 2},
+    {"deepseek", "DeepSeek-like H 7168, F 1024 (2048 / 2), E 16 (256 / 16), top-8", 7168, 1024,
+     16, 8},
+    {"tiny", "tiny H 256, F 128, E 4, top-2 (smoke)", 256, 128, 4, 2},
+};
+
+std::vector<index_t> parse_list(const std::string& s) {
+  std::vector<index_t> out;
+  for (std::size_t at = 0; at < s.size();) {
+    const std::size_t comma = std::min(s.find(',', at), s.size());
+    out.push_back(std::stoll(s.substr(at, comma - at)));
+    at = comma + 1;
+  }
+  return out;
+}
+
+// T tokens routed to k distinct experts each, uniformly: rows per expert (expert-major).
+std::vector<index_t> route(index_t T, index_t E, index_t k, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<index_t> rows(static_cast<std::size_t>(E), 0), ids(static_cast<std::size_t>(E));
+  for (index_t t = 0; t < T; ++t) {
+    for (index_t e = 0; e < E; ++e) ids[std::size_t(e)] = e;
+    for (index_t j = 0; j < k; ++j) {
+      std::uniform_int_distribution<index_t> pick(j, E - 1);
+      std::swap(ids[std::size_t(j)], ids[std::size_t(pick(rng))]);
+      ++rows[std::size_t(ids[std::size_t(j)])];
+    }
+  }
+  return rows;
+}
+
+struct point {
+  index_t T = 0, active = 0;
+  double seconds[3] = {};  // fp32, bf16, int8
+  double bytes[3] = {};    // packed bytes of the active experts
+  double gbs = 0;          // read bandwidth measured right after the point
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string shape_list = "mixtral,deepseek", token_list = "1,16,128,1024";
+  int reps = 5;
+  double given_gbs = 0;
+  bool smoke = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    const auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--shapes") shape_list = next();
+    else if (a == "--tokens") token_list = next();
+    else if (a == "--reps") reps = std::stoi(next());
+    else if (a == "--read-gbs") given_gbs = std::stod(next());
+    else if (a == "--smoke") smoke = true;
+    else {
+      std::fprintf(stderr,
+                   "usage: epmoe_bench_quant [--shapes mixtral,deepseek,tiny] [--tokens 1,16,...] "
+                   "[--reps N] [--read-gbs X] [--smoke]\n");
+      return a == "--help" ? 0 : 2;
+    }
+  }
+  if (smoke) shape_list = "tiny", token_list = "1,16", reps = 1;
+  const std::vector<index_t> tokens = parse_list(token_list);
+
+  const sp::host space0{};
+  const sp::cpu_path path = space0.kernel_path();
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  // The read configuration (streams per thread, software prefetch) that reads fastest here,
+  // used again beside every point.
+  struct {
+    int streams = 1;
+    bool prefetch = false;
+    double gbs = 0;
+  } probe;
+  for (int streams : {1, 4})
+    for (bool prefetch : {false, true}) {
+      const double g = given_gbs > 0 ? given_gbs
+                                     : bench::read_bandwidth(smoke ? (16u << 20) : (256u << 20),
+                                                             cpus, streams, prefetch);
+      if (g > probe.gbs) probe = {streams, prefetch, g};
+    }
+  std::printf("epmoe_bench_quant: the experts stage (SwiGLU, 3 grouped GEMMs) over packed copies\n");
+  std::printf("CPU: %s, %d logical CPUs; %d BLAS/helper threads\n", bench::cpu_model().c_str(),
+              cpus, sp::blas_threads());
+  std::printf("read bandwidth: %.1f GB/s (%s, %d threads, %d stream(s) per thread%s); measured "
+              "again beside every point (column GB/s)\n",
+              probe.gbs, given_gbs > 0 ? "given" : "measured at the start", cpus, probe.streams,
+              probe.prefetch ? ", prefetch" : "");
+  const weights_format formats[3] = {weights_format::fp32, weights_format::bf16,
+                                     weights_format::int8_channel};
+  std::printf("kernels: fp32 %s; bf16 %s; int8 %s\n",
+              sp::name_of(path == sp::cpu_path::avx512_bf16 ? sp::cpu_path::avx512 : path),
+              path == sp::cpu_path::avx512_bf16 ? "AVX512-BF16 dot (inputs rounded to bf16)"
+                                                : "widened to fp32",
+              sp::name_of(sp::int8_kernel_for(path)));
+  std::printf("times: median of %d passes, the three formats back to back in each, caches "
+              "evicted before each pass; roof: the active experts' packed bytes (weights + "
+              "scales) / the faster read bandwidth (start, or beside the point)\n\n",
+              reps);
+
+  for (const std::string& name : [&] {
+         std::vector<std::string> v;
+         for (std::size_t at = 0; at < shape_list.size();) {
+           const std::size_t c = std::min(shape_list.find(',', at), shape_list.size());
+           v.push_back(shape_list.substr(at, c - at));
+           at = c + 1;
+         }
+         return v;
+       }()) {
+    const shape* s = nullptr;
+    for (const shape& x : shapes)
+      if (name == x.name) s = &x;
+    if (!s) {
+      std::fprintf(stderr, "unknown shape %s\n", name.c_str());
+      return 2;
+    }
+    const index_t H = s->H, F = s->F, E = s->E;
+    std::vector<float> w13(std::size_t(2 * E * F * H)), w2(std::size_t(E * H * F));
+    {
+      std::mt19937_64 rng(7);
+      std::uniform_real_distribution<float> u(-1.f, 1.f);
+      for (float& v : w13) v = u(rng) / std::sqrt(float(H));
+      for (float& v : w2) v = u(rng) / std::sqrt(float(F));
+    }
+    const epmoe::expert::swiglu::weights w{{w13.data(), E, F, H},
+                                           {w13.data() + E * F * H, E, F, H},
+                                           {w2.data(), E, H, F}};
+    std::vector<point> pts;
+    index_t max_rows = 0;
+    for (index_t T : tokens) {
+      point p;
+      p.T = T;
+      const auto rows = route(T, E, s->k, 11 + T);
+      for (index_t n : rows) p.active += n > 0;
+      max_rows = std::max(max_rows, T * s->k);
+      pts.push_back(p);
+    }
+    std::vector<float> x0(std::size_t(max_rows * H)), x(x0.size()),
+        scratch(std::size_t(max_rows * epmoe::expert::swiglu::scratch_per_row(F)));
+    {
+      std::mt19937_64 rng(9);
+      std::uniform_real_distribution<float> u(-1.f, 1.f);
+      for (float& v : x0) v = u(rng);
+    }
+    std::vector<float> flush_buffer(std::size_t{16} << 20, 1.f);  // 64 MB
+    volatile float sink = 0;
+    const auto flush = [&] {
+      float sum = 0;
+      for (std::size_t i = 0; i < flush_buffer.size(); i += 16) sum += flush_buffer[i];
+      sink = sink + sum;
+    };
+    // The three formats' copies at once, so that each rep times them back to back (the same
+    // load from other jobs on the machine for all three).
+    sp::packed_weights packed[3];
+    sp::host spaces[3] = {space0, space0, space0};
+    double per_expert[3];
+    for (int f = 0; f < 3; ++f) {
+      for (auto v : {w.w1, w.w3, w.w2}) packed[f].pack(v, formats[f]);
+      packed[f].reserve_inputs(max_rows, path);
+      spaces[f].use_packed(&packed[f]);
+      per_expert[f] = double(packed[f].bytes()) / double(E);
+    }
+    for (point& p : pts) {
+      const auto rows = route(p.T, E, s->k, 11 + p.T);
+      std::vector<index_t> offsets(std::size_t(E + 1), 0);
+      for (index_t e = 0; e < E; ++e)
+        offsets[std::size_t(e + 1)] = offsets[std::size_t(e)] + rows[std::size_t(e)];
+      const index_t n = offsets.back();
+      const epmoe::grouped_rows<float> g{x.data(), H, H, static_cast<int>(E), offsets.data(),
+                                         offsets.data()};
+      std::vector<double> t[3];
+      for (int r = 0; r < reps + 1; ++r)
+        for (int f = 0; f < 3; ++f) {
+          std::memcpy(x.data(), x0.data(), std::size_t(n * H) * sizeof(float));
+          flush();
+          const auto start = bench::clock::now();
+          epmoe::expert::swiglu::forward(spaces[f], w, g, scratch.data());
+          if (r > 0) t[f].push_back(bench::seconds_since(start));
+          for (index_t i = 0; i < n * H; ++i)
+            if (!std::isfinite(x[std::size_t(i)])) {
+              std::fprintf(stderr, "%s %s T=%lld: a non-finite output\n", s->name,
+                           formats[f].name(), static_cast<long long>(p.T));
+              return 1;
+            }
+        }
+      for (int f = 0; f < 3; ++f) {
+        std::sort(t[f].begin(), t[f].end());
+        p.seconds[f] = t[f][t[f].size() / 2];
+        p.bytes[f] = per_expert[f] * double(p.active);
+      }
+      // The read bandwidth now, over as many bytes as the bf16 pass reads (all cores).
+      p.gbs = given_gbs > 0 ? given_gbs
+                            : bench::read_bandwidth(std::size_t(std::max(p.bytes[1], 64e6)), cpus,
+                                                    probe.streams, probe.prefetch);
+    }
+    std::printf("%s\n", s->note);
+    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s | %8s %8s %8s | %6s %6s %6s\n", "T",
+                "active", "GB/s", "fp32 ms", "bf16 ms", "int8 ms", "int8/bf16", "int8/fp32",
+                "int8 MB", "roof8 ms", "roof16ms", "%roof32", "%roof16", "%roof8");
+    for (const point& p : pts) {
+      // The faster of the run's start and the point's own: the shorter (stricter) roof.
+      const auto roof = [&](int f) { return p.bytes[f] / (std::max(p.gbs, probe.gbs) * 1e9); };
+      std::printf(
+          "%6lld %6lld %6.1f | %9.3f %9.3f %9.3f | %8.2fx %8.2fx | %8.1f %8.3f %8.3f | %5.0f%% "
+          "%5.0f%% %5.0f%%\n",
+          static_cast<long long>(p.T), static_cast<long long>(p.active), p.gbs,
+          1e3 * p.seconds[0], 1e3 * p.seconds[1], 1e3 * p.seconds[2],
+          p.seconds[1] / p.seconds[2], p.seconds[0] / p.seconds[2], p.bytes[2] / 1e6,
+          1e3 * roof(2), 1e3 * roof(1), 100 * roof(0) / p.seconds[0],
+          100 * roof(1) / p.seconds[1], 100 * roof(2) / p.seconds[2]);
+    }
+    std::printf("\n");
+  }
+  return 0;
+}
