@@ -371,6 +371,30 @@ def test_family_equals_hf(family, variant, train):
         close(got[k], want_grads[k], f"{family}: d {k}")
 
 
+def test_lfm2_eps_binds():
+    """LFM2-MoE's 1e-6 in the renormalising sum where it shows: logits near -12 (scores
+    ~6e-6, their sum ~2e-5), so the weights move by ~4% with it; y, dx and every gradient."""
+    config, block, _ = _make("lfm2_moe")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        block.gate.weight.copy_(-12.0 / H + 0.02 * torch.randn(block.gate.weight.shape, generator=g))
+    x = 1.0 + 0.1 * torch.randn(B * S, H, generator=g)
+    dy = torch.randn(B * S, H, generator=g)
+    s = torch.sigmoid(x @ block.gate.weight.t()).topk(4, dim=-1).values.sum(-1)
+    assert (1e-6 / s).min() > 0.02, "the sum must be small enough for the eps to show"
+    moe = MoE.from_hf(block)
+    want_y, want_dx, want_grads = _hf_run("lfm2_moe", block, None, x, dy, True)
+    xe = x.clone().requires_grad_()
+    y, _ = moe(xe)
+    (y * dy).sum().backward()
+    close(y, want_y, "lfm2 eps: y")
+    close(xe.grad, want_dx, "lfm2 eps: dx")
+    got = hf.hf_state_dict("lfm2_moe", hf.module_tensors(moe, grad=True), config, gradients=True)
+    assert set(got) == set(want_grads)
+    for k in want_grads:
+        close(got[k], want_grads[k], f"lfm2 eps: d {k}")
+
+
 def test_state_dict_path_with_prefix_equals_from_hf():
     """from_hf_state_dict on a model-style state dict (keys under a prefix, with or without
     its final dot; the real config) builds the same module as from_hf."""

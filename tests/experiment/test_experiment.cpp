@@ -146,6 +146,57 @@ TEST_CASE("experiment: bias_steps learn the DeepSeek bias, the reference routes 
   CHECK(table[1].expert_imbalance < table[0].expert_imbalance);
 }
 
+namespace {
+/// DeepSeek-V4-like: sqrtsoftplus scores with a selection bias (eps 1e-20, scaling 1.5) and
+/// the clamped SwiGLU expert; its hash layers route by a [vocab, K] table of token ids (the
+/// experiment's ids: rank * max_tokens + t, so vocab = ranks * max_tokens).
+struct deepseek_v4 : mixtral<> {
+  using router = epmoe::router::deepseek_v4<2>;
+  using expert = epmoe::expert::deepseek_v4;
+  static router make_router(const layer_config&) {
+    router r{};
+    r.scaling = 1.5f, r.eps = 1e-20f, r.gamma = 0.05f;
+    return r;
+  }
+};
+struct deepseek_v4_hash : deepseek_v4 {
+  using router = epmoe::router::deepseek_v4_hash<2>;
+  static router make_router(const layer_config& cfg) {
+    static const std::vector<std::int32_t> table = [&] {  // the table the layer copies
+      std::vector<std::int32_t> t;
+      for (int v = 0; v < cfg.ranks * cfg.max_tokens; ++v)
+        t.insert(t.end(), {v % cfg.experts,  // a distinct second expert: offset 1 .. E - 1
+                           (v + 1 + (v / cfg.experts) % (cfg.experts - 1)) % cfg.experts});
+      return t;
+    }();
+    router r{};
+    r.ids = table.data(), r.vocab = cfg.ranks * cfg.max_tokens;
+    r.scaling = 1.5f, r.eps = 1e-20f;
+    return r;
+  }
+};
+}  // namespace
+
+TEST_CASE("experiment: DeepSeek-V4-like bundles (sqrtsoftplus + bias, the hash table)",
+          "[experiment]") {
+  using bundles = experiment::list<
+      experiment::bundle<"deepseek-v4", deepseek_v4>,
+      experiment::bundle<"deepseek-v4 +bias", deepseek_v4, experiment::treatment{.bias_steps = 10}>,
+      experiment::bundle<"deepseek-v4 hash", deepseek_v4_hash>>;
+  const auto in = experiment::inputs::skewed(tiny(), 5, 2, 3.0);
+  const auto table =
+      experiment::run(bundles{}, experiment::thread_ranks{4}, in, {.passes = 2, .topology = ""});
+  REQUIRE(table.size() == 3);
+  int checked = 0;
+  for (const auto& row : table) {
+    CAPTURE(row.name);
+    CHECK(row.error <= 1e-4);  // NaN or an unwritten row would be +inf
+    CHECK(row.dispatch_rows > 0);
+    ++checked;
+  }
+  CHECK(checked == 3);
+}
+
 TEST_CASE("experiment: shared experts, their gate and an output bias reach layer and reference",
           "[experiment]") {
   using bundles = experiment::list<experiment::bundle<"swiglu", mixtral<>>,

@@ -44,7 +44,6 @@ struct biased {
   static constexpr bool uses_gate = true;
   static constexpr bool has_bias = true;
   using score_type = Score;
-  static constexpr select_on selects = Select;
 
   int groups = 1;
   int top_groups = 1;
