@@ -158,7 +158,7 @@ class moe_layer {
     return parts::forward_stages<moe_layer>::run(*this, x, y, token_ids, nullptr, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_token_ids<router_type>(token_ids, x.rows);
-      router_.check(cfg_, space_, store_.views().noise_gate);
+      router_.check(space_, store_.views().noise_gate);
     });
   }
 
@@ -173,7 +173,7 @@ class moe_layer {
                       matrix_view<value_type> y, const forward_options& opt = {}) {
     return parts::forward_stages<moe_layer>::run(*this, x, y, {}, &routing, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
-      parts::check_given_routing(routing, x.rows, cfg_.experts, layout_.width);
+      parts::check_given_routing(routing, x.rows, cfg_.scored_experts(), layout_.width);
     });
   }
 
@@ -328,7 +328,7 @@ class moe_layer {
   /// forward). It starts as the constructor's router.bias (or zeros). Every rank must hold
   /// the same.
   std::span<float> router_bias() requires router_with_bias<router_type> {
-    return router_.bias(cfg_, space_);
+    return router_.bias(space_);
   }
 
   /// Collective live re-placement (placement::table): switches to `next` (same experts, ranks
@@ -374,7 +374,7 @@ class moe_layer {
     std::span<const index_t> load;
     stages::side_call(
         *this, call_kind::update_router, [] {},
-        [&] { load = router_.update_bias(comm_, space_, cfg_, plan_.host().routed); });
+        [&] { load = router_.update_bias(comm_, space_, plan_.host().routed); });
     return load;
   }
 

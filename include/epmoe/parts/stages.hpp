@@ -103,7 +103,7 @@ struct stages_base {
       count_plan_stats(l);
     }
     l.clock_.resolve(l.stats_);
-    l.router_.losses(l.space_, l.cfg_, l.pass_.tokens(), l.pass_.routing_given, l.stats_);
+    l.router_.losses(l.space_, l.pass_.tokens(), l.pass_.routing_given, l.stats_);
   }
 
   int chunks() const { return l.ex_.units(l.plan_.host()); }
@@ -216,9 +216,10 @@ struct stages_base {
   // The plan's counts into the stats (its host arrays arrived with the counts).
   static void count_plan_stats(const L& l) {
     dispatch_plan& p = l.plan_.host();
-    count_send_plan(p, l.cfg_.experts);
+    count_send_plan(p, l.cfg_.experts, l.cfg_.zero_experts);
     l.stats_.tokens = l.pass_.tokens();
     l.stats_.assignments = p.assignments;
+    l.stats_.zero_expert_assignments = p.zero_assignments;
     l.stats_.dropped = p.dropped;
     l.stats_.capacity = std::same_as<typename L::capacity_type, capacity::dropless>
                             ? std::nullopt
@@ -271,8 +272,8 @@ struct forward_stages : stages_base<L> {
     l.stats_.saved_bytes = 0;
     if (pass.saves) {
       l.train_->end_forward(h.id);
-      l.stats_.saved_bytes = l.train_->saved_bytes(pass.tokens(), L::dedup) +
-                             l.router_.saved_bytes(pass.tokens(), l.cfg_);
+      l.stats_.saved_bytes =
+          l.train_->saved_bytes(pass.tokens(), L::dedup) + l.router_.saved_bytes(pass.tokens());
     } else if (l.train_) {
       l.train_->end_inference(h.id);
     }
@@ -282,7 +283,7 @@ struct forward_stages : stages_base<L> {
   void route() {
     early(&stage_times::route, [&] {
       const auto& w = l.store_.views();
-      l.router_.route(l.space_, l.cfg_, l.pass_, w.gate, w.noise_gate, first_token(l), w.gate_bias);
+      l.router_.route(l.space_, l.pass_, w.gate, w.noise_gate, first_token(l), w.gate_bias);
     });
   }
   void plan() {
@@ -304,7 +305,8 @@ struct forward_stages : stages_base<L> {
     early(&stage_times::shared, [&] {
       l.stats_.shared_flops = 0;
       l.store_.with_space(l.space_, [&](const auto& s) {
-        l.stats_.shared_flops = l.home_.forward(s, l.pass_.x, l.store_.views(), l.scratch_.data());
+        l.stats_.shared_flops = l.home_.forward(s, l.pass_.x, l.store_.views(), l.scratch_.data(),
+                                                l.router_.routing(l.pass_.tokens()));
       });
     });
   }
@@ -377,7 +379,8 @@ struct forward_stages : stages_base<L> {
         l.rank(), l.pass_.token_ids.empty() ? nullptr : l.pass_.token_ids.data(), first_token(l)};
     const auto routing = l.router_.routing(T);
     build_send_plan(l.space_, routing, l.where_.view(), l.cfg_.experts, l.pass_.limit,
-                    l.layout_.pad_rows, origin, p, l.plan_.device(), l.plan_.scratch());
+                    l.layout_.pad_rows, origin, p, l.plan_.device(), l.plan_.scratch(),
+                    l.cfg_.zero_experts);
     if constexpr (L::dedup)
       build_dedup_plan(l.space_, routing, p, l.plan_.device(), l.plan_.scratch());
     if constexpr (L::hierarchical)
@@ -437,7 +440,8 @@ struct backward_stages : stages_base<L> {
     this->timed(&stage_times::shared, -1, [&] {
       l.store_.with_space(l.space_, [&](const auto& s) {
         l.home_.backward(s, l.pass_.x, call().dy, l.store_.views(), call().grads,
-                         l.train_->dx_home(), l.scratch_.data(), call().opt.accumulate);
+                         l.train_->dx_home(), l.scratch_.data(), call().opt.accumulate,
+                         l.router_.routing(l.pass_.tokens()));
       });
     });
   }
@@ -485,8 +489,10 @@ struct backward_stages : stages_base<L> {
       if constexpr (L::dedup)
         l.space_.for_each(T, rows::gather_weight_grad{l.ex_.weight_grad_send(), p.slot,
                                                       l.train_->weight_grad(T)});
+      l.home_.weight_grad(l.space_, l.pass_.x, call().dy, l.router_.routing(T),
+                          l.train_->weight_grad(T));
       l.router_.backward(
-          l.space_, l.cfg_,
+          l.space_,
           {l.pass_.x, l.pass_.token_ids.empty() ? nullptr : l.pass_.token_ids.data(),
            forward_stages<L>::first_token(l), l.pass_.id, w.gate, w.noise_gate, call().grads.gate,
            call().grads.noise_gate, l.train_->weight_grad(T), l.train_->dx_home(), call().opt,
