@@ -25,6 +25,7 @@
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/core/weighting.hpp"
 #include "epmoe/core/workspace.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/parts/home.hpp"
@@ -74,6 +75,9 @@ class moe_layer {
   using comm_type = typename Policies::comm;
   using expert_type = typename Policies::expert;
   using schedule_type = typename Policies::schedule;
+  /// Where the routing weight applies: the expert's output (weighting::output, the default) or
+  /// its input (weighting::input, Llama 4); core/weighting.hpp.
+  using weighting_type = decltype(detail::weighting_of<Policies>());
   /// Element type of activations and weights (float on the host; float/bf16/fp16 on CUDA).
   using value_type = typename space_type::value_type;
 
@@ -101,6 +105,10 @@ class moe_layer {
                 "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
                 "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
                 "capacity::dropless with dedup");
+  static_assert(!(dedup && weighting_type::weighted_send == weighting::direction::forward),
+                "epmoe: weighting::input scales each assignment's row by its own weight, and "
+                "per-rank dedup sends one row per (token, rank), which cannot carry two scales: "
+                "use the flat exchange (options.dedup = false, hierarchical = false)");
   /// Whether the comm can start an exchange and wait for it later; without it every exchange
   /// blocks and a pipelined schedule has nothing to overlap.
   static constexpr bool async_comm = transport<comm_type, space_type>::async;
