@@ -1,7 +1,7 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
 //
-// Strategies side by side: fourteen policy bundles (three of them user policies from
+// Strategies side by side: fifteen policy bundles (three of them user policies from
 // examples/policies/), each one compile-time type, run by
 // epmoe::experiment on the same tokens, weights and in-process ranks, uniform tokens and
 // then tokens skewed toward one expert. One table per input, then a verdict per question,
@@ -47,6 +47,11 @@ struct deepseek : bundle<router::sigmoid_bias<2>> {
     return {.groups = 4, .top_groups = 2, .scaling = 1.f, .gamma = 0.01f};
   }
 };
+/// GPT-OSS: a learned bias on the logits, softmax over the top 2; clamped SwiGLU experts with
+/// biases (alpha 1.702, limit 7, the +1 on up).
+struct gpt_oss : bundle<router::gpt_oss<2>> {
+  using expert = epmoe::expert::gpt_oss;
+};
 using expert_choice = bundle<router::expert_choice>;
 using hashed = bundle<router::hash<2>>;
 using replicated = bundle<router::mixtral<2>, capacity::dropless, placement::table>;
@@ -68,7 +73,7 @@ constexpr ex::treatment over_link{.throttled = true};
 using strategies = ex::list<
     ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
     ex::bundle<"deepseek +bias", deepseek, ex::treatment{.bias_steps = 50}>,
-    ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
+    ex::bundle<"gpt-oss", gpt_oss>, ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
     ex::bundle<"block (table)", replicated>,
     ex::bundle<"balanced +4", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
     ex::bundle<"dedup", dedup>, ex::bundle<"padded cf 1.25", padded>,
@@ -137,7 +142,7 @@ int main(int argc, char** argv) {
       "usage: epmoe_strategies [--tokens T] [--ranks R] [--passes N]\n"
       "                        [--topology NAME] [--nodes N] [--no-turns]\n"
       "                        [--json FILE] [--csv FILE]\n"
-      "  Fourteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
+      "  Fifteen policy bundles (routers, placement, dedup, capacity, schedule,\n"
       "  three user policies) on the same tokens and R in-process ranks\n"
       "  (1, 2 or 4; default 4, T = 256 tokens per rank, 16 experts, top-2): a table for\n"
       "  uniform and one for skewed tokens, then one verdict per question.\n"

@@ -166,6 +166,7 @@ class moe_layer {
     return parts::forward_stages<moe_layer>::run(*this, x, y, token_ids, nullptr, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_token_ids<router_type>(token_ids, x.rows);
+      router_.check_token_ids(space_, token_ids);
       router_.check(space_, store_.views().noise_gate);
     });
   }

@@ -29,6 +29,7 @@ class Spec(NamedTuple):
     scale: Optional[tuple] = None
     norm: Optional[tuple] = None
     softcap: Optional[tuple] = None
+    group_mask: str = "minus_inf"  # "dsv3": what a dropped group's experts score (-inf or 0)
 
 
 _DSV3 = dict(router="dsv3", ffn="moe_intermediate_size", gate="gate.weight",
@@ -47,6 +48,11 @@ SPECS = {
     "exaone_moe": Spec("ExaoneMoeSparseMoEBlock", **dict(
         _DSV3, shared_width=("moe_intermediate_size", "num_shared_experts"))),
     "kimi_linear": Spec("KimiLinearMoE", **_DSV3),
+    "deepseek_v32": Spec("DeepseekV32MoE", **_DSV3),
+    "glm_moe_dsa": Spec("GlmMoeDsaMoE", **_DSV3),
+    # A.X-K2 fills dropped groups with 0.0 ("to match the reference implementation"); its
+    # Light checkpoints have no groups (n_group None).
+    "axk2": Spec("AXK2MoE", **dict(_DSV3, group_mask="zero")),
     "bailing_hybrid": Spec("BailingHybridMoE", **_DSV3),
     "mimo_v2_flash": Spec("MiMoV2FlashMoE", **dict(_DSV3, shared=None, shared_width=())),
     "deepseek_v2": Spec("DeepseekV2Moe", **dict(_DSV3, router="dsv2", bias=None)),
@@ -123,10 +129,11 @@ def _router_options(family: str, spec: Spec, f, require) -> dict:
             require(family, cap == 0.0, spec.softcap[0], cap,
                     "epmoe's router has no logit softcap (tanh): must be 0")
         return o
-    if r == "dsv3":
-        return dict(router="sigmoid_bias", groups=f("n_group"), top_groups=f("topk_group"),
+    if r == "dsv3":  # n_group None (A.X-K2-Light): no groups
+        return dict(router="sigmoid_bias", groups=f("n_group", None, required=False) or 1,
+                    top_groups=f("topk_group", None, required=False) or 1,
                     normalize=bool(f("norm_topk_prob")),
-                    scaling=float(f("routed_scaling_factor")), group_mask="minus_inf")
+                    scaling=float(f("routed_scaling_factor")), group_mask=spec.group_mask)
     if r == "dsv2":  # softmax, no renormalisation, optional group limit (a group's best expert)
         method = f("topk_method")
         require(family, method in ("greedy", "group_limited_greedy"), "topk_method", method,

@@ -148,6 +148,9 @@ FUSED_CONFIGS = {
     "dots1": ("Dots1Config", "Dots1MoE", _DSV3),
     "solar_open": ("SolarOpenConfig", "SolarOpenMoE", _DSV3),
     "kimi_linear": ("KimiLinearConfig", "KimiLinearMoE", dict(_DSV3, num_experts=8)),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32MoE", _DSV3),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaMoE", dict(_DSV3, n_group=4, topk_group=2)),
+    "axk2": ("AXK2Config", "AXK2MoE", dict(_DSV3, n_group=4, topk_group=2)),
     "bailing_hybrid": ("BailingHybridConfig", "BailingHybridMoE", dict(
         _DSV3, num_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4)),
     "mimo_v2_flash": ("MiMoV2FlashConfig", "MiMoV2FlashMoE", dict(
@@ -497,6 +500,19 @@ def test_unsupported_config_names_field(family, change, field):
         setattr(config, k, v)
     with pytest.raises(ValueError, match=field):
         hf.options(family, config)
+
+
+def test_axk2_group_mask_and_light_checkpoints():
+    """A.X-K2 scores a dropped group's experts 0.0 (its grouped checkpoints); the Light ones
+    have no groups (n_group = topk_group = None). The 0.0 itself cannot be checked against the
+    block: when it matters, several dropped experts tie at 0.0 and torch.topk picks among them
+    in no specified order (test_layer_routers checks both masks against the formula)."""
+    config, _, _ = _make("axk2")
+    o = hf.options("axk2", config)
+    assert (o["groups"], o["top_groups"], o["group_mask"]) == (4, 2, "zero")
+    config.n_group = config.topk_group = None
+    o = hf.options("axk2", config)
+    assert (o["groups"], o["top_groups"]) == (1, 1)
 
 
 def test_missing_config_field_names_it():

@@ -161,8 +161,8 @@ static_assert(reference::router_with_gradient<router::mixtral<2>> &&
               reference::router_with_gradient<router::sigmoid_bias<2>> &&
               reference::router_with_gradient<router::jitter<router::switch_top1>>);
 // The losses' probabilities of sigmoid_bias (normalised sigmoid) also when it is wrapped.
-static_assert(reference::detail::sigmoid_probabilities_v<router::jitter<router::sigmoid_bias<2>>> &&
-              !reference::detail::sigmoid_probabilities_v<router::mixtral<2>>);
+static_assert(reference::detail::normalised_scores_v<router::jitter<router::sigmoid_bias<2>>> &&
+              !reference::detail::normalised_scores_v<router::mixtral<2>>);
 static_assert(!reference::router_with_gradient<router::sparsemixer>,
               "sparsemixer's gradient is not defined by the reference yet");
 

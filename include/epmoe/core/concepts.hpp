@@ -118,6 +118,11 @@ template <class R>
 concept router_needs_token_ids = requires {
   requires R::needs_token_ids;
 };
+/// A router that reads a table the layer copies (router::table: [vocab, K] expert ids).
+template <class R>
+concept router_with_table = requires {
+  requires R::has_table;
+};
 template <class R>
 concept router_with_noise_gate = requires {
   requires R::uses_noise_gate;

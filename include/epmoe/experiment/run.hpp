@@ -73,7 +73,7 @@ typename P::router router_of(const layer_config& cfg) {
 }
 
 /// Everything a rank's layer takes from the inputs: its slots, the shared experts (an expert
-/// type whose views_of has shared()), the noise gate, the shared gate and the output bias.
+/// type whose views_of has shared()), the noise gate, the shared gate, the output bias and the gate's logit bias.
 template <class P>
 typename moe_layer<P>::weights layer_weights(const inputs& in,
                                              const reference::rank_weights& mine) {
@@ -85,6 +85,8 @@ typename moe_layer<P>::weights layer_weights(const inputs& in,
   out.noise_gate = w.noise_gate_view();
   out.shared_gate = {w.shared_gate.data(), N, H};
   out.output_bias = {w.output_bias.data(), w.output_bias.empty() ? 0 : 1, H};
+  if constexpr (requires { P::router::uses_gate_bias; })  // GPT-OSS's logit bias
+    out.gate_bias = {w.gate_bias.data(), 1, w.cfg.experts};
   return out;
 }
 

@@ -80,7 +80,13 @@ class router_stage {
       if constexpr (requires { Router::jitters_input; })
         jitter_dx_ = s.template allocate<float>(T * H);
     }
+    if constexpr (router_with_table<Router>) {  // the layer's copy of a table router's ids
+      router_.validate_table(cfg);
+      vocab_ = router_.vocab;
+      table_ = s.template allocate_mirror<std::int32_t>(vocab_ * Router::top_k);
+    }
     adopt_bias(s);  // a bias given with the router starts the layer's own
+    adopt_table(s);
   }
   router_stage(const router_stage&) = delete;
 
@@ -93,11 +99,18 @@ class router_stage {
     if constexpr (requires { router_.check(cfg_, noise_gate); })
       router_.check(cfg_, noise_gate);  // e.g. noisy top-k's noise gate while training
     adopt_bias(s);
+    adopt_table(s);
     if constexpr (router_with_validate<Router>) {
       Router r = router_;  // its bias checked where the host can read it
       if constexpr (router_with_bias<Router>) r.bias = bias_.host();
+      if constexpr (router_with_table<Router>) r.ids = table_.host();
       r.validate(cfg_);
     }
+  }
+
+  /// A table router's token ids (host spaces: a device's are not readable here).
+  void check_token_ids(const Space&, std::span<const std::int64_t> ids) const {
+    if constexpr (router_with_table<Router> && !device_space<Space>) router_.check_token_ids(ids);
   }
 
   /// The layer's own host copy of the selection bias [E + Z] (routers with has_bias).
@@ -109,6 +122,7 @@ class router_stage {
   Router copy_for_another() const {
     Router r = router_;
     if constexpr (router_with_bias<Router>) r.bias = bias_.host();
+    if constexpr (router_with_table<Router>) r.ids = table_.host();
     return r;
   }
 
@@ -301,6 +315,21 @@ class router_stage {
       s.to_device(bias_, 0, cfg.experts);
     }
   }
+  // A table router's ids: values it was pointed at (host memory) are checked, then copied
+  // into the layer's own, which it reads from then on.
+  void adopt_table(const Space& s) {
+    if constexpr (router_with_table<Router>) {
+      const layer_config& cfg = cfg_;
+      if (router_.ids == table_.device()) return;
+      epmoe::detail::require(router_.vocab == vocab_, "router.vocab", router_.vocab,
+                             "must stay the constructor's (the layer's copy has that many rows)");
+      router_.validate_table(cfg);
+      const index_t n = vocab_ * Router::top_k;
+      std::copy_n(router_.ids, n, table_.host());
+      s.to_device(table_, 0, n);
+      router_.ids = table_.device();
+    }
+  }
   // Whether the gate saw x ⊙ m (input jitter while training).
   bool jittered() const {
     if constexpr (requires { Router::jitters_input; })
@@ -318,7 +347,8 @@ class router_stage {
   Router router_;
   int width_;  // routing slots per token
   mirror<float> logits_, weights_, bias_, dlogits_;
-  mirror<std::int32_t> ids_;
+  mirror<std::int32_t> ids_, table_;
+  index_t vocab_ = 0;  // rows of table_
   mirror<std::uint64_t> pass_counter_;
   mirror<index_t> all_;  // [2]: one group of all T rows
   buffer<float> noise_logits_, dnoise_, jitter_dx_;

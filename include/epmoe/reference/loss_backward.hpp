@@ -24,7 +24,7 @@ namespace epmoe::reference {
 // The losses the layer reports per rank (core/losses.hpp, compute_losses), in double from
 // their definitions, and their gradients. On one rank's T tokens with logits l [T, E] (the
 // gate's input: jittered while a jitter router trains), probabilities p (the router's
-// probabilities(): softmax(l); sigmoid_bias: σ(l) / Σ_e σ(l_e)) and the routing's ids:
+// probabilities(): softmax(l); a scored router's s / Σ_e s_e) and the routing's ids:
 //   z       = (1/T) Σ_t lse(l_t)²                       dz/dl[t, e] = (2/T) lse(l_t) softmax(l_t)_e
 //   aux     = α E Σ_i f_i P_i over the whole pass        daux/dp[t, i] = α E f_i / T
 //   seq_aux = mean over sequences of config.seq_len tokens (0: the pass) of the same
@@ -39,23 +39,21 @@ template <class Router>
 concept router_with_losses = Router::uses_gate && has_probabilities<Router>;
 
 namespace detail {
-// True for sigmoid_bias<K> and types derived from it (jitter<sigmoid_bias<K>>, a model's
-// alias): their probabilities are the normalised sigmoid.
-template <int K>
-std::true_type sigmoid_probabilities(const router::sigmoid_bias<K>*);
-std::false_type sigmoid_probabilities(const void*);
+// A scored router (sigmoid_bias, DeepSeek-V4, table, ... and types derived from them) has the
+// normalised scores s / Σ s as its probabilities (softmax: the softmax); others the softmax.
 template <class Router>
-inline constexpr bool sigmoid_probabilities_v =
-    decltype(sigmoid_probabilities(static_cast<const Router*>(nullptr)))::value;
+inline constexpr bool normalised_scores_v =
+    !std::is_void_v<score_of_t<Router>> &&
+    !std::is_same_v<score_of_t<Router>, router::score::softmax>;
 
 /// The probabilities compute_losses uses: the router's probabilities(), softmax(l), or
-/// σ(l) / Σ_e σ(l_e) for sigmoid_bias.
+/// s / Σ_e s_e for a scored router (sigmoid_bias: σ(l) / Σ_e σ(l_e)).
 template <class Router>
 std::vector<double> loss_probabilities(std::span<const double> l) {
-  if constexpr (sigmoid_probabilities_v<Router>) {
-    std::vector<double> p(l.size());
+  if constexpr (normalised_scores_v<Router>) {
+    auto p = scores<score_of_t<Router>>(l);
     double sum = 0;
-    for (std::size_t e = 0; e < l.size(); ++e) sum += (p[e] = sigmoid(l[e]));
+    for (double v : p) sum += v;
     for (double& v : p) v /= sum;
     return p;
   } else {
@@ -66,15 +64,15 @@ std::vector<double> loss_probabilities(std::span<const double> l) {
 template <class Router>
 void loss_probabilities_grad(std::span<const double> l, std::span<const double> dp,
                              std::span<double> dl) {
-  if constexpr (sigmoid_probabilities_v<Router>) {
-    // p_e = s_e / S: dL/ds_j = (dp_j - Σ_i dp_i p_i) / S, then ds/dl = s (1 - s).
+  if constexpr (normalised_scores_v<Router>) {
+    // p_e = s_e / S: dL/ds_j = (dp_j - Σ_i dp_i p_i) / S, then the score's backward.
+    const auto s = scores<score_of_t<Router>>(l);
     double sum = 0, dot = 0;
-    for (double v : l) sum += sigmoid(v);
-    for (std::size_t e = 0; e < l.size(); ++e) dot += dp[e] * sigmoid(l[e]) / sum;
-    for (std::size_t e = 0; e < l.size(); ++e) {
-      const double s = sigmoid(l[e]);
-      dl[e] += (dp[e] - dot) / sum * s * (1.0 - s);
-    }
+    for (double v : s) sum += v;
+    for (std::size_t e = 0; e < l.size(); ++e) dot += dp[e] * s[e] / sum;
+    std::vector<double> ds(l.size());
+    for (std::size_t e = 0; e < l.size(); ++e) ds[e] = (dp[e] - dot) / sum;
+    scores_grad<score_of_t<Router>>(l, ds, dl);
   } else {
     softmax_grad(softmax(l), dp, dl);
   }

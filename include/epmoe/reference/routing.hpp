@@ -229,33 +229,7 @@ rank_routing routing_of(const router::logit_bias<router::topk_softmax<K, true>>&
   return out;
 }
 
-/// DeepSeek-V3: s = sigmoid(l); the K best s + b (b the bias, zero when unset) inside the
-/// kept groups, group score the sum of its two best s + b (group_mask zero: the K best of all,
-/// dropped groups' s + b taken as 0.0); weights scaling · s_k, divided by the chosen s's sum
-/// when normalize. The bias moves selection only.
-template <int K>
-rank_routing routing_of(const router::sigmoid_bias<K>& r, const rank_batch& b) {
-  const index_t T = b.tokens, E = b.cfg->experts;
-  const auto l = detail::project(b, b.w->gate);
-  rank_routing out(T, K);
-  std::vector<double> s(static_cast<std::size_t>(E)), key(s.size());
-  for (index_t t = 0; t < T; ++t) {
-    for (index_t e = 0; e < E; ++e) {
-      s[e] = detail::sigmoid(l[t * E + e]);
-      key[e] = s[e] + (r.bias ? double{r.bias[e]} : 0.0);
-    }
-    const auto ids =
-        detail::group_limited_best(key, K, r.groups, r.top_groups, detail::sum_of, r.group_mask);
-    double chosen = 0;
-    for (int e : ids) chosen += s[e];
-    const double f = r.normalize ? double{r.scaling} / chosen : double{r.scaling};
-    for (int k = 0; k < K; ++k) {
-      out.id(t, k) = ids[k];
-      out.weight(t, k) = s[ids[k]] * f;
-    }
-  }
-  return out;
-}
+// The scored routers (router::biased, router::table: sigmoid_bias is one): routing_scored.hpp.
 
 /// SparseMixer top-2 (PhiMoE; Hugging Face `sparsemixer`). Round 1 on the logits l, round 2
 /// on l with round 1's expert at -inf: t = max of the round's logits; gate_e = -inf where
@@ -538,8 +512,8 @@ inline std::vector<index_t> expert_load(std::span<const rank_routing> ranks, int
 
 /// DeepSeek-V3's auxiliary-loss-free bias update (Wang et al. 2024) from its definition:
 /// b_e += gamma · sign(mean_j load_j - load_e), on the global load of the last pass.
-template <int K>
-void update_bias(const router::sigmoid_bias<K>& r, std::span<float> bias,
+template <int K, class Score, router::select_on Select>
+void update_bias(const router::biased<K, Score, Select>& r, std::span<float> bias,
                  std::span<const index_t> load) {
   const double mean =
       std::accumulate(load.begin(), load.end(), 0.0) / static_cast<double>(load.size());
@@ -551,3 +525,5 @@ void update_bias(const router::sigmoid_bias<K>& r, std::span<float> bias,
 }
 
 }  // namespace epmoe::reference
+
+#include "epmoe/reference/routing_scored.hpp"  // needs the above

@@ -108,32 +108,21 @@ void routing_grad(const router::logit_bias<router::topk_softmax<K, true>>& r, co
   detail::project_grad(b, b.w->gate, dl, g.dgate, dx);
 }
 
-/// Sigmoid + bias: s = σ(l), S chosen on s + bias (fixed; the bias gets no gradient),
-/// c = scaling. normalize: w_k = c s_k / Σ_{j∈S} s_j, dL/ds_j = (c / Σ) (g_j - Σ_k g_k w_k / c);
-/// else w_k = c s_k, dL/ds_j = c g_j. Then dl_j = dL/ds_j s_j (1 - s_j).
-template <int K>
-void routing_grad(const router::sigmoid_bias<K>& r, const rank_batch& b, const rank_routing& route,
+/// Scored routers (biased: sigmoid_bias, DeepSeek-V4, ERNIE 4.5, ...; table): S fixed (the
+/// bias and the table get no gradient), w_k = c s_k / D (routing_scored.hpp); dL/ds from the
+/// weights, then the score's backward (softmax: into all E logits).
+template <int K, class Score, router::select_on Select>
+void routing_grad(const router::biased<K, Score, Select>& r, const rank_batch& b,
+                  const rank_routing& route, std::span<const double> dweights, gradients& g,
+                  std::span<double> dx) {
+  detail::project_grad(b, b.w->gate, detail::scored_logits_grad<Score>(r, b, route, dweights),
+                       g.dgate, dx);
+}
+template <int K, class Score>
+void routing_grad(const router::table<K, Score>& r, const rank_batch& b, const rank_routing& route,
                   std::span<const double> dweights, gradients& g, std::span<double> dx) {
-  const index_t T = b.tokens, E = b.cfg->experts;
-  const auto l = detail::project(b, b.w->gate);
-  std::vector<double> dl(l.size(), 0.0);
-  const double c = r.scaling;
-  for (index_t t = 0; t < T; ++t) {
-    const std::int32_t* ids = &route.ids[t * route.width];
-    const double* gk = &dweights[t * route.width];
-    double sum = 0, gs = 0;
-    for (int k = 0; k < K; ++k) {
-      const double s = detail::sigmoid(l[t * E + ids[k]]);
-      sum += s;
-      gs += gk[k] * s;
-    }
-    for (int k = 0; k < K; ++k) {
-      const double s = detail::sigmoid(l[t * E + ids[k]]);
-      const double ds = r.normalize ? c / sum * (gk[k] - gs / sum) : c * gk[k];
-      dl[t * E + ids[k]] += ds * s * (1.0 - s);
-    }
-  }
-  detail::project_grad(b, b.w->gate, dl, g.dgate, dx);
+  detail::project_grad(b, b.w->gate, detail::scored_logits_grad<Score>(r, b, route, dweights),
+                       g.dgate, dx);
 }
 
 /// Hash: the weights 1/K are constants and there is no gate: no gradient.

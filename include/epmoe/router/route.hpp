@@ -63,6 +63,7 @@ void check_route(const Router& router, const layer_config& cfg, matrix_view<cons
     require(Router::top_k <= E, "cfg.experts", E, "must be >= the router's top_k");
   }
   if constexpr (router_with_validate<Router>) router.validate(cfg);
+  if constexpr (requires { router.validate_table(cfg); }) router.validate_table(cfg);
   const int width = router::routing_width<Router>(cfg);
   require_shape(out.ids, T, width, "out.ids");
   require_shape(out.weights, T, width, "out.weights");
@@ -74,6 +75,8 @@ void check_route(const Router& router, const layer_config& cfg, matrix_view<cons
   else
     require(opt.token_ids.empty() || opt.token_ids.size() == static_cast<std::size_t>(T),
             "options.token_ids", opt.token_ids.size(), "must be empty or one id per token");
+  if constexpr (requires { router.check_token_ids(opt.token_ids); })
+    router.check_token_ids(opt.token_ids);  // a table's rows
 }
 
 /// The routing itself, on arguments route() checked (the layer's route stage calls this
