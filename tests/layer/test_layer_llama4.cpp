@@ -13,7 +13,7 @@
 
 #include "harness.hpp"
 #include <epmoe/reference/scaled_input.hpp>
-#include <epmoe/router/sigmoid_bias.hpp>
+#include <epmoe/router/biased.hpp>
 
 using namespace epmoe;
 
@@ -21,10 +21,9 @@ namespace {
 
 constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 
-/// Llama 4's router until its own: top-K of the logits (σ is monotonic), weights σ(logit),
-/// not renormalised, no bias.
+/// Llama 4's router: top-K of the logits, weights σ(logit), not renormalised, no bias.
 template <int K>
-struct llama4_like : router::sigmoid_bias<K> {
+struct llama4_like : router::llama4<K> {
   llama4_like() { this->normalize = false; }
 };
 

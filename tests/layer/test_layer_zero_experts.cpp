@@ -14,6 +14,7 @@
 
 #include "harness.hpp"
 #include <epmoe/reference/backward.hpp>
+#include <epmoe/router/biased.hpp>
 #include <epmoe/router/sigmoid_bias.hpp>
 
 using namespace epmoe;
@@ -22,12 +23,24 @@ namespace {
 
 constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 
-/// LongCat-Flash's choice until its own router: softmax over the E + Z logits, the top K, not
-/// renormalised, times routed_scaling_factor.
+/// LongCat-Flash's router: softmax over the E + Z logits, the top K of p + bias (selection
+/// only), weights p times routed_scaling_factor, not renormalised.
 template <int K>
-struct longcat_like : router::topk_softmax<K, false> {
-  longcat_like() { this->scaling = 2.5f; }
+struct longcat_like : router::longcat_flash<K> {
+  longcat_like() {
+    this->normalize = false;
+    this->scaling = 2.5f;
+  }
+  explicit longcat_like(const std::vector<float>& bias) : longcat_like() {
+    this->bias = bias.data();
+  }
 };
+/// A selection bias [E + Z] of the size of the softmax probabilities' differences.
+std::vector<float> selection_bias(const layer_config& cfg, std::uint64_t seed) {
+  std::vector<float> b = reference::random_tokens(1, cfg.scored_experts(), seed);
+  for (float& v : b) v *= 0.125f;
+  return b;
+}
 
 template <class Router, bool Dedup = false, bool Hierarchical = false>
 struct zero_policies : default_policies {
@@ -240,8 +253,13 @@ TEST_CASE("zero experts: w x at home, no rows sent, forward and backward against
     const layer_config cfg = zero_layer(ranks, 4);
     const auto w = reference::full_weights::random(cfg, 5);
     const auto g = test::make_tokens(std::vector<index_t>(ranks, 20), cfg.hidden, 6);
-    checked += check_step<zero_policies<longcat_like<4>>>(cfg, w, g), ++cases;
-    checked += check_step<zero_policies<longcat_like<4>, true>>(cfg, w, g), ++cases;
+    const std::vector<float> bias = selection_bias(cfg, 10);
+    checked += check_step<zero_policies<longcat_like<4>>>(cfg, w, g, longcat_like<4>(bias)),
+        ++cases;
+    checked += check_step<zero_policies<longcat_like<4>, true>>(cfg, w, g, longcat_like<4>(bias)),
+        ++cases;
+    // Any router that scores the E + Z from its gate: softmax top-k, renormalised.
+    checked += check_step<zero_policies<router::topk_softmax<4>>>(cfg, w, g), ++cases;
     layer_config shared = zero_layer(ranks, 2, 6);
     shared.shared_experts = 1;
     const auto ws = reference::full_weights::random(shared, 7);
@@ -251,10 +269,13 @@ TEST_CASE("zero experts: w x at home, no rows sent, forward and backward against
   two_nodes.ranks_per_node = 2;
   const auto w = reference::full_weights::random(two_nodes, 8);
   const auto g = test::make_tokens({20, 20, 20, 20}, two_nodes.hidden, 9);
-  checked += check_step<zero_policies<longcat_like<4>, false, true>>(two_nodes, w, g), ++cases;
+  const std::vector<float> bias = selection_bias(two_nodes, 11);
+  checked += check_step<zero_policies<longcat_like<4>, false, true>>(two_nodes, w, g,
+                                                                     longcat_like<4>(bias)),
+      ++cases;
   // 6 checks (+3 with shared experts) and 7 row checks per rank.
-  CHECK(cases == 10);
-  CHECK(checked == 3 * (6 + 7 * 1) + 3 * (6 + 7 * 2) + 3 * (6 + 7 * 4) + 3 * 3 + (6 + 7 * 4));
+  CHECK(cases == 13);
+  CHECK(checked == 4 * (6 + 7 * 1) + 4 * (6 + 7 * 2) + 4 * (6 + 7 * 4) + 3 * 3 + (6 + 7 * 4));
 }
 
 TEST_CASE("zero experts only: no rank sends or receives a row, y = (sum of weights) x",
