@@ -136,6 +136,7 @@ void add_softmax_bundles(std::vector<bundle>& menu);
 void add_other_bundles(std::vector<bundle>& menu);
 void add_gpt_oss_bundles(std::vector<bundle>& menu);
 void add_exchange_bundles(std::vector<bundle>& menu);
+void add_longcat_llama4_bundles(std::vector<bundle>& menu);
 
 inline std::vector<bundle> menu() {
   std::vector<bundle> m;
@@ -143,6 +144,7 @@ inline std::vector<bundle> menu() {
   add_other_bundles(m);
   add_gpt_oss_bundles(m);
   add_exchange_bundles(m);
+  add_longcat_llama4_bundles(m);
   return m;
 }
 
