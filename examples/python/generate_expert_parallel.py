@@ -42,6 +42,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # biased, clamped, interleaved experts
 }
 
 

@@ -24,17 +24,27 @@ __all__ = ["Experts"]
 
 
 class _PassState:
-    """The tensors bound (pointers and strides), the versions packed, the pass counters."""
+    """The tensors bound (pointers and strides), the versions packed, the pass counters; for
+    a copied layout, the copies and the caller's tensors (pointers, versions) they hold."""
 
-    bound = packed = None
+    bound = bound_params = packed = copies = copied = None
     passes = consumed = 0
 
-# How the caller's tensors hold each expert kind's (w1, w3, w2 | w1, w2, b1, b2).
+# How the caller's tensors hold each expert kind's (w1, w3, w2 | w1, w2, b1, b2 | ...).
 LAYOUTS = {
     # transformers 5: gate_up_proj [E, 2F, H] (w1 = the first F rows, w3 the next), down_proj [E, H, F]
     "gate_up": ("gate_up_proj", "down_proj"),
+    # transformers 5's GPT-OSS: gate_up_proj [E, H, 2F] with gate and up interleaved column by
+    # column, its bias [E, 2F] likewise, down_proj [E, F, H] (transposed), down_proj_bias [E, H].
+    "gpt_oss": ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"),
     "separate": None,  # the expert kind's own tensors, in its order (EXPERT_TENSORS)
 }
+# The expert kind each fused layout holds.
+LAYOUT_EXPERT = {"gate_up": "swiglu", "gpt_oss": "gpt_oss"}
+# Layouts the layer cannot read in place (interleaved columns, transposed matrices): they are
+# copied into the kind's layout once per version of the caller's tensors (an optimizer step,
+# an in-place load), and their gradients written back through the same views.
+COPIED = ("gpt_oss",)
 
 
 class Experts(nn.Module):
@@ -42,9 +52,10 @@ class Experts(nn.Module):
     caller's routing and expert tensors.
 
     hidden, ffn, experts (E, all ranks together), top_k (K of the routing). expert: "swiglu"
-    (w1, w3, w2), "mlp_relu", "mlp_relu_bias". layout: "gate_up" (swiglu: a fused
-    gate_up_proj [n, 2F, H] and down_proj [n, H, F], as transformers 5 stores them) or
-    "separate" (the kind's own tensors). n: the experts this process holds — E with thread
+    (w1, w3, w2), "mlp_relu", "mlp_relu_bias", "gpt_oss". layout: "gate_up" (swiglu: a fused
+    gate_up_proj [n, 2F, H] and down_proj [n, H, F], as transformers 5 stores them),
+    "gpt_oss" (gpt_oss: GPT-OSS's interleaved, transposed tensors with their biases, copied
+    into epmoe's layout once per version: LAYOUTS) or "separate" (the kind's own tensors). n: the experts this process holds — E with thread
     ranks (`ranks`), E/R on a torch.distributed `group` (this rank's slots, placement order).
     Ranks, placement, exchange, capacity, pack_weights and the deadline as epmoe.torch.MoE's.
     The tensors are read in place, float32 on the CPU; with pack_weights (the default "auto":
@@ -62,16 +73,19 @@ class Experts(nn.Module):
         self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
         R = _check_sizes(hidden, ffn, experts, top_k, max_tokens, expert, group, exchange_group,
                          ranks)
-        if layout not in LAYOUTS or (layout == "gate_up" and expert != "swiglu"):
-            raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu only) or "
-                             "'separate'")
+        if layout not in LAYOUTS or LAYOUT_EXPERT.get(layout, expert) != expert:
+            raise ValueError(f"epmoe: layout = {layout!r}: must be 'gate_up' (swiglu only), "
+                             "'gpt_oss' (gpt_oss only) or 'separate'")
         if pack_weights not in ("auto", True, False, "bf16"):
             raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
                              "False or 'bf16'")
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.ranks, self.group, self.layout, self.expert_kind = R, group, layout, expert
-        self.bundle = dict(router="softmax", top_k=int(top_k), expert=expert, capacity=capacity,
-                           schedule=schedule, exchange=exchange)  # the router is never run
+        # The router is never run: any the menu pairs with the expert (GPT-OSS's has a logit
+        # bias, given as zeros).
+        router = "gpt_oss" if expert == "gpt_oss" else "softmax"
+        self.bundle = dict(router=router, top_k=int(top_k), expert=expert, capacity=capacity,
+                           schedule=schedule, exchange=exchange)
         found = [b for b in _epmoe.menu() if all(b[k] == v for k, v in self.bundle.items())]
         self.config = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
                            max_tokens=max_tokens, capacity_factor=float(capacity_factor),
@@ -85,6 +99,8 @@ class Experts(nn.Module):
         self._local = 1 if group is not None else R
         self._gate = torch.zeros(experts, hidden)  # the unused router's, and its gradient's
         self._gate_grads = [torch.empty(experts, hidden) for _ in range(self._local)]
+        self._gate_bias = torch.zeros(experts) if router == "gpt_oss" else None
+        self._gate_bias_grads = [torch.empty(experts) for _ in range(self._local)]
         self._exchange = (_exchange_group(group, exchange_group, float(exchange_timeout))
                           if group is not None else (None, None, ""))
         self._pack = pack_weights
@@ -99,12 +115,35 @@ class Experts(nn.Module):
 
     # --- the caller's tensors as the layer's views ----------------------------------------
     def _kind_tensors(self, tensors):
-        """The expert kind's tensors (w1, w3, w2 ...) [n, rows, cols] from the caller's."""
+        """The expert kind's tensors (w1, w3, w2 ...) [n, rows, cols] from the caller's, as
+        views (strided, for a COPIED layout not readable by the layer)."""
         if self.layout == "gate_up":
             gate_up, down = tensors
             F = self.ffn
             return [gate_up[:, :F], gate_up[:, F:], down]
+        if self.layout == "gpt_oss":  # even columns the gate, odd ones up
+            gate_up, gate_up_bias, down, down_bias = tensors
+            return [gate_up[:, :, 0::2].transpose(1, 2), gate_up[:, :, 1::2].transpose(1, 2),
+                    down.transpose(1, 2), gate_up_bias[:, None, 0::2],
+                    gate_up_bias[:, None, 1::2], down_bias[:, None, :]]
         return list(tensors)
+
+    def _layer_tensors(self, tensors):
+        """What the layer reads: the kind's views, or their copies (COPIED layouts), made
+        again only when a caller's tensor is another one or has changed (its _version)."""
+        if self.layout not in COPIED:
+            return [t.detach() for t in self._kind_tensors(tensors)]
+        st = self._state
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        if key != st.copied:
+            views = self._kind_tensors([t.detach() for t in tensors])
+            if st.copies is None:
+                st.copies = [v.contiguous() for v in views]
+            else:  # in place: the layer stays bound to the same memory
+                for c, v in zip(st.copies, views):
+                    c.copy_(v)
+            st.copied = key
+        return st.copies
 
     def _check(self, tensors):
         names = LAYOUTS[self.layout] or EXPERT_TENSORS[self.expert_kind]
@@ -112,7 +151,10 @@ class Experts(nn.Module):
             raise ValueError(f"epmoe: Experts({self.layout}) takes {len(names)} tensors "
                              f"({', '.join(names)}), got {len(tensors)}")
         H, F, n = self.hidden, self.ffn, self.held
-        want = {"gate_up_proj": (n, 2 * F, H), "down_proj": (n, H, F), "w1": (n, F, H),
+        gpt = self.layout == "gpt_oss"
+        want = {"gate_up_proj": (n, H, 2 * F) if gpt else (n, 2 * F, H),
+                "down_proj": (n, F, H) if gpt else (n, H, F),
+                "gate_up_proj_bias": (n, 2 * F), "down_proj_bias": (n, H), "w1": (n, F, H),
                 "w3": (n, F, H), "w2": (n, H, F), "b1": (n, 1, F), "b2": (n, 1, H)}
         for name, t in zip(names, tensors):
             if tuple(t.shape) != want[name]:
@@ -122,18 +164,24 @@ class Experts(nn.Module):
                 raise TypeError(f"epmoe: {name} is {t.dtype} on {t.device}: the experts are "
                                 "read in place as float32 on the CPU")
 
-    def _rank_weights(self, tensors):
-        views = [t.detach() for t in self._kind_tensors(tensors)]
+    def _rank_weights(self, views):
         L = self.experts // self.ranks
-        return [{"gate": self._gate, "experts": [v[r * L:(r + 1) * L] for v in views]}
-                if self._local > 1 else {"gate": self._gate, "experts": views}
-                for r in range(self._local)]
+        out = [{"gate": self._gate, "experts": [v[r * L:(r + 1) * L] for v in views]}
+               if self._local > 1 else {"gate": self._gate, "experts": views}
+               for r in range(self._local)]
+        if self._gate_bias is not None:
+            for d in out:
+                d["gate_bias"] = self._gate_bias
+        return out
 
-    def _prepare(self, tensors):
+    def _prepare(self, params):
         st = self._state
+        if self._layer is None or tuple(t.data_ptr() for t in params) != st.bound_params:
+            self._check(params)
+        st.bound_params = tuple(t.data_ptr() for t in params)
+        tensors = self._layer_tensors(params)
         pointers = tuple((t.data_ptr(), t.stride()) for t in tensors)
         if self._layer is None:
-            self._check(tensors)
             group, store, key = self._exchange
             self._layer = _epmoe.Layer(self.bundle, self.config, self.phy_to_log,
                                        dict(groups=1, top_groups=1, norm_p=1.0, scaling=1.0,
@@ -143,7 +191,6 @@ class Experts(nn.Module):
                                        self._rank_weights(tensors), group,
                                        0 if self.group is not None else self.ranks, store, key)
         elif pointers != st.bound:
-            self._check(tensors)
             self._layer.rebind(self._rank_weights(tensors))
             st.packed = None
         st.bound = pointers
@@ -194,13 +241,21 @@ class Experts(nn.Module):
         frozen = not any(wanted)
         grads = [torch.empty_like(p) for p in params] if not frozen else []
         views = self._kind_tensors(grads) if grads else []
+        if views and self.layout in COPIED:  # the kind's layout, written back below
+            views, back = [torch.empty_like(c) for c in self._state.copies], views
         L = self.experts // self.ranks
         per_rank = [{"gate": self._gate_grads[r],
                      "experts": [v[r * L:(r + 1) * L] for v in views] if self._local > 1 else views}
                     for r in range(self._local)]
+        if self._gate_bias is not None:
+            for r, d in enumerate(per_rank):
+                d["gate_bias"] = self._gate_bias_grads[r]
         dx = torch.empty_like(dy)
         dw = torch.empty_like(weights) if routing_grad else None
         self._layer.backward(dy.contiguous(), dx, per_rank, 0.0, 0.0, 0.0, False, dw)
+        if views and self.layout in COPIED:
+            for b, v in zip(back, views):
+                b.copy_(v)
         none = dy.new_empty((0,))
         return [dx, dw if dw is not None else none] + [
             grads[i] if w else none.clone() for i, w in enumerate(wanted)]

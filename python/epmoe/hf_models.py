@@ -19,6 +19,9 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from . import torch as _et  # first: it imports .experts, which imports it back
+from .experts import LAYOUTS
+
 __all__ = ["IMPLEMENTATION", "register", "use_epmoe", "expert_parallel", "experts_modules",
            "local_experts", "expert_bytes"]
 
@@ -90,8 +93,9 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
     if ex.training != self.training:  # eval packs the expert weights, train reads them
         ex.train(self.training)
     x, ids, w = hidden_states, top_k_index, top_k_weights
+    tensors = [getattr(self, n) for n in LAYOUTS[ex.layout]]
     if group is None:
-        return ex(x, ids, w, self.gate_up_proj, self.down_proj)
+        return ex(x, ids, w, *tensors)
     R, r = group.size(), group.rank()
     counts = _shares(x.shape[0], R)
     start = sum(counts[:r])
@@ -99,7 +103,7 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
     # call (the exchange, the gathers, their backward) with an empty share.
     xs = _TakeShare.apply(x, group, counts, r)
     ws = _TakeShare.apply(w, group, counts, r)
-    ys = ex(xs, ids[start:start + counts[r]], ws, self.gate_up_proj, self.down_proj)
+    ys = ex(xs, ids[start:start + counts[r]], ws, *tensors)
     return _GatherShares.apply(ys, group, counts, r)
 
 
@@ -120,13 +124,38 @@ def experts_modules(model):
                                                             torch.Tensor)]
 
 
+def _check_gpt_oss(where: str, m):
+    """GptOssExperts: transposed, interleaved, biased, the clamped gate of expert::gpt_oss."""
+    from .hf import _GPT_OSS_ALPHA, _GPT_OSS_LIMIT
+
+    for attr, want in (("alpha", _GPT_OSS_ALPHA), ("limit", _GPT_OSS_LIMIT)):
+        if abs(float(getattr(m, attr)) - want) > 1e-6:
+            raise ValueError(_err(f"{where}: {attr} = {getattr(m, attr)!r} (swiglu_{attr}): "
+                                  f"epmoe's gpt_oss expert computes {want}"))
+    gu, down = m.gate_up_proj, m.down_proj
+    E, H, F2 = gu.shape
+    if tuple(down.shape) != (E, F2 // 2, H) or tuple(m.gate_up_proj_bias.shape) != (E, F2) \
+            or tuple(m.down_proj_bias.shape) != (E, H):
+        raise ValueError(_err(f"{where}: gate_up_proj {tuple(gu.shape)}, down_proj "
+                              f"{tuple(down.shape)}: must be [E, H, 2F] and [E, F, H] with "
+                              "biases [E, 2F] and [E, H]"))
+    for t in (gu, down, m.gate_up_proj_bias, m.down_proj_bias):
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(_err(f"{where}: expert weights are {t.dtype} on {t.device}: epmoe "
+                                 "computes in float32 on the CPU"))
+    return "gpt_oss", "gpt_oss"
+
+
 def _check(name: str, m):
-    """epmoe.torch.Experts computes act(x W_gate) * (x W_up) W_down with SiLU, no biases."""
+    """The (expert, layout) of epmoe.torch.Experts computing m: act(x W_gate) * (x W_up) W_down
+    with SiLU and no biases, or GPT-OSS's experts (LAYOUTS["gpt_oss"]); else ValueError."""
     from transformers.integrations.moe import _default_apply_gate
 
     from .hf import _act_name
 
     where = f"{name} ({type(m).__name__})"
+    if type(m).__name__ == "GptOssExperts":
+        return _check_gpt_oss(where, m)
     for flag, want, rule in (("has_gate", True, "epmoe's experts are gated (SwiGLU)"),
                              ("has_bias", False, "epmoe's experts have no biases"),
                              ("is_transposed", False, "gate_up_proj must be [E, 2F, H]"),
@@ -149,6 +178,7 @@ def _check(name: str, m):
     if gu.dtype != torch.float32 or down.dtype != torch.float32 or gu.device.type != "cpu":
         raise TypeError(_err(f"{where}: expert weights are {gu.dtype} on {gu.device}: epmoe "
                              "computes in float32 on the CPU"))
+    return "swiglu", "gate_up"
 
 
 def _top_k(name: str, m, model) -> int:
@@ -185,8 +215,6 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
     pack_weights: epmoe.torch.Experts's. top_k: K where no router beside the experts has it.
     Raises ValueError (TypeError for dtypes) naming the module and the rule for experts
     epmoe cannot compute (biases, a custom gate, another activation, other layouts)."""
-    import epmoe.torch as et
-
     found = experts_modules(model)
     if not found:
         raise ValueError(_err(f"{type(model).__name__} has no transformers 5 experts modules "
@@ -195,20 +223,21 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
         if "_epmoe" in m.__dict__:  # a second call would slice the slices again
             raise ValueError(_err(f"{name}: already runs in epmoe (use_epmoe was called on "
                                   "this model)"))
-        _check(name, m)
+    kinds = [_check(name, m) for name, m in found]
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(_err(f"{type(model).__name__} is not a transformers PreTrainedModel"))
     register()
     R = group.size() if group is not None else 1
     rank = group.rank() if group is not None else 0
     shared = None  # the first module's exchange group, for all (one gloo group, not one a layer)
-    for name, m in found:
-        E, F2, H = m.gate_up_proj.shape
+    for (name, m), (expert, layout) in zip(found, kinds):
+        E = m.gate_up_proj.shape[0]
+        H, F = m.down_proj.shape[1:] if layout == "gate_up" else m.down_proj.shape[:0:-1]
         if E % R:
             raise ValueError(_err(f"{name}: {E} experts: must be a multiple of the group's "
                                   f"{R} ranks"))
         K = top_k or _top_k(name, model=model, m=m)
-        ex = et.Experts(H, F2 // 2, E, K, expert="swiglu", layout="gate_up", group=group,
+        ex = _et.Experts(H, F, E, K, expert=expert, layout=layout, group=group,
                         placement=placement, exchange=exchange, max_tokens=max_tokens,
                         exchange_timeout=exchange_timeout, pack_weights=pack_weights,
                         exchange_group=shared)
@@ -219,7 +248,7 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
         if group is not None:  # keep this rank's slots, in slot order
             idx = torch.tensor(held, dtype=torch.long)
             with torch.no_grad():
-                for pname in ("gate_up_proj", "down_proj"):
+                for pname in LAYOUTS[layout]:
                     old = getattr(m, pname)
                     setattr(m, pname, torch.nn.Parameter(old.detach().index_select(0, idx),
                                                          requires_grad=old.requires_grad))

@@ -48,6 +48,9 @@ MODELS = {
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", {}),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", {}),
     "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", {}),
+    # experts with biases, transposed and interleaved, a clamped gate: copied (Experts' COPIED)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4)),
 }
 
 
@@ -154,6 +157,65 @@ def test_one_process(family):
     assert checked > 10 and any("experts.gate_up_proj" in n for n in want)
 
 
+# --- Experts over GPT-OSS's own tensors ---------------------------------------------------------
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_experts_gpt_oss_layout(ranks):
+    """epmoe.torch.Experts(expert="gpt_oss", layout="gpt_oss") over GptOssExperts' own tensors
+    (gate and up interleaved, transposed, biased; both clamps binding) against its forward and
+    backward (every gradient, in its layout); again after an optimizer step changed them in
+    place (the copies follow their versions); then packed in eval."""
+    from epmoe.torch import Experts
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    H, F, E, K, T = 16, 8, 8, 2, 13
+    ref = GptOssExperts(transformers.GptOssConfig(hidden_size=H, intermediate_size=F,
+                                                  num_local_experts=E, num_experts_per_tok=K))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.3)
+        ref.gate_up_proj.mul_(4.0)  # gate and up past the clamp (7) on both sides
+    names = hf_models.LAYOUTS["gpt_oss"]
+    mine = [torch.nn.Parameter(getattr(ref, n).detach().clone()) for n in names]
+    ex = Experts(H, F, E, K, expert="gpt_oss", layout="gpt_oss", ranks=ranks, max_tokens=64)
+    g = torch.Generator().manual_seed(4)
+    x, dy = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    a = torch.einsum("th,thf->tf", x[:, None].expand(T, K, H).reshape(-1, H),
+                     ref.gate_up_proj[ids.reshape(-1)]) + ref.gate_up_proj_bias[ids.reshape(-1)]
+    bound = [(a[:, 0::2] > 7).sum(), (a[:, 1::2] > 7).sum(), (a[:, 1::2] < -7).sum()]
+    assert all(n > 5 for n in bound), f"clamps binding: {bound}"
+    checked = 0
+    for step in range(2):
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        yr = ref(xr, ids, wr)
+        yr.backward(dy)
+        xm, wm = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        for p in mine:
+            p.grad = None
+        ym = ex(xm, ids, wm, *mine)
+        ym.backward(dy)
+        what = f"{ranks} ranks, step {step}"
+        _close(ym.detach(), yr.detach(), f"{what}: y")
+        _close(xm.grad, xr.grad, f"{what}: dx")
+        _close(wm.grad, wr.grad, f"{what}: dweights")
+        for n, p in zip(names, mine):
+            _close(p.grad, getattr(ref, n).grad, f"{what}: d {n}")
+            checked += 1
+        with torch.no_grad():  # the same SGD step on both, in place
+            for n, p in zip(names, mine):
+                q = getattr(ref, n)
+                q -= 0.5 * q.grad
+                p -= 0.5 * p.grad
+                q.grad = None
+    assert checked == 2 * len(names)
+    ex.eval()
+    with torch.inference_mode():
+        _close(ex(x, ids, w, *mine), ref(x, ids, w), f"{ranks} ranks: y in eval, packed")
+
+
 # --- two processes ---------------------------------------------------------------------------
 
 ONE_ROW = ("mixtral", "deepseek_v3", "qwen3_next")  # also a batch of 1 (1 token per step)
@@ -208,10 +270,20 @@ def test_two_processes():
 
 def test_refuses_experts_epmoe_cannot_compute():
     c = transformers.GptOssConfig(**{k: v for k, v in BASE.items()
-                                     if k in _fields(transformers.GptOssConfig)})
-    model = transformers.GptOssForCausalLM(c)
-    with pytest.raises(ValueError, match="has_bias = True|is_transposed"):
-        hf.use_epmoe(model)
+                                     if k in _fields(transformers.GptOssConfig)},
+                                  swiglu_limit=5.0)
+    with pytest.raises(ValueError, match=r"limit = 5.0 \(swiglu_limit\): epmoe's gpt_oss"):
+        hf.use_epmoe(transformers.GptOssForCausalLM(c))
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as v4
+    c = transformers.DeepseekV4Config(hidden_size=16, intermediate_size=8, num_local_experts=4,
+                                      num_experts_per_tok=2)
+    with pytest.raises(ValueError, match="its own _apply_gate"):
+        hf_models._check("experts", v4.DeepseekV4Experts(c))
+    m = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{
+        k: v for k, v in BASE.items() if k in _fields(transformers.MixtralConfig)}))
+    m.model.layers[0].mlp.experts.has_bias = True
+    with pytest.raises(ValueError, match="has_bias = True"):
+        hf.use_epmoe(m)
     with pytest.raises(ValueError, match="no transformers 5 experts"):
         hf.use_epmoe(transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
