@@ -25,6 +25,7 @@
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/core/weighting.hpp"
 #include "epmoe/core/workspace.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/parts/home.hpp"
@@ -74,6 +75,9 @@ class moe_layer {
   using comm_type = typename Policies::comm;
   using expert_type = typename Policies::expert;
   using schedule_type = typename Policies::schedule;
+  /// Where the routing weight applies: the expert's output (weighting::output, the default) or
+  /// its input (weighting::input, Llama 4); core/weighting.hpp.
+  using weighting_type = decltype(detail::weighting_of<Policies>());
   /// Element type of activations and weights (float on the host; float/bf16/fp16 on CUDA).
   using value_type = typename space_type::value_type;
 
@@ -101,6 +105,10 @@ class moe_layer {
                 "epmoe: per-rank dedup sends one row per (token, rank), which does not combine "
                 "with padded capacity (fixed rows per expert): use capacity::factor<false> or "
                 "capacity::dropless with dedup");
+  static_assert(!(dedup && weighting_type::weighted_send == weighting::direction::forward),
+                "epmoe: weighting::input scales each assignment's row by its own weight, and "
+                "per-rank dedup sends one row per (token, rank), which cannot carry two scales: "
+                "use the flat exchange (options.dedup = false, hierarchical = false)");
   /// Whether the comm can start an exchange and wait for it later; without it every exchange
   /// blocks and a pipelined schedule has nothing to overlap.
   static constexpr bool async_comm = transport<comm_type, space_type>::async;
@@ -159,7 +167,7 @@ class moe_layer {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_token_ids<router_type>(token_ids, x.rows);
       router_.check_token_ids(space_, token_ids);
-      router_.check(cfg_, space_, store_.views().noise_gate);
+      router_.check(space_, store_.views().noise_gate);
     });
   }
 
@@ -174,7 +182,7 @@ class moe_layer {
                       matrix_view<value_type> y, const forward_options& opt = {}) {
     return parts::forward_stages<moe_layer>::run(*this, x, y, {}, &routing, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
-      parts::check_given_routing(routing, x.rows, cfg_.experts, layout_.width);
+      parts::check_given_routing(routing, x.rows, cfg_.scored_experts(), layout_.width);
     });
   }
 
@@ -330,7 +338,7 @@ class moe_layer {
   /// forward). It starts as the constructor's router.bias (or zeros). Every rank must hold
   /// the same.
   std::span<float> router_bias() requires router_with_bias<router_type> {
-    return router_.bias(cfg_, space_);
+    return router_.bias(space_);
   }
 
   /// Collective live re-placement (placement::table): switches to `next` (same experts, ranks
@@ -376,7 +384,7 @@ class moe_layer {
     std::span<const index_t> load;
     stages::side_call(
         *this, call_kind::update_router, [] {},
-        [&] { load = router_.update_bias(comm_, space_, cfg_, plan_.host().routed); });
+        [&] { load = router_.update_bias(comm_, space_, plan_.host().routed); });
     return load;
   }
 

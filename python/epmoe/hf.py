@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from . import hf_fused
+from . import hf_fused, hf_mechanisms
 
 __all__ = ["FAMILIES", "family_of", "options", "logical_tensors", "hf_state_dict",
            "module_tensors", "from_hf", "from_hf_state_dict",
@@ -46,6 +46,7 @@ FAMILIES = {
     "NllbMoeSparseMLP": "nllb_moe",
     **hf_fused.FAMILIES,  # DeepSeek-V2/V3, Qwen3-Next, GLM-4-MoE, ... (epmoe/hf_fused.py)
     "GptOssMLP": "gpt_oss",
+    **hf_mechanisms.FAMILIES,  # LongCat-Flash, Llama 4 (epmoe/hf_mechanisms.py)
 }
 # GPT-OSS's gate constants, as the menu's gpt_oss expert compiles them (expert::gpt_oss_clamp).
 _GPT_OSS_ALPHA, _GPT_OSS_LIMIT = 1.702, 7.0
@@ -124,6 +125,8 @@ def options(family: str, hf_config, **overrides) -> dict:
     o: dict = {}
     if family in hf_fused.SPECS:
         o = hf_fused.options(family, f, _require, _act)
+    elif family in hf_mechanisms.NAMES:
+        o = hf_mechanisms.options(family, f, _require, _act)
     elif family in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "jetmoe"):
         o = dict(hidden=f("hidden_size"), ffn=f("intermediate_size"),
                  experts=f("num_local_experts"), top_k=f("num_experts_per_tok"),
@@ -271,7 +274,7 @@ _QWEN_SHARED = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"
 
 def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_config,
                     prefix: str = "", *, opts: Optional[dict] = None) -> dict:
-    """load_logical()'s tensors (gate [E, H]; w1, w3 [E, F, H]; w2 [E, H, F]; b1, b3 [E, 1, F];
+    """load_logical()'s tensors (gate [E + Z, H]; w1, w3 [E, F, H]; w2 [E, H, F]; b1, b3 [E, 1, F];
     b2 [E, 1, H]; shared_* [1, ...]; shared_gate [1, H]; output_bias [H]; gate_bias [E]) from a block's
     state dict, its keys under `prefix`. opts: the MoE options (default options(family,
     hf_config)). A missing key raises KeyError and a wrong shape ValueError, each naming the
@@ -286,6 +289,8 @@ def logical_tensors(family: str, state_dict: Mapping[str, torch.Tensor], hf_conf
     t: dict = {}
     if family in hf_fused.SPECS:
         t = hf_fused.logical_tensors(family, get, o, _shared_prefix(prefix))
+    elif family in hf_mechanisms.NAMES:
+        t = hf_mechanisms.logical_tensors(family, get, o)
     elif family in _FUSED_ROUTER:
         fused = get("experts.gate_up_proj", (E, 2 * F, H))
         t = dict(gate=get(_FUSED_ROUTER[family], (E, H)), w1=fused[:, :F], w3=fused[:, F:],
@@ -362,6 +367,8 @@ def hf_state_dict(family: str, tensors: Mapping[str, torch.Tensor], hf_config, p
     if family in hf_fused.SPECS:
         out, extra = hf_fused.hf_state_dict(family, t, opts, _shared_prefix(prefix),
                                             gradients)
+    elif family in hf_mechanisms.NAMES:
+        out = hf_mechanisms.hf_state_dict(family, t, opts, gradients)
     elif family in _FUSED_ROUTER:
         out = {_FUSED_ROUTER[family]: t["gate"],
                "experts.gate_up_proj": torch.cat([t["w1"], t["w3"]], 1),
@@ -453,6 +460,8 @@ def _block_config(family: str, b, shared_mlp=None):
     """The config fields options() reads, from a block's attributes and weights."""
     if family in hf_fused.SPECS:
         return hf_fused.block_config(family, b, shared_mlp, _act_name, _err)
+    if family in hf_mechanisms.NAMES:
+        return hf_mechanisms.block_config(family, b, _act_name)
     if family == "aria":  # the shared MLP keeps the text config
         return b.shared_experts.config
     if family in ("mixtral", "phimoe", "granitemoe", "granitemoeshared"):

@@ -121,10 +121,13 @@ class MoE(nn.Module):
     top-k probabilities as they are: Qwen1.5/2-MoE, Jamba, OLMoE, Switch), sigmoid_bias
     (DeepSeek-V3, LFM2-MoE with eps), sqrtsoftplus_bias (DeepSeek-V4), sqrtsoftplus_table
     (DeepSeek-V4's hash layers: router_table [vocab, K], forward(x, token_ids)), softmax_bias
-    (ERNIE 4.5 with norm_min, LongCat-Flash), logit_sigmoid (Kolibri, the Llama 4 router),
-    sparsemixer (PhiMoE, forward only), sinkhorn, gpt_oss; the scored routers' weights are
-    divided by max(sum + eps, norm_min) when `normalize`; expert in swiglu, mlp_relu,
-    mlp_relu_bias, gpt_oss, deepseek_v4 (clamped SwiGLU); capacity in dropless, factor, padded; schedule in sequential, pipelined;
+    (ERNIE 4.5 with norm_min), logit_sigmoid (Kolibri), llama4 (top-k of the logits, σ(logit)
+    scaling each expert's input: Llama 4), longcat_flash (softmax over experts + zero_experts,
+    selection on p + router_bias, times scaling: LongCat-Flash), sparsemixer (PhiMoE, forward
+    only), sinkhorn, gpt_oss; the scored routers' weights are divided by max(sum + eps,
+    norm_min) when `normalize`; expert in swiglu, mlp_relu, mlp_relu_bias, gpt_oss,
+    deepseek_v4 (clamped SwiGLU); capacity in dropless, factor, padded; schedule in
+    sequential, pipelined;
     exchange in flat, dedup (a token sends one row to each rank holding any of its experts),
     hierarchical (one row per node of `ranks_per_node` consecutive ranks crosses between
     nodes, fanned out inside the node; docs/architecture.md). An unknown combination raises
@@ -138,9 +141,11 @@ class MoE(nn.Module):
     collectives on `group`, DDP's, may be in flight meanwhile), or the one passed (`group`
     itself to share it). exchange_timeout: seconds an exchange waits for its peers before
     raising CommTimeout (0: no deadline); a rank that fails mid-pass makes its peers' waits
-    raise CommAborted (docs/pytorch.md, "Errors"). Parameters: gate [E, H]; w1, w3 [L, F, H], w2
+    raise CommAborted (docs/pytorch.md, "Errors"). zero_experts: Z zero-computation (identity)
+    experts (LongCat-Flash): the router scores E + Z; a token's pick e >= E adds weight * x and
+    sends no row. Parameters: gate [E + Z, H]; w1, w3 [L, F, H], w2
     [L, H, F] (this process's slots in slot order; `expert_ids` names each slot's expert);
-    shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H]; gate_bias [E]
+    shared_w1/_w3/_w2 [N, Fs, H] ...; shared_gate [N, H]; output_bias [H]; gate_bias [E + Z]
     (router="gpt_oss": the bias on the gate's logits, replicated like the gate).
 
     pack_weights: whether the layer keeps packed copies of the expert weights (a second copy,
@@ -163,9 +168,11 @@ class MoE(nn.Module):
                  schedule: str = "sequential", exchange: str = "flat", ranks_per_node: int = 0,
                  placement: Union[str, Sequence[int]] = "block",
                  capacity_factor: float = 1.0, chunks: int = 0, shared_experts: int = 0,
+                 zero_experts: int = 0,
                  shared_ffn: int = 0, shared_gate: bool = False, output_bias: bool = False,
                  groups: int = 1, top_groups: int = 1, norm_p: float = 1.0, scaling: float = 1.0,
-                 group_by: str = "top2_sum", normalize: bool = True, group_mask: str = "minus_inf",
+                 group_by: str = "top2_sum", normalize: Optional[bool] = None,
+                 group_mask: str = "minus_inf",
                  router_bias: Optional[Sequence[float]] = None, bias_update: float = 0.0,
                  eps: float = 0.0, norm_min: float = 0.0, router_table=None,
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
@@ -182,6 +189,18 @@ class MoE(nn.Module):
             raise ValueError(f"epmoe: group_by = {group_by!r}: must be 'top2_sum' or 'max'")
         if group_mask not in ("minus_inf", "zero"):
             raise ValueError(f"epmoe: group_mask = {group_mask!r}: must be 'minus_inf' or 'zero'")
+        if router in ("llama4", "longcat_flash"):  # their weights are not renormalised
+            if normalize:
+                raise ValueError(f"epmoe: normalize = True: router {router!r} does not "
+                                 "renormalise its weights")
+            normalize = False
+        normalize = True if normalize is None else normalize
+        if int(zero_experts) < 0:
+            raise ValueError(f"epmoe: zero_experts = {zero_experts}: must be >= 0")
+        if router_bias is not None and len(router_bias) != experts + int(zero_experts):
+            raise ValueError(f"epmoe: router_bias has {len(router_bias)} values: must have one per "
+                             f"scored expert (experts + zero_experts = "
+                             f"{experts + int(zero_experts)})")
         if exchange not in ("flat", "dedup", "hierarchical"):
             raise ValueError(f"epmoe: exchange = {exchange!r}: must be 'flat', 'dedup' or "
                              "'hierarchical'")
@@ -192,8 +211,10 @@ class MoE(nn.Module):
         self.hidden, self.ffn, self.experts, self.top_k = hidden, ffn, experts, top_k
         self.ranks, self.rank, self.group = R, rank, group
         self.shared_experts, self.shared_ffn = shared_experts, shared_ffn or ffn
+        self.zero_experts = int(zero_experts)
         self.expert_kind, self.bundle = expert, entry
-        self.config = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
+        self.config = dict(hidden=hidden, ffn=ffn, experts=experts, zero_experts=int(zero_experts),
+                           top_k=top_k,
                            max_tokens=max_tokens, capacity_factor=float(capacity_factor),
                            shared_experts=shared_experts, shared_ffn=shared_ffn,
                            shared_gate=bool(shared_gate), output_bias=bool(output_bias),
@@ -214,9 +235,10 @@ class MoE(nn.Module):
         self.register_buffer("expert_ids", torch.tensor(held, dtype=torch.long), persistent=False)
 
         n = len(held)
-        self.gate = nn.Parameter(torch.empty(experts, hidden))
+        scored = experts + self.zero_experts  # the router scores the zero experts too
+        self.gate = nn.Parameter(torch.empty(scored, hidden))
         if router in GATE_BIAS_ROUTERS:
-            self.gate_bias = nn.Parameter(torch.empty(experts))
+            self.gate_bias = nn.Parameter(torch.empty(scored))
         for name in EXPERT_TENSORS[expert]:
             setattr(self, name, nn.Parameter(torch.empty(_shape(name, n, hidden, ffn))))
         if shared_experts:
@@ -300,7 +322,7 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def load_logical(self, tensors: dict, *, source: str = "tensors"):
-        """Copies full, logical-order tensors into this module's parameters: gate [E, H];
+        """Copies full, logical-order tensors into this module's parameters: gate [E + Z, H];
         w1, w3 [E, F, H], w2 [E, H, F], b1 [E, 1, F], b2 [E, 1, H] (every expert: this
         module keeps the slots it holds, expert_ids); shared_w1 ... [N, ...]; shared_gate
         [N, H]; output_bias [H]. Every parameter must be given; a missing key raises KeyError
@@ -551,7 +573,9 @@ class MoE(nn.Module):
 
     def extra_repr(self):
         b = self.bundle
-        return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}, top_k={self.top_k}, "
+        zero = f", zero_experts={self.zero_experts}" if self.zero_experts else ""
+        return (f"hidden={self.hidden}, ffn={self.ffn}, experts={self.experts}{zero}, "
+                f"top_k={self.top_k}, "
                 f"router={b['router']}, expert={b['expert']}, capacity={b['capacity']}, "
                 f"schedule={b['schedule']}, ranks={self.ranks}")
 

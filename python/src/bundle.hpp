@@ -12,6 +12,7 @@
 
 #include "epmoe/epmoe.hpp"
 #include "epmoe/reference/forward.hpp"
+#include "epmoe/reference/scaled_input.hpp"
 #include "layers.hpp"
 
 namespace epmoe::py {
@@ -23,12 +24,13 @@ inline const char* name_of(exchange_kind x) {
 }
 
 template <class Router, class Expert, class Capacity, class Schedule,
-          exchange_kind X = exchange_kind::flat>
+          exchange_kind X = exchange_kind::flat, class Weighting = weighting::output>
 struct policies : default_policies {
   using router = Router;
   using expert = Expert;
   using capacity = Capacity;
   using schedule = Schedule;
+  using weighting = Weighting;
   using placement = epmoe::placement::table;
   using comm = epmoe::comm::any;
   static constexpr layer_options options{.dedup = X == exchange_kind::dedup,
@@ -64,9 +66,10 @@ inline constexpr bool trains = requires {
 }
 &&(!Router::uses_gate || router_with_backward<Router>);
 
-template <class Router, class Expert, class Capacity, class Schedule, exchange_kind X>
+template <class Router, class Expert, class Capacity, class Schedule, exchange_kind X,
+          class Weighting>
 class layer_of final : public any_layer {
-  using P = policies<Router, Expert, Capacity, Schedule, X>;
+  using P = policies<Router, Expert, Capacity, Schedule, X, Weighting>;
   using layer = moe_layer<P>;
 
  public:
@@ -165,10 +168,10 @@ class layer_of final : public any_layer {
 
 /// The menu entry of one bundle.
 template <class Router, class Expert, class Capacity, class Schedule,
-          exchange_kind X = exchange_kind::flat>
+          exchange_kind X = exchange_kind::flat, class Weighting = weighting::output>
 bundle entry(std::string router, std::string expert, std::string capacity, std::string schedule,
              std::vector<std::string> tensors) {
-  using L = layer_of<Router, Expert, Capacity, Schedule, X>;
+  using L = layer_of<Router, Expert, Capacity, Schedule, X, Weighting>;
   bundle b;
   b.exchange = name_of(X);
   b.router = std::move(router);
@@ -185,10 +188,16 @@ bundle entry(std::string router, std::string expert, std::string capacity, std::
   b.reference = [](const layer_args& a, const reference::full_weights& w,
                    matrix_view<const float> x, std::span<const index_t> tokens_per_rank,
                    matrix_view<const float> dy, const loss_scales& scales) {
-    const Router router = make_router<Router>(a.router);
-    const placement::table where(a.cfg.experts, a.cfg.ranks, a.phy_to_log);
     reference_result out;
     out.y.resize(static_cast<std::size_t>(x.rows * x.cols));
+    if constexpr (std::same_as<Weighting, weighting::input>) {  // Llama 4's block
+      const reference::llama4_result r = reference::llama4_block(w, Router::top_k, x, dy);
+      std::copy(r.y.begin(), r.y.end(), out.y.begin());
+      if (dy.data) out.grads = r.g;
+      return out;
+    }
+    const Router router = make_router<Router>(a.router);
+    const placement::table where(a.cfg.experts, a.cfg.ranks, a.phy_to_log);
     reference::forward<Expert>(w, router, Capacity{}, where, x, tokens_per_rank,
                                matrix_view<float>{out.y.data(), x.rows, x.cols});
     if constexpr (reference::router_with_losses<Router>)

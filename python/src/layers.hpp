@@ -144,6 +144,7 @@ void add_other_bundles(std::vector<bundle>& menu);
 void add_gpt_oss_bundles(std::vector<bundle>& menu);
 void add_exchange_bundles(std::vector<bundle>& menu);
 void add_scored_bundles(std::vector<bundle>& menu);
+void add_longcat_llama4_bundles(std::vector<bundle>& menu);
 
 inline std::vector<bundle> menu() {
   std::vector<bundle> m;
@@ -152,6 +153,7 @@ inline std::vector<bundle> menu() {
   add_gpt_oss_bundles(m);
   add_exchange_bundles(m);
   add_scored_bundles(m);
+  add_longcat_llama4_bundles(m);
   return m;
 }
 

@@ -97,6 +97,7 @@ rank_grads grads_of(const ::py::dict& d, const std::string& who) {
   ::py::dict d;
   d["tokens"] = s.tokens;
   d["assignments"] = s.assignments;
+  d["zero_expert_assignments"] = s.zero_expert_assignments;
   d["dropped"] = s.dropped;
   d["capacity"] = s.capacity ? ::py::cast(*s.capacity) : ::py::none();
   d["padding_rows"] = s.padding_rows;
@@ -144,6 +145,7 @@ layer_config config_of(const ::py::dict& c) {
   cfg.hidden = c["hidden"].cast<int>();
   cfg.ffn = c["ffn"].cast<int>();
   cfg.experts = c["experts"].cast<int>();
+  if (c.contains("zero_experts")) cfg.zero_experts = c["zero_experts"].cast<int>();
   cfg.top_k = c["top_k"].cast<int>();
   cfg.max_tokens = c["max_tokens"].cast<int>();
   cfg.capacity_factor = c["capacity_factor"].cast<double>();

@@ -124,6 +124,15 @@ def _make(family, variant=None):
                                vocab_size=VOCAB, num_hidden_layers=2,
                                mlp_layer_types=["hash_moe", "moe"], **EAGER)
         b = _mod(family).DeepseekV4SparseMoeBlock(c, 0 if variant == "hash" else 1)
+    elif family == "longcat_flash":  # 4 routed + 2 zero (identity) experts, scaling 2.5
+        c = T.LongcatFlashConfig(hidden_size=H, expert_ffn_hidden_size=16, n_routed_experts=4,
+                                 zero_expert_num=2, moe_topk=2, routed_scaling_factor=2.5,
+                                 **EAGER)
+        b = _mod(family).LongcatFlashMoE(c)
+    elif family == "llama4":  # top-1 (Scout and Maverick), a shared expert
+        c = T.Llama4TextConfig(hidden_size=H, intermediate_size=16, num_local_experts=4,
+                               num_experts_per_tok=1, **EAGER)
+        b = _mod(family).Llama4TextMoe(c)
     else:
         raise AssertionError(family)
     modules = [b] + ([shared_mlp] if shared_mlp is not None else [])
@@ -145,6 +154,11 @@ def _make(family, variant=None):
                 g = torch.Generator().manual_seed(5)
                 b.gate.tid2eid.copy_(torch.stack([torch.randperm(8, generator=g)[:2]
                                                   for _ in range(VOCAB)]))
+        if family == "longcat_flash":
+            # The zero experts' gate_up_proj rows are never read (nn.Identity): zeros, as
+            # epmoe.hf writes them back. A selection bias of the probabilities' size.
+            b.experts.gate_up_proj[b.experts.num_routed_experts:] = 0
+            b.router.e_score_correction_bias.mul_(0.2)
     return c, b, shared_mlp
 
 
@@ -267,7 +281,7 @@ def _hf_forward(family, block, shared_mlp, x3):
         out = block(x3, input_ids=TOKENS.view(B, S))
     else:
         out = _nllb_reference(block, x3) if family == "nllb_moe" else block(x3)
-    y = out[0] if isinstance(out, tuple) else out
+    y = (out[0] if isinstance(out, tuple) else out).reshape(x3.shape)  # Llama 4's: [T, H]
     if shared_mlp is not None:  # GraniteMoE-shared's decoder layer adds its shared MLP
         y = y + shared_mlp(x3)
     return y
@@ -313,7 +327,7 @@ FAMILY_CASES = [
     ("jamba", None, True), ("dbrx", 1.0, True), ("dbrx", 2.0, True), ("granitemoe", None, True),
     ("granitemoeshared", None, True), ("jetmoe", None, True), ("aria", None, True),
     ("phimoe", None, False), ("switch_transformers", None, True), ("nllb_moe", None, True),
-    ("gpt_oss", None, True),
+    ("gpt_oss", None, True), ("longcat_flash", None, True), ("llama4", None, True),
 ] + [(f, None, True) for f in FUSED_CONFIGS] + [
     ("cohere2_moe", _COHERE_SIGMOID, True),
     ("cohere2_moe", dict(_COHERE_SIGMOID, expert_selection_fn="softmax",
@@ -419,7 +433,7 @@ def test_nllb_block_width_from_its_weights():
     close(moe(x)[0], _hf_run("nllb_moe", block, None, x, None, False)[0], "nllb width: y")
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss", "longcat_flash", "llama4"])
 def test_thread_ranks(family):
     """from_hf(ranks=2): two thread ranks (12 tokens each), experts placed round robin (the
     slots are not in logical order), equal HF's block."""
@@ -488,10 +502,13 @@ def _two_ranks(rank, world, group, cases):
 
 def test_two_processes():
     """Mixtral, Qwen2-MoE, DeepSeek-V3 (sigmoid, bias, groups, shared experts), Qwen3-Next
-    (gated shared expert) and GPT-OSS on 2 gloo processes, experts split: each rank's y and dx
-    equal HF's rows, its experts' gradients HF's, the gate's (and shared) summed over ranks HF's."""
+    (gated shared expert), GPT-OSS, ERNIE 4.5, LFM2-MoE, Kolibri, DeepSeek-V4 (top-k and hash),
+    LongCat-Flash (zero experts) and Llama 4 (score-scaled input, a shared expert) on 2 gloo
+    processes, experts split: each rank's y and dx equal HF's rows, its experts' gradients HF's,
+    the gate's (and shared) summed over ranks HF's."""
     families = ["mixtral", "qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "ernie4_5_moe",
-                "lfm2_moe", "kolibri1", "deepseek_v4", ("deepseek_v4", "hash")]
+                "lfm2_moe", "kolibri1", "deepseek_v4", ("deepseek_v4", "hash"), "longcat_flash",
+                "llama4"]
     x, dy = _inputs()
     cases = []
     for family in families:
@@ -513,6 +530,42 @@ def test_two_processes():
 
 
 # --- errors ---------------------------------------------------------------------------------
+
+def test_longcat_flash_zero_experts_send_no_rows():
+    """LongCat-Flash's zero experts: the module counts them apart (zero_expert_assignments),
+    the rows it sends are the real experts' picks only, and a token that picks only zero
+    experts gets (sum of its weights) * x."""
+    config, block, _ = _make("longcat_flash")
+    x, _ = _inputs()
+    moe = MoE.from_hf(block)
+    assert moe.zero_experts == 2 and tuple(moe.gate.shape) == (6, H)
+    y, _ = moe(x)
+    st = moe.stats()
+    p = (x @ moe.gate.detach().t()).softmax(-1)
+    picks = (p + block.router.e_score_correction_bias).topk(2, dim=-1).indices
+    zero = int((picks >= 4).sum())
+    assert zero > 0 and st["zero_expert_assignments"] == zero
+    assert st["assignments"] == picks.numel() - zero == sum(st["rows_sent"])
+    only_zero = (picks >= 4).all(-1)
+    assert only_zero.any(), "pick a seed with a token on zero experts only"
+    w = p.gather(1, picks) * 2.5
+    close(y[only_zero], (w.sum(-1, keepdim=True) * x)[only_zero], "zero experts only: y")
+
+
+def test_zero_experts_and_llama4_arguments_named():
+    """MoE's rules for zero experts and the llama4 router, each naming the argument."""
+    kw = dict(hidden=8, ffn=8, experts=4, max_tokens=8)
+    with pytest.raises(ValueError, match="zero_experts = -1"):
+        MoE(**kw, top_k=2, router="longcat_flash", zero_experts=-1)
+    with pytest.raises(ValueError, match="router_bias has 4 values"):
+        MoE(**kw, top_k=2, router="longcat_flash", zero_experts=2, router_bias=[0.0] * 4)
+    with pytest.raises(ValueError, match="normalize = True"):
+        MoE(**kw, top_k=1, router="llama4", normalize=True)
+    with pytest.raises(ValueError, match="exchange=dedup"):  # not in the menu: two scales a row
+        MoE(**kw, top_k=1, router="llama4", exchange="dedup")
+    moe = MoE(**kw, top_k=2, router="longcat_flash", zero_experts=2, router_bias=[0.0] * 6)
+    assert tuple(moe.gate.shape) == (6, 8) and "zero_experts=2" in repr(moe)
+
 
 def test_missing_key_names_it():
     config, block, _ = _make("mixtral")
@@ -553,8 +606,8 @@ def test_unknown_block_and_family():
         hf.family_of(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="Linear"):
         hf.from_hf(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="family = 'llama4'"):
-        hf.from_hf_state_dict({}, {}, "llama4")
+    with pytest.raises(ValueError, match="family = 'zaya'"):  # a block epmoe does not load
+        hf.from_hf_state_dict({}, {}, "zaya")
 
 
 @pytest.mark.parametrize("family,change,field", [

@@ -35,7 +35,12 @@ void check_layer_policies(const layer_config& cfg, int comm_size, const Router& 
   detail::require(
       cfg.ranks == comm_size, "ranks", cfg.ranks,
       ("must equal the communicator's size (" + std::to_string(comm_size) + ")").c_str());
-  if constexpr (router_with_validate<Router>) router.validate(cfg);
+  // Zero experts are scored by the gate like the routed ones and picked per token.
+  if (cfg.zero_experts > 0)
+    detail::require(Router::uses_gate && Router::top_k > 0, "zero_experts", cfg.zero_experts,
+                    "needs a router that scores every expert from its gate and picks top_k per "
+                    "token (not expert choice, hash or another gate-less router)");
+  if constexpr (router_with_validate<Router>) router.validate(cfg.router_view());
 }
 
 /// One value every rank must hold identically, with the name reported when they differ.
@@ -118,6 +123,7 @@ void agree_on_layer(const layer_config& cfg, Comm& comm, const Placement& placem
       {"hidden", cfg.hidden},
       {"ffn", cfg.ffn},
       {"experts", cfg.experts},
+      {"zero_experts", cfg.zero_experts},
       {"top_k", cfg.top_k},
       {"ranks", cfg.ranks},
       {"max_tokens", cfg.max_tokens},

@@ -15,6 +15,9 @@ struct layer_config {
   int hidden = 0;                 // H: model width of a token row
   int ffn = 0;                    // F: inner width of each expert FFN
   int experts = 0;                // E: logical routed experts (the placement spreads them)
+  int zero_experts = 0;           // Z: zero-computation experts (LongCat-Flash): the router
+                                  // scores E + Z (gate [E + Z, H]); a token's pick e >= E adds
+                                  // weight · x at home and is never dispatched
   int top_k = 0;                  // K: experts per token (must equal the router's top_k)
   int ranks = 1;                  // R: expert-parallel ranks
   int max_tokens = 0;             // most tokens one rank passes to forward(); sizes the workspace
@@ -41,6 +44,15 @@ struct layer_config {
                                   // minutes: far past any pass, short of a job's time limit
 
   int experts_per_rank() const { return experts / ranks; }
+  /// Experts the router scores and picks from: the routed ones and the zero experts.
+  int scored_experts() const { return experts + zero_experts; }
+  /// The config as the router sees it: E + Z experts (its gate, logits, bias, losses).
+  layer_config router_view() const {
+    layer_config c = *this;
+    c.experts = scored_experts();
+    c.zero_experts = 0;
+    return c;
+  }
   int shared_width() const { return shared_ffn > 0 ? shared_ffn : ffn; }
 
   /// Throws config_error naming the first field that breaks its rule.
@@ -50,8 +62,9 @@ struct layer_config {
     require(ffn > 0, "ffn", ffn, "must be > 0");
     require(experts > 0, "experts", experts, "must be > 0");
     require(top_k >= 1, "top_k", top_k, "must be >= 1");
-    require(top_k <= experts, "top_k", top_k,
-            "must be <= experts (a token picks distinct experts)");
+    require(zero_experts >= 0, "zero_experts", zero_experts, "must be >= 0");
+    require(top_k <= scored_experts(), "top_k", top_k,
+            "must be <= experts + zero_experts (a token picks distinct experts)");
     require(ranks >= 1, "ranks", ranks, "must be >= 1");
     require(max_tokens >= 1, "max_tokens", max_tokens, "must be >= 1");
     require(std::isfinite(capacity_factor) && capacity_factor > 0, "capacity_factor",

@@ -54,7 +54,8 @@ struct dispatch_plan {
   index_t* recv_offsets = nullptr;     // [C*R*L+1]
   index_t* expert_offsets = nullptr;   // [C*L+1]: first row of (chunk, local slot), expert-major
   index_t* regroup_offsets = nullptr;  // [C*R*L]: expert-major row of receive block b
-  index_t* routed = nullptr;           // [E]: assignments per logical expert, before capacity
+  index_t* routed = nullptr;           // [E+Z]: assignments per logical expert (zero experts
+                                       //   last), before capacity
 
   // Per-rank dedup only: a token sends one row to each rank holding any of its experts.
   std::int32_t* unique_slot = nullptr;     // [T*K]: unique send row of (t,k); -1 if dropped
@@ -77,9 +78,11 @@ struct dispatch_plan {
   index_t* node_counts = nullptr;      // [C*N]: node rows per (chunk, node)
   index_t* node_offsets = nullptr;     // [C*N+1]
 
-  index_t assignments = 0;  // (token, expert) pairs routed; empty slots excluded
-  index_t dropped = 0;      // assignments past capacity
-  index_t padding = 0;      // padding rows this rank sends
+  index_t assignments = 0;       // (token, expert) pairs routed to real experts; empty slots and
+                                 //   zero experts excluded
+  index_t zero_assignments = 0;  // (token, zero expert) pairs: added at home, never sent
+  index_t dropped = 0;           // assignments past capacity
+  index_t padding = 0;           // padding rows this rank sends
 
   EPMOE_HD int block(int c, int r, int j) const { return (c * ranks + r) * local_experts + j; }
   EPMOE_HD int nodes() const { return ranks_per_node > 0 ? ranks / ranks_per_node : 1; }
@@ -145,7 +148,7 @@ struct device_plan {
   index_t* send_counts = nullptr;          // [C*R*L]
   index_t* send_valid = nullptr;           // [C*R*L]
   index_t* send_offsets = nullptr;         // [C*R*L+1]
-  index_t* routed = nullptr;               // [E]
+  index_t* routed = nullptr;               // [E+Z]
   index_t* unique_counts = nullptr;        // [C*R]
   index_t* unique_offsets = nullptr;       // [C*R+1]
   index_t* recv_counts = nullptr;          // [C*R*L]
@@ -174,7 +177,8 @@ struct plan_scratch {
 namespace plan_ops {
 
 /// Assignment a = t*K + k: the copy (physical slot) that serves it and its key, the block
-/// (chunk, slot) it is sent in; empty slots (no_expert) get key B, after every block.
+/// (chunk, slot) it is sent in; empty slots (no_expert) and zero experts (e >= E: added at
+/// home) get key B, after every block, and no copy.
 template <class Placement>
 struct assign_keys {
   const std::int32_t* ids;
@@ -184,10 +188,11 @@ struct assign_keys {
   token_origin origin;
   std::int32_t* phys;
   std::int32_t* keys;
+  int experts;  // E: ids at or past it are zero experts
   EPMOE_HD void operator()(index_t a) const {
     const index_t t = a / K;
     const int e = ids[a];
-    if (e == no_expert) {
+    if (e == no_expert || e >= experts) {
       phys[a] = -1;
       keys[a] = B;
       return;
@@ -365,20 +370,21 @@ using plan_ops::pack_meta;
 /// Builds the send side of a plan in the space's memory from a routing (also there), in
 /// token order (the order capacity drops follow, whatever the chunks): each assignment to
 /// expert e goes to the copy the placement picks (slot_for) while fewer than `limit` rows
-/// went there; later ones are dropped. With `pad_rows` > 0 (>= limit), every slot sends that
-/// many rows (the padding in the last chunk, token -1). As keys, a stable sort and scans, so a
-/// device runs the same steps as the host. Fills the arrays of `d` and the per-assignment arrays of
-/// `p`; the host's per-block arrays and counts follow from them (mirror, then count_send_plan).
+/// went there; later ones are dropped. Ids in [E, E + zero) are zero experts: counted in
+/// `routed`, never sent. With `pad_rows` > 0 (>= limit), every slot sends that many rows (the
+/// padding in the last chunk, token -1). As keys, a stable sort and scans, so a device runs
+/// the same steps as the host. Fills the arrays of `d` and the per-assignment arrays of `p`;
+/// the host's per-block arrays and counts follow from them (mirror, then count_send_plan).
 template <class Space, class Placement>
 void build_send_plan(const Space& space, routing_view routing, const Placement& where, int experts,
                      index_t limit, index_t pad_rows, token_origin origin, dispatch_plan& p,
-                     const device_plan& d, const plan_scratch& w) {
+                     const device_plan& d, const plan_scratch& w, int zero = 0) {
   const int RL = p.ranks * p.local_experts, B = p.blocks(), K = p.top_k;
   const index_t T = routing.tokens(), n = T * K;
   p.tokens = T;
   space.for_each(n, plan_ops::assign_keys<Placement>{routing.ids.data, K, RL, B, p.chunks, T, where,
-                                                     origin, p.phys, w.keys});
-  space.count(routing.ids.data, n, experts, d.routed);
+                                                     origin, p.phys, w.keys, experts});
+  space.count(routing.ids.data, n, experts + zero, d.routed);
   space.count(w.keys, n, B, w.rows);
   space.sort_by_key(w.keys, n, B, w.sorted_keys, w.order, w.sort);
   space.exclusive_scan(w.rows, w.first, B);
@@ -431,11 +437,13 @@ void build_node_plan(const Space& space, dispatch_plan& p, const device_plan& d,
 }
 
 /// The plan's counts from its host arrays (after the space's arrays reached the host):
-/// assignments, drops and padding rows.
-inline void count_send_plan(dispatch_plan& p, int experts) {
+/// assignments (to real experts; to the `zero` zero experts apart), drops and padding rows.
+inline void count_send_plan(dispatch_plan& p, int experts, int zero = 0) {
   const int B = p.blocks(), RL = p.ranks * p.local_experts;
-  index_t routed = 0, kept = 0, sent = 0;
+  index_t routed = 0, kept = 0, sent = 0, to_zero = 0;
   for (int e = 0; e < experts; ++e) routed += p.routed[e];
+  for (int e = experts; e < experts + zero; ++e) to_zero += p.routed[e];
+  p.zero_assignments = to_zero;
   for (int s = 0; s < RL; ++s) kept += p.kept[s];
   for (int b = 0; b < B; ++b) sent += p.send_counts[b];
   p.assignments = routed;

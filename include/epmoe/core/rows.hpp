@@ -119,6 +119,46 @@ struct accumulate {
   }
 };
 
+/// Zero (identity) experts, token t: into[t] = (or +=) s_t x[t], s_t the sum of t's weights
+/// at ids >= E (LongCat-Flash: such an expert returns its input). Backward: x = dy gives dx's
+/// term.
+template <class T>
+struct add_identity {
+  matrix_view<const T> x;               // [T, H]
+  matrix_view<const std::int32_t> ids;  // [T, K]
+  matrix_view<const float> weights;     // [T, K]
+  int experts;                          // E: ids at or past it are zero experts
+  float* into;                          // [T, H]
+  bool first;                           // write instead of add
+  EPMOE_HD void operator()(index_t t, index_t h0, index_t h1) const {
+    float s = 0.f;
+    for (index_t k = 0; k < ids.cols; ++k)
+      if (ids(t, k) >= experts) s += weights(t, k);
+    float* o = into + t * x.cols;
+    const T* src = x.row(t);
+    for (index_t h = h0; h < h1; ++h) o[h] = (first ? 0.f : o[h]) + s * to_float(src[h]);
+  }
+};
+
+/// Zero experts' weight gradient, token t: g[t, k] = dy[t] · x[t] at ids >= E (other slots
+/// untouched: the routed experts' gradients come from their rows).
+template <class T>
+struct identity_weight_grad {
+  matrix_view<const T> x, dy;           // [T, H]
+  matrix_view<const std::int32_t> ids;  // [T, K]
+  int experts;
+  matrix_view<float> g;  // [T, K]
+  EPMOE_HD void operator()(index_t t) const {
+    float d = 0.f;
+    bool any = false;
+    for (index_t k = 0; k < ids.cols; ++k) any = any || ids(t, k) >= experts;
+    if (!any) return;
+    for (index_t h = 0; h < x.cols; ++h) d += to_float(dy.row(t)[h]) * to_float(x.row(t)[h]);
+    for (index_t k = 0; k < ids.cols; ++k)
+      if (ids(t, k) >= experts) g.row(t)[k] = d;
+  }
+};
+
 /// scale[t] = sigmoid(x[t] · g): Qwen2-MoE's per-token gate of a shared expert.
 template <class T>
 struct sigmoid_dot {

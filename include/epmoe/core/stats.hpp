@@ -94,7 +94,10 @@ struct link_traffic {
 /// overwrites the numbers.
 struct pass_stats {
   index_t tokens = 0;                          // T of the pass
-  index_t assignments = 0;                     // T * K routed (token, expert) pairs
+  index_t assignments = 0;                     // routed (token, expert) pairs: T * K less
+                                               //   the zero experts' and empty slots
+  index_t zero_expert_assignments = 0;         // (token, zero expert) pairs (config
+                                               //   zero_experts): added at home, no row sent
   index_t dropped = 0;                         // assignments past capacity: contribute nothing
   std::optional<index_t> capacity;             // rows this rank may send one expert copy this
                                                //   pass (the capacity policy's limit, per

@@ -20,7 +20,7 @@ namespace epmoe {
 struct workspace_layout {
   index_t tokens = 0;            // T: most tokens of a pass (config max_tokens)
   int width = 0;                 // routing slots per token: top_k, or E for expert choice
-  int experts = 0;               // E
+  int experts = 0;               // E + Z: experts the router scores (the plan counts each)
   int ranks = 1;                 // R
   int local_experts = 1;         // L: physical slots per rank
   int chunks = 1;                // C: most chunks of a pass
@@ -66,7 +66,8 @@ struct workspace_layout {
                              bool dedup = false) {
     workspace_layout w;
     const index_t T = cfg.max_tokens, K = width, R = cfg.ranks, L = local_experts;
-    w.tokens = T, w.width = width, w.experts = cfg.experts, w.ranks = cfg.ranks;
+    w.tokens = T, w.width = width, w.ranks = cfg.ranks;
+    w.experts = cfg.scored_experts();  // the plan counts the zero experts' picks too
     w.local_experts = local_experts, w.chunks = chunks, w.hidden = cfg.hidden;
     w.align = std::max<index_t>(1, 16 / elem_bytes);
     w.row_stride = w.padded(cfg.hidden);

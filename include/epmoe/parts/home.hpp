@@ -3,14 +3,16 @@
 #pragma once
 
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/routing.hpp"
 #include "epmoe/core/rows.hpp"
 #include "epmoe/core/view.hpp"
 #include "epmoe/core/workspace.hpp"
 #include "epmoe/parts/pass.hpp"
 
 // The home rank's terms of a layer: the shared experts on every token (each scaled per token
-// by its gate, config shared_gate) and the output bias, whose sum waits for the reduce; and
-// their backward (the gradients of all three, and their dx terms).
+// by its gate, config shared_gate), the output bias and the zero experts' w · x (config
+// zero_experts: never dispatched), whose sum waits for the reduce; and their backward (the
+// gradients of all of them, and their dx terms).
 namespace epmoe::parts {
 
 template <class Space, class Expert>
@@ -28,10 +30,12 @@ class home_terms {
         S_(w.row_stride),
         F_(cfg.shared_width()),
         align_(w.align),
+        E_(cfg.experts),
+        Z_(cfg.zero_experts),
         gated_(cfg.shared_gate),
         bias_(cfg.output_bias) {
     const index_t T = cfg.max_tokens;
-    any_ = cfg.shared_experts > 0 || cfg.output_bias;
+    any_ = cfg.shared_experts > 0 || cfg.output_bias || cfg.zero_experts > 0;
     if (N_ > 0) in_ = s.template allocate<value_type>(T * S_);
     if (any_) out_ = s.template allocate<float>(T * H_);
     if (gated_) scale_ = s.template allocate<float>(T);
@@ -43,17 +47,55 @@ class home_terms {
   /// Their sum [T, H] for the reduce, or nullptr (none, or no tokens).
   const float* sum(index_t T) const { return any_ && T > 0 ? out_.data() : nullptr; }
 
-  /// The shared experts (weights `w`, scratch for T rows) and the output bias on x [T, H];
-  /// returns the FLOPs.
+  /// The shared experts (weights `w`, scratch for T rows), the output bias and the zero
+  /// experts (their slots of `routing` [T, K]) on x [T, H]; returns the shared experts' FLOPs
+  /// (a zero expert has none).
   template <class Weights>
   double forward(const Space& s, matrix_view<const value_type> x, const Weights& w,
-                 value_type* scratch) {
+                 value_type* scratch, routing_view routing) {
     const index_t T = x.rows, H = H_;
     if (!any_ || T == 0) return 0;
+    const double flops = shared_forward(s, x, w, scratch);
+    if (Z_ > 0)
+      s.for_each_row(T, H,
+                     rows::add_identity<value_type>{x, routing.ids, routing.weights, E_,
+                                                    out_.data(), N_ == 0 && !bias_});
+    return flops;
+  }
+
+  /// Their backward from dy [T, H]: each shared expert's on all T tokens (its gate's, when
+  /// scaled), the output bias's gradient (dy's column sums) and the zero experts' dx term
+  /// (Σ w dy); dx's terms added into dx.
+  template <class Weights, class Grads>
+  void backward(const Space& s, matrix_view<const value_type> x, matrix_view<const value_type> dy,
+                const Weights& w, const Grads& g, float* dx, value_type* scratch, bool acc,
+                routing_view routing) {
+    if (Z_ > 0)
+      s.for_each_row(
+          x.rows, H_,
+          rows::add_identity<value_type>{dy, routing.ids, routing.weights, E_, dx, false});
+    shared_backward(s, x, dy, w, g, dx, scratch, acc);
+  }
+
+  /// The zero experts' routing-weight gradients, dy · x, into their slots of g [T, K] (after
+  /// the routed experts' gradients are written there, before the router's backward).
+  void weight_grad(const Space& s, matrix_view<const value_type> x,
+                   matrix_view<const value_type> dy, routing_view routing,
+                   matrix_view<float> g) const {
+    if (Z_ > 0 && x.rows > 0)
+      s.for_each(x.rows, rows::identity_weight_grad<value_type>{x, dy, routing.ids, E_, g});
+  }
+
+ private:
+  template <class Weights>
+  double shared_forward(const Space& s, matrix_view<const value_type> x, const Weights& w,
+                        value_type* scratch) {
+    const index_t T = x.rows, H = H_;
     const value_type* bias = bias_ ? w.output_bias.data : nullptr;
     if (N_ == 0) {
-      s.for_each_row(
-          T, H, rows::accumulate<value_type>{{nullptr, T, H}, out_.data(), true, nullptr, bias});
+      if (bias)
+        s.for_each_row(
+            T, H, rows::accumulate<value_type>{{nullptr, T, H}, out_.data(), true, nullptr, bias});
       return 0;
     }
     const matrix_view<value_type> in(in_.data(), T, H, S_);
@@ -71,11 +113,10 @@ class home_terms {
     return double(N_ * T) * Expert::flops_per_row(H, F_);
   }
 
-  /// Their backward from dy [T, H]: each shared expert's on all T tokens (its gate's, when
-  /// scaled), and the output bias's gradient (dy's column sums); dx's terms added into dx.
   template <class Weights, class Grads>
-  void backward(const Space& s, matrix_view<const value_type> x, matrix_view<const value_type> dy,
-                const Weights& w, const Grads& g, float* dx, value_type* scratch, bool acc) {
+  void shared_backward(const Space& s, matrix_view<const value_type> x,
+                       matrix_view<const value_type> dy, const Weights& w, const Grads& g,
+                       float* dx, value_type* scratch, bool acc) {
     const index_t T = x.rows, H = H_, S = S_;
     if (bias_)
       s.for_each(H, rows::column_sum<value_type, float>{dy, nullptr, g.output_bias.data, acc});
@@ -105,7 +146,6 @@ class home_terms {
     }
   }
 
- private:
   // One group of all T rows (the shared experts' GEMMs).
   void set_rows(const Space& s, index_t T) {
     offsets_.host()[0] = 0;
@@ -118,6 +158,7 @@ class home_terms {
   }
 
   index_t N_, H_, S_, F_, align_;
+  int E_, Z_;  // routed and zero experts
   bool gated_, bias_, any_ = false;
   buffer<value_type> in_, dy_;  // the experts' input rows; backward: d(their output)
   buffer<float> out_, scale_, ds_;

@@ -24,10 +24,10 @@ void check_layer(const layer_config& cfg, const Comm& comm, const Weights& w, co
                  const Placement& placement) {
   using X = typename Layer::expert_type;
   check_layer_policies(cfg, comm.size(), router, placement);
-  if constexpr (Router::uses_gate)
-    detail::require_shape(w.gate, cfg.experts, cfg.hidden, "weights.gate");
+  if constexpr (Router::uses_gate)  // E + Z rows: the zero experts are scored too
+    detail::require_shape(w.gate, cfg.scored_experts(), cfg.hidden, "weights.gate");
   if constexpr (router_with_gate_bias<Router>)
-    detail::require_shape(w.gate_bias, 1, cfg.experts, "weights.gate_bias");
+    detail::require_shape(w.gate_bias, 1, cfg.scored_experts(), "weights.gate_bias");
   X::validate(w.experts, placement.slots_per_rank(), cfg.hidden, cfg.ffn, "weights.experts");
   if (cfg.shared_experts > 0)
     X::validate(w.shared, cfg.shared_experts, cfg.hidden, cfg.shared_width(), "weights.shared");

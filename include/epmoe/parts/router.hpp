@@ -48,8 +48,10 @@ class router_stage {
   template <class T>
   using mirror = typename Space::template mirror<T>;
 
-  router_stage(const layer_config& cfg, const Space& s, int width, Router r)
-      : router_(r), width_(width) {
+  /// `layer`: the layer's config; the router sees its E + Z scored experts (router_view).
+  router_stage(const layer_config& layer, const Space& s, int width, Router r)
+      : cfg_(layer.router_view()), router_(r), width_(width) {
+    const layer_config& cfg = cfg_;
     const index_t T = cfg.max_tokens, E = cfg.experts, H = cfg.hidden;
     logits_ = s.template allocate_mirror<float>(Router::uses_gate ? T * E : 0);
     if constexpr (router_with_noise_gate<Router>) noise_logits_ = s.template allocate<float>(T * E);
@@ -83,8 +85,8 @@ class router_stage {
       vocab_ = router_.vocab;
       table_ = s.template allocate_mirror<std::int32_t>(vocab_ * Router::top_k);
     }
-    adopt_bias(cfg, s);  // a bias given with the router starts the layer's own
-    adopt_table(cfg, s);
+    adopt_bias(s);  // a bias given with the router starts the layer's own
+    adopt_table(s);
   }
   router_stage(const router_stage&) = delete;
 
@@ -93,16 +95,16 @@ class router_stage {
 
   /// The router may have changed since the last pass (policy(), bias()): a bad setting is
   /// rejected before the pass, on every rank, not mid-pass on one.
-  void check(const layer_config& cfg, const Space& s, matrix_view<const value_type> noise_gate) {
-    if constexpr (requires { router_.check(cfg, noise_gate); })
-      router_.check(cfg, noise_gate);  // e.g. noisy top-k's noise gate while training
-    adopt_bias(cfg, s);
-    adopt_table(cfg, s);
+  void check(const Space& s, matrix_view<const value_type> noise_gate) {
+    if constexpr (requires { router_.check(cfg_, noise_gate); })
+      router_.check(cfg_, noise_gate);  // e.g. noisy top-k's noise gate while training
+    adopt_bias(s);
+    adopt_table(s);
     if constexpr (router_with_validate<Router>) {
       Router r = router_;  // its bias checked where the host can read it
       if constexpr (router_with_bias<Router>) r.bias = bias_.host();
       if constexpr (router_with_table<Router>) r.ids = table_.host();
-      r.validate(cfg);
+      r.validate(cfg_);
     }
   }
 
@@ -111,10 +113,10 @@ class router_stage {
     if constexpr (router_with_table<Router> && !device_space<Space>) router_.check_token_ids(ids);
   }
 
-  /// The layer's own host copy of the selection bias [E] (routers with has_bias).
-  std::span<float> bias(const layer_config& cfg, const Space& s) requires router_with_bias<Router> {
-    adopt_bias(cfg, s);
-    return {bias_.host(), static_cast<std::size_t>(cfg.experts)};
+  /// The layer's own host copy of the selection bias [E + Z] (routers with has_bias).
+  std::span<float> bias(const Space& s) requires router_with_bias<Router> {
+    adopt_bias(s);
+    return {bias_.host(), static_cast<std::size_t>(cfg_.experts)};
   }
   /// The router as another layer starts from it: its bias the host values of this one's.
   Router copy_for_another() const {
@@ -126,10 +128,10 @@ class router_stage {
 
   /// Routes T tokens: the router's gate stage, then its routing into ids and weights.
   template <class Pass>
-  void route(const Space& s, const layer_config& cfg, const Pass& p,
-             matrix_view<const value_type> gate, matrix_view<const value_type> noise_gate,
-             std::int64_t first, matrix_view<const value_type> gate_bias = {}) {
-    const index_t T = p.tokens(), E = cfg.experts;
+  void route(const Space& s, const Pass& p, matrix_view<const value_type> gate,
+             matrix_view<const value_type> noise_gate, std::int64_t first,
+             matrix_view<const value_type> gate_bias = {}) {
+    const index_t T = p.tokens(), E = cfg_.experts;
     if (p.given) return copy_given(s, *p.given, T);
     const matrix_view<float> logits(logits_.device(), Router::uses_gate ? T : 0, E);
     const matrix_view<float> noise(noise_logits_.data(), noise_logits_.data() ? T : 0, E);
@@ -145,13 +147,13 @@ class router_stage {
                                     .float_scratch = batch_floats_,
                                     .int_scratch = batch_ints_};
     if constexpr (token_router<Router>) {
-      epmoe::detail::run_router(router_, cfg, logits,
+      epmoe::detail::run_router(router_, cfg_, logits,
                                 {{ids_.device(), T, width_}, {weights_.device(), T, width_}}, opt,
                                 s);
     } else {  // a batch decides on the host: logits there, routing back (no-ops on the host)
       s.to_host(logits_, 0, T * E);
       s.synchronize();
-      epmoe::detail::run_router(router_, cfg, {logits_.host(), T, E},
+      epmoe::detail::run_router(router_, cfg_, {logits_.host(), T, E},
                                 {{ids_.host(), T, width_}, {weights_.host(), T, width_}}, opt,
                                 router::serial{});
       s.to_device(ids_, 0, T * width_);
@@ -185,8 +187,8 @@ class router_stage {
   }
 
   /// The router's losses of the last pass of T tokens (none for a given routing).
-  void losses(const Space& s, const layer_config& cfg, index_t T, bool given,
-              pass_stats& st) const {
+  void losses(const Space& s, index_t T, bool given, pass_stats& st) const {
+    const layer_config& cfg = cfg_;
     st.losses = {};
     if constexpr (Router::uses_gate && has_probabilities<Router>) {
       if (given) return;
@@ -200,9 +202,9 @@ class router_stage {
   /// update_router's collective: the last pass's per-expert load `routed` summed over the
   /// ranks (an all-reduce through the comm's all-to-all), then the router's bias update.
   template <class Comm>
-  std::span<const index_t> update_bias(Comm& comm, const Space& s, const layer_config& cfg,
+  std::span<const index_t> update_bias(Comm& comm, const Space& s,
                                        const index_t* routed) requires router_with_bias<Router> {
-    const int R = cfg.ranks, E = cfg.experts;
+    const int R = cfg_.ranks, E = cfg_.experts;
     for (int r = 0; r < R; ++r)
       std::copy_n(routed, E, load_send_.begin() + static_cast<std::size_t>(r) * E);
     comm.alltoall(load_send_.data(), load_recv_.data(), E);
@@ -211,15 +213,16 @@ class router_stage {
       for (int r = 0; r < R; ++r) sum += load_recv_[static_cast<std::size_t>(r) * E + e];
       global_load_[static_cast<std::size_t>(e)] = sum;
     }
-    router_.update_bias(bias(cfg, s), global_load_);
+    router_.update_bias(bias(s), global_load_);
     return global_load_;
   }
 
   /// The router's backward into dlogits (+ the losses'), then dgate = dlogitsᵀ x and the
   /// home-rank term dx += dlogits W_gate (through the jitter mask, and the noise gate's while
   /// training). A given routing ran no router: its gates' gradients are zeros.
-  void backward(const Space& s, const layer_config& cfg, const router_backward<value_type>& b) {
+  void backward(const Space& s, const router_backward<value_type>& b) {
     if constexpr (Router::uses_gate && router_with_backward<Router>) {
+      const layer_config& cfg = cfg_;
       const index_t T = b.x.rows, H = cfg.hidden, E = cfg.experts;
       const bool noisy = noisy_training();
       if (b.routing_given) {
@@ -290,16 +293,17 @@ class router_stage {
       return false;
   }
   /// Bytes a training forward keeps of the router: its logits (routers with a gate).
-  index_t saved_bytes(index_t T, const layer_config& cfg) const {
-    return Router::uses_gate ? T * cfg.experts * static_cast<index_t>(sizeof(float)) : 0;
+  index_t saved_bytes(index_t T) const {
+    return Router::uses_gate ? T * cfg_.experts * static_cast<index_t>(sizeof(float)) : 0;
   }
 
  private:
   // The router reads the layer's bias; values it was pointed at instead (the constructor's
   // router, policy().bias = p) are copied in first, so no setting is silently dropped. Those
   // values are host memory.
-  void adopt_bias(const layer_config& cfg, const Space& s) {
+  void adopt_bias(const Space& s) {
     if constexpr (router_with_bias<Router>) {
+      const layer_config& cfg = cfg_;
       float* own = bias_.host();
       if (router_.bias != bias_.device() || router_.bias == nullptr) {
         if (router_.bias && router_.bias != own)
@@ -313,8 +317,9 @@ class router_stage {
   }
   // A table router's ids: values it was pointed at (host memory) are checked, then copied
   // into the layer's own, which it reads from then on.
-  void adopt_table(const layer_config& cfg, const Space& s) {
+  void adopt_table(const Space& s) {
     if constexpr (router_with_table<Router>) {
+      const layer_config& cfg = cfg_;
       if (router_.ids == table_.device()) return;
       epmoe::detail::require(router_.vocab == vocab_, "router.vocab", router_.vocab,
                              "must stay the constructor's (the layer's copy has that many rows)");
@@ -338,6 +343,7 @@ class router_stage {
     return {data, cols, stride, 1, all_.host(), all_.device(), 1};
   }
 
+  layer_config cfg_;  // the layer's, with the E + Z experts the router scores
   Router router_;
   int width_;  // routing slots per token
   mirror<float> logits_, weights_, bias_, dlogits_;

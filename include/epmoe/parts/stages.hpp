@@ -16,6 +16,7 @@
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/rows.hpp"
 #include "epmoe/core/stats.hpp"
+#include "epmoe/core/weighting.hpp"
 #include "epmoe/parts/lifecycle.hpp"
 #include "epmoe/parts/pass.hpp"
 #include "epmoe/parts/router.hpp"
@@ -103,7 +104,7 @@ struct stages_base {
       count_plan_stats(l);
     }
     l.clock_.resolve(l.stats_);
-    l.router_.losses(l.space_, l.cfg_, l.pass_.tokens(), l.pass_.routing_given, l.stats_);
+    l.router_.losses(l.space_, l.pass_.tokens(), l.pass_.routing_given, l.stats_);
   }
 
   int chunks() const { return l.ex_.units(l.plan_.host()); }
@@ -213,12 +214,47 @@ struct stages_base {
           l.cfg_.hidden, rows::gather<typename L::value_type>{from, p.unique_token, send_view()});
   }
 
+  // Whether direction d sends weighted rows (the layer's weighting, core/weighting.hpp).
+  static constexpr bool weighted_send(weighting::direction d) {
+    return L::weighting_type::weighted_send == d;
+  }
+  // A flat exchange's send rows from src [T, H]: each kept assignment's row, times its routing
+  // weight when `weighted` (padding rows zero either way: their dW terms must vanish).
+  void send_rows(matrix_view<const typename L::value_type> src, bool weighted) {
+    using T = typename L::value_type;
+    const dispatch_plan& p = l.plan_.host();
+    const index_t n = l.pass_.tokens(), H = l.cfg_.hidden;
+    if (!weighted) {
+      l.space_.for_each_row_n(l.plan_.device().send_offsets + p.blocks(), l.layout_.send_rows, H,
+                              rows::gather<T>{src, p.row_token, send_view()});
+      return;
+    }
+    if constexpr (L::capacity_type::pads)
+      l.space_.fill(l.ex_.send_buffer(), l.layout_.send_rows * l.layout_.row_stride, T{});
+    l.space_.for_each_row(
+        n, H, rows::scatter_weighted<T>{src, p.slot, l.router_.routing(n).weights, send_view()});
+  }
+  // The weights a flat reduce of direction d applies: none when d sent weighted rows.
+  matrix_view<const float> sum_weights(weighting::direction d) const {
+    const index_t n = l.pass_.tokens();
+    return weighted_send(d) ? matrix_view<const float>{nullptr, n, l.layout_.width}
+                            : l.router_.routing(n).weights;
+  }
+  // The routing weights' gradient of a flat exchange: g[t, k] = home[t] · the row of (t, k)
+  // that the plain-send direction brought back (weighting.hpp).
+  void flat_weight_grad(matrix_view<const typename L::value_type> home) {
+    const index_t n = l.pass_.tokens();
+    l.space_.for_each(n, rows::routing_weight_grad<typename L::value_type>{
+                             home, send_view(), l.plan_.host().slot, l.train_->weight_grad(n)});
+  }
+
   // The plan's counts into the stats (its host arrays arrived with the counts).
   static void count_plan_stats(const L& l) {
     dispatch_plan& p = l.plan_.host();
-    count_send_plan(p, l.cfg_.experts);
+    count_send_plan(p, l.cfg_.experts, l.cfg_.zero_experts);
     l.stats_.tokens = l.pass_.tokens();
     l.stats_.assignments = p.assignments;
+    l.stats_.zero_expert_assignments = p.zero_assignments;
     l.stats_.dropped = p.dropped;
     l.stats_.capacity = std::same_as<typename L::capacity_type, capacity::dropless>
                             ? std::nullopt
@@ -271,8 +307,8 @@ struct forward_stages : stages_base<L> {
     l.stats_.saved_bytes = 0;
     if (pass.saves) {
       l.train_->end_forward(h.id);
-      l.stats_.saved_bytes = l.train_->saved_bytes(pass.tokens(), L::dedup) +
-                             l.router_.saved_bytes(pass.tokens(), l.cfg_);
+      l.stats_.saved_bytes =
+          l.train_->saved_bytes(pass.tokens(), L::dedup) + l.router_.saved_bytes(pass.tokens());
     } else if (l.train_) {
       l.train_->end_inference(h.id);
     }
@@ -282,7 +318,7 @@ struct forward_stages : stages_base<L> {
   void route() {
     early(&stage_times::route, [&] {
       const auto& w = l.store_.views();
-      l.router_.route(l.space_, l.cfg_, l.pass_, w.gate, w.noise_gate, first_token(l), w.gate_bias);
+      l.router_.route(l.space_, l.pass_, w.gate, w.noise_gate, first_token(l), w.gate_bias);
     });
   }
   void plan() {
@@ -290,21 +326,18 @@ struct forward_stages : stages_base<L> {
   }
   void permute() {
     early(&stage_times::permute, [&] {
-      if constexpr (L::dedup) {
+      if constexpr (L::dedup)
         this->gather_unique(l.pass_.x);
-      } else {
-        const dispatch_plan& p = l.plan_.host();
-        l.space_.for_each_row_n(
-            l.plan_.device().send_offsets + p.blocks(), l.layout_.send_rows, l.cfg_.hidden,
-            rows::gather<value_type>{l.pass_.x, p.row_token, this->send_view()});
-      }
+      else
+        this->send_rows(l.pass_.x, this->weighted_send(weighting::direction::forward));
     });
   }
   void shared() {
     early(&stage_times::shared, [&] {
       l.stats_.shared_flops = 0;
       l.store_.with_space(l.space_, [&](const auto& s) {
-        l.stats_.shared_flops = l.home_.forward(s, l.pass_.x, l.store_.views(), l.scratch_.data());
+        l.stats_.shared_flops = l.home_.forward(s, l.pass_.x, l.store_.views(), l.scratch_.data(),
+                                                l.router_.routing(l.pass_.tokens()));
       });
     });
   }
@@ -344,11 +377,12 @@ struct forward_stages : stages_base<L> {
                               rows::sum_unique<value_type>{this->send_view(), this->home_slot(p),
                                                            l.layout_.width, shared, l.pass_.y});
       else
-        l.space_.for_each_row(T, l.cfg_.hidden,
-                              rows::weighted_reduce<value_type>{
-                                  this->send_view(), p.slot, l.router_.routing(T).weights, shared,
-                                  l.pass_.y, l.pass_.deferred ? l.ex_.verdicts() : nullptr,
-                                  l.ex_.verdict_stride(), l.cfg_.ranks});
+        l.space_.for_each_row(
+            T, l.cfg_.hidden,
+            rows::weighted_reduce<value_type>{
+                this->send_view(), p.slot, this->sum_weights(weighting::direction::forward), shared,
+                l.pass_.y, l.pass_.deferred ? l.ex_.verdicts() : nullptr, l.ex_.verdict_stride(),
+                l.cfg_.ranks});
     });
   }
   void finish() { l.router_.advance(l.space_); }
@@ -377,7 +411,8 @@ struct forward_stages : stages_base<L> {
         l.rank(), l.pass_.token_ids.empty() ? nullptr : l.pass_.token_ids.data(), first_token(l)};
     const auto routing = l.router_.routing(T);
     build_send_plan(l.space_, routing, l.where_.view(), l.cfg_.experts, l.pass_.limit,
-                    l.layout_.pad_rows, origin, p, l.plan_.device(), l.plan_.scratch());
+                    l.layout_.pad_rows, origin, p, l.plan_.device(), l.plan_.scratch(),
+                    l.cfg_.zero_experts);
     if constexpr (L::dedup)
       build_dedup_plan(l.space_, routing, p, l.plan_.device(), l.plan_.scratch());
     if constexpr (L::hierarchical)
@@ -406,38 +441,33 @@ struct backward_stages : stages_base<L> {
     this->timed(&stage_times::dispatch, -1,
                 [&] { this->agree_counts(call_kind::backward, pass, error, false); });
   }
-  void route() {  // the routing weights' gradient from the combined outputs (without dedup)
+  // Weighted outputs without dedup: the routing weights' gradient, dy · the forward's outputs
+  // (still in the send buffer).
+  void route() {
     this->timed(&stage_times::route, -1, [&] {
       const index_t T = l.pass_.tokens();
       l.space_.fill(l.train_->dx_home(), T * l.cfg_.hidden, 0.f);
-      if constexpr (!L::dedup)
-        l.space_.for_each(
-            T, rows::routing_weight_grad<value_type>{
-                   call().dy, this->send_view(), l.plan_.host().slot, l.train_->weight_grad(T)});
+      if constexpr (!L::dedup && base::weighted_send(weighting::direction::backward))
+        this->flat_weight_grad(call().dy);
     });
   }
-  void plan() {}    // the forward's plan
-  void permute() {  // the combine's backward: each kept assignment's send row = weight x dy
+  void plan() {}  // the forward's plan
+  // The combine's backward: each kept assignment's send row = weight x dy (weighted outputs)
+  // or dy (weighted inputs).
+  void permute() {
     this->timed(&stage_times::permute, -1, [&] {
-      if constexpr (L::dedup) {  // one dy row per (token, rank or node): weighted at the expert
+      if constexpr (L::dedup)  // one dy row per (token, rank or node): weighted at the expert
         this->gather_unique(call().dy);
-      } else {
-        if constexpr (L::capacity_type::pads)  // padding rows zero: their dW terms must vanish
-          l.space_.fill(l.ex_.send_buffer(), l.layout_.send_rows * l.layout_.row_stride,
-                        value_type{});
-        const index_t T = l.pass_.tokens();
-        l.space_.for_each_row(
-            T, l.cfg_.hidden,
-            rows::scatter_weighted<value_type>{call().dy, l.plan_.host().slot,
-                                               l.router_.routing(T).weights, this->send_view()});
-      }
+      else
+        this->send_rows(call().dy, this->weighted_send(weighting::direction::backward));
     });
   }
   void shared() {
     this->timed(&stage_times::shared, -1, [&] {
       l.store_.with_space(l.space_, [&](const auto& s) {
         l.home_.backward(s, l.pass_.x, call().dy, l.store_.views(), call().grads,
-                         l.train_->dx_home(), l.scratch_.data(), call().opt.accumulate);
+                         l.train_->dx_home(), l.scratch_.data(), call().opt.accumulate,
+                         l.router_.routing(l.pass_.tokens()));
       });
     });
   }
@@ -485,8 +515,12 @@ struct backward_stages : stages_base<L> {
       if constexpr (L::dedup)
         l.space_.for_each(T, rows::gather_weight_grad{l.ex_.weight_grad_send(), p.slot,
                                                       l.train_->weight_grad(T)});
+      else if constexpr (base::weighted_send(weighting::direction::forward))
+        this->flat_weight_grad(l.pass_.x);  // weighted inputs: x · d(in_k), just back home
+      l.home_.weight_grad(l.space_, l.pass_.x, call().dy, l.router_.routing(T),
+                          l.train_->weight_grad(T));
       l.router_.backward(
-          l.space_, l.cfg_,
+          l.space_,
           {l.pass_.x, l.pass_.token_ids.empty() ? nullptr : l.pass_.token_ids.data(),
            forward_stages<L>::first_token(l), l.pass_.id, w.gate, w.noise_gate, call().grads.gate,
            call().grads.noise_gate, l.train_->weight_grad(T), l.train_->dx_home(), call().opt,
@@ -499,12 +533,11 @@ struct backward_stages : stages_base<L> {
             rows::sum_unique<value_type>{this->send_view(), this->home_slot(p), l.layout_.width,
                                          l.train_->dx_home(), call().dx});
       else
-        l.space_.for_each_row(T, H,
-                              rows::weighted_reduce<value_type>{this->send_view(),
-                                                                p.slot,
-                                                                {nullptr, T, l.layout_.width},
-                                                                l.train_->dx_home(),
-                                                                call().dx});
+        l.space_.for_each_row(
+            T, H,
+            rows::weighted_reduce<value_type>{this->send_view(), p.slot,
+                                              this->sum_weights(weighting::direction::backward),
+                                              l.train_->dx_home(), call().dx});
     });
   }
   void finish() {}

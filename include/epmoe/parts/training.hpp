@@ -84,9 +84,10 @@ bool frozen_experts(G g) {
 template <class Expert, class Router, class Grads>
 void check_gradients(const Grads& g, const layer_config& cfg, index_t L, bool noisy) {
   const index_t H = cfg.hidden;
-  if constexpr (Router::uses_gate) detail::require_shape(g.gate, cfg.experts, H, "grads.gate");
+  const index_t S = cfg.scored_experts();  // the router's tensors: E + Z rows
+  if constexpr (Router::uses_gate) detail::require_shape(g.gate, S, H, "grads.gate");
   if constexpr (router_with_gate_bias<Router>)
-    detail::require_shape(g.gate_bias, 1, cfg.experts, "grads.gate_bias");
+    detail::require_shape(g.gate_bias, 1, S, "grads.gate_bias");
   if constexpr (requires { Expert::validate(g.experts, 0, 0, 0, std::string{}); }) {
     if (!frozen_experts<Expert>(g.experts))  // else frozen: every view empty
       Expert::validate(g.experts, L, H, cfg.ffn, "grads.experts");
@@ -96,7 +97,7 @@ void check_gradients(const Grads& g, const layer_config& cfg, index_t L, bool no
   if (cfg.shared_gate)
     detail::require_shape(g.shared_gate, cfg.shared_experts, H, "grads.shared_gate");
   if (cfg.output_bias) detail::require_shape(g.output_bias, 1, H, "grads.output_bias");
-  if (noisy) detail::require_shape(g.noise_gate, cfg.experts, H, "grads.noise_gate");
+  if (noisy) detail::require_shape(g.noise_gate, S, H, "grads.noise_gate");
 }
 
 template <class Space, class Expert, class Router>
@@ -307,7 +308,7 @@ class training_state {
       if (!count_only && m.rows > 0) stage(m, at);
       at += m.rows * m.cols;
     };
-    const index_t E = cfg.experts, H = cfg.hidden, N = cfg.shared_experts;
+    const index_t E = cfg.scored_experts(), H = cfg.hidden, N = cfg.shared_experts;
     if constexpr (Router::uses_gate) seg(count_only ? matrix_view<float>{nullptr, E, H} : g.gate);
     if constexpr (router_with_gate_bias<Router>)
       seg(count_only ? matrix_view<float>{nullptr, 1, E} : g.gate_bias);

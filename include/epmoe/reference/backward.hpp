@@ -52,6 +52,7 @@ gradients backward(const full_weights& w, const Router& router, const Capacity& 
   for (index_t n : tokens_per_rank) total += n;
   gradients g = gradients::zeros(cfg, total);
   const auto routing = route_ranks(w, router, x, tokens_per_rank, opt);
+  const layer_config scored = cfg.router_view();  // the router's batches: E + Z experts
   std::vector<double> dout(static_cast<std::size_t>(H));
   index_t t0 = 0;
   for (std::size_t r = 0; r < tokens_per_rank.size(); ++r) {
@@ -69,6 +70,16 @@ gradients backward(const full_weights& w, const Router& router, const Capacity& 
       for (index_t k = 0; k < route.width; ++k) {
         const std::int32_t e = route.ids[t * route.width + k];
         if (e == no_expert) continue;
+        if (e >= cfg.experts) {  // a zero expert, y += w x: dL/dw = dy · x, dx += w dy
+          const double wk = route.weights[t * route.width + k];
+          double d = 0;
+          for (index_t o = 0; o < H; ++o) {
+            d += dout[o] * double{xt[o]};
+            dxt[o] += wk * dout[o];
+          }
+          dweights[t * route.width + k] = d;
+          continue;
+        }
         const int slot = slot_of(placement, e, static_cast<int>(r), static_cast<std::uint64_t>(id));
         if (used[slot]++ >= limit) continue;  // dropped: no gradient at all
         dweights[t * route.width + k] = expert_grad<Expert>::add(
@@ -94,7 +105,7 @@ gradients backward(const full_weights& w, const Router& router, const Capacity& 
         for (index_t o = 0; o < H; ++o) g.doutput_bias[o] += dout[o];
     }
     if constexpr (router_with_gradient<Router>) {
-      const rank_batch b = detail::batch_of(w, x, r, t0, route.tokens, opt);
+      const rank_batch b = detail::batch_of(w, scored, x, r, t0, route.tokens, opt);
       routing_grad(
           router, b, route, dweights, g,
           std::span<double>(g.dx.data() + t0 * H, static_cast<std::size_t>(route.tokens * H)));

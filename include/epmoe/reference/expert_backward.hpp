@@ -25,32 +25,33 @@ namespace epmoe::reference {
 /// Tensors a configuration does not use (dw3 for expert::mlp, the biases for expert::glu,
 /// shared_* without shared experts, shared_gate, output_bias, noise_gate) stay zero.
 struct gradients {
-  std::vector<double> dgate;                   // [E, H]
+  std::vector<double> dgate;                   // [E + Z, H]
   std::vector<double> dw1, dw3, dw2;           // [E, F, H], [E, F, H], [E, H, F]
   std::vector<double> db1, db2;                // [E, F], [E, H]
   std::vector<double> db3;                     // [E, F] (clamped_glu's up bias)
-  std::vector<double> dgate_bias;              // [E] (router::logit_bias)
+  std::vector<double> dgate_bias;              // [E + Z] (router::logit_bias)
   std::vector<double> dshared_w1, dshared_w3;  // [N, Fs, H]
   std::vector<double> dshared_w2;              // [N, H, Fs]
   std::vector<double> dshared_b1, dshared_b2;  // [N, Fs], [N, H]
   std::vector<double> dshared_gate;            // [N, H]
   std::vector<double> doutput_bias;            // [H]
-  std::vector<double> dnoise_gate;             // [E, H] (noisy top-k while training)
+  std::vector<double> dnoise_gate;             // [E + Z, H] (noisy top-k while training)
   std::vector<double> dx;                      // [tokens, H]
 
   /// All zero, shaped for cfg and `tokens` rows of x.
   static gradients zeros(const layer_config& cfg, index_t tokens) {
     const std::size_t E = cfg.experts, H = cfg.hidden, F = cfg.ffn;
     const std::size_t N = cfg.shared_experts, Fs = cfg.shared_width();
+    const std::size_t S = cfg.scored_experts();  // the router's tensors
     gradients g;
-    g.dgate.assign(E * H, 0.0);
+    g.dgate.assign(S * H, 0.0);
     g.dw1.assign(E * F * H, 0.0);
     g.dw3.assign(E * F * H, 0.0);
     g.dw2.assign(E * H * F, 0.0);
     g.db1.assign(E * F, 0.0);
     g.db2.assign(E * H, 0.0);
     g.db3.assign(E * F, 0.0);
-    g.dgate_bias.assign(E, 0.0);
+    g.dgate_bias.assign(S, 0.0);
     g.dshared_w1.assign(N * Fs * H, 0.0);
     g.dshared_w3.assign(N * Fs * H, 0.0);
     g.dshared_w2.assign(N * H * Fs, 0.0);
@@ -58,7 +59,7 @@ struct gradients {
     g.dshared_b2.assign(N * H, 0.0);
     g.dshared_gate.assign(N * H, 0.0);
     g.doutput_bias.assign(H, 0.0);
-    g.dnoise_gate.assign(E * H, 0.0);
+    g.dnoise_gate.assign(S * H, 0.0);
     g.dx.assign(static_cast<std::size_t>(tokens) * H, 0.0);
     return g;
   }

@@ -31,6 +31,10 @@ namespace epmoe::reference {
 ///
 /// forward_values is the same pass returning y in double, before the final rounding to
 /// float: reference::backward's finite-difference checks differentiate it.
+///
+/// Zero experts (config zero_experts = Z; LongCat-Flash's `LongcatFlashExperts`): the router
+/// scores E + Z experts (gate [E + Z, H]); a chosen id e >= E is `nn.Identity`, so the token
+/// gets weight · x, with no capacity (it computes nothing).
 template <class Expert = expert::swiglu, class Router, class Capacity, class Placement>
 std::vector<double> forward_values(const full_weights& w, const Router& router,
                                    const Capacity& capacity, const Placement& placement,
@@ -58,9 +62,14 @@ std::vector<double> forward_values(const full_weights& w, const Router& router,
       for (index_t k = 0; k < route.width; ++k) {
         const std::int32_t e = route.ids[t * route.width + k];
         if (e == no_expert) continue;
+        const double weight = route.weights[t * route.width + k];
+        if (e >= cfg.experts) {  // a zero expert: identity(x) * weight
+          for (index_t o = 0; o < H; ++o) out[o] += weight * double{xt[o]};
+          continue;
+        }
         const int slot = slot_of(placement, e, static_cast<int>(r), static_cast<std::uint64_t>(id));
         if (used[slot]++ >= limit) continue;  // past capacity: dropped
-        expert_math<Expert>::add(w, {false, e}, xt, route.weights[t * route.width + k], out);
+        expert_math<Expert>::add(w, {false, e}, xt, weight, out);
       }
       for (index_t s = 0; s < cfg.shared_experts; ++s) {
         double scale = 1.0;  // Qwen2-MoE's shared-expert gate: sigmoid(x · g_s)

@@ -182,10 +182,11 @@ std::vector<router_losses> losses(const full_weights& w, const Router& router,
   std::vector<router_losses> out;
   index_t t0 = 0;
   std::vector<double> none;
+  const layer_config scored = w.cfg.router_view();
   for (std::size_t r = 0; r < tokens_per_rank.size(); ++r) {
     std::vector<double> m;
-    const rank_batch b =
-        detail::loss_batch(router, detail::batch_of(w, x, r, t0, tokens_per_rank[r], opt), m);
+    const rank_batch b = detail::loss_batch(
+        router, detail::batch_of(w, scored, x, r, t0, tokens_per_rank[r], opt), m);
     out.push_back(detail::rank_losses(router, b, routing[r], {}, none));
     t0 += tokens_per_rank[r];
   }
@@ -201,18 +202,18 @@ gradients loss_backward(const full_weights& w, const Router& router, matrix_view
   static_assert(router_with_losses<Router>,
                 "reference::loss_backward: this router reports no losses (no gate or no "
                 "probabilities)");
-  const layer_config& cfg = w.cfg;
+  const layer_config cfg = w.cfg.router_view();  // the router scores E + Z experts
   const index_t H = cfg.hidden, E = cfg.experts;
   index_t total = 0;
   for (index_t n : tokens_per_rank) total += n;
-  gradients g = gradients::zeros(cfg, total);
+  gradients g = gradients::zeros(w.cfg, total);
   const auto routing = route_ranks(w, router, x, tokens_per_rank, opt);
   index_t t0 = 0;
   for (std::size_t r = 0; r < tokens_per_rank.size(); ++r) {
     const index_t T = tokens_per_rank[r];
     std::vector<double> m, dl(static_cast<std::size_t>(T * E), 0.0),
         dxb(static_cast<std::size_t>(T * H), 0.0);
-    const rank_batch b = detail::loss_batch(router, detail::batch_of(w, x, r, t0, T, opt), m);
+    const rank_batch b = detail::loss_batch(router, detail::batch_of(w, cfg, x, r, t0, T, opt), m);
     detail::rank_losses(router, b, routing[r], scales, dl);
     detail::project_grad(b, w.gate, dl, g.dgate, dxb);
     if constexpr (router_with_gate_bias<Router>)

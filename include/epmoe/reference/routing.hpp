@@ -481,7 +481,7 @@ std::vector<rank_routing> route_ranks(const full_weights& w, const Router& route
                                       matrix_view<const float> x,
                                       std::span<const index_t> tokens_per_rank,
                                       const pass_options& opt = {}) {
-  const layer_config& cfg = w.cfg;
+  const layer_config cfg = w.cfg.router_view();  // the router scores E + Z experts
   const index_t H = cfg.hidden;
   std::vector<rank_routing> out;
   index_t t0 = 0;

@@ -231,10 +231,11 @@ void routing_grad(const router::jitter<Inner>& j, const rank_batch& b, const ran
 }
 
 namespace detail {
-/// One rank's batch as route_ranks builds it.
-inline rank_batch batch_of(const full_weights& w, matrix_view<const float> x, std::size_t rank,
-                           index_t t0, index_t tokens, const pass_options& opt) {
-  const layer_config& cfg = w.cfg;
+/// One rank's batch as route_ranks builds it; `cfg` the router's (w.cfg.router_view(): E + Z
+/// experts scored), which must outlive the batch.
+inline rank_batch batch_of(const full_weights& w, const layer_config& cfg,
+                           matrix_view<const float> x, std::size_t rank, index_t t0, index_t tokens,
+                           const pass_options& opt) {
   const index_t H = cfg.hidden;
   rank_batch b{&cfg, &w, tokens, {}, {}, opt.pass};
   b.x.resize(static_cast<std::size_t>(tokens * H));

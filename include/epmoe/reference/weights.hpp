@@ -36,36 +36,37 @@ inline std::vector<float> random_tokens(index_t rows, index_t hidden, std::uint6
 /// Every weight of the layer (all E experts, the shared experts, the noise gate), owned.
 struct full_weights {
   layer_config cfg;
-  std::vector<float> gate;        // [E, H]
+  std::vector<float> gate;        // [E + Z, H] (Z: config zero_experts, scored too)
   std::vector<float> w1;          // [E, F, H]
   std::vector<float> w3;          // [E, F, H]
   std::vector<float> w2;          // [E, H, F]
   std::vector<float> shared_w1;   // [N, Fs, H]
   std::vector<float> shared_w3;   // [N, Fs, H]
   std::vector<float> shared_w2;   // [N, H, Fs]
-  std::vector<float> noise_gate;  // [E, H] (noisy top-k)
+  std::vector<float> noise_gate;  // [E + Z, H] (noisy top-k)
   // Drawn after the above (their values do not depend on these):
   std::vector<float> b1, b2;                // [E, F], [E, H]: biased experts (expert::mlp)
   std::vector<float> shared_b1, shared_b2;  // [N, Fs], [N, H]
   std::vector<float> shared_gate;           // [N, H] (config shared_gate: Qwen2-MoE)
   std::vector<float> output_bias;           // [H] (config output_bias: JetMoE)
   std::vector<float> b3;                    // [E, F]: the up projection's bias (GPT-OSS)
-  std::vector<float> gate_bias;             // [E]: the gate's logit bias (GPT-OSS)
+  std::vector<float> gate_bias;             // [E + Z]: the gate's logit bias (GPT-OSS)
 
   /// Deterministic random weights of typical scale: uniform(-1, 1) / sqrt(fan-in); the gate
   /// dyadic times a power of two (see above).
   static full_weights random(const layer_config& cfg, std::uint64_t seed) {
     const std::size_t E = cfg.experts, H = cfg.hidden, F = cfg.ffn;
     const std::size_t N = cfg.shared_experts, Fs = cfg.shared_width();
+    const std::size_t S = cfg.scored_experts();
     full_weights w{cfg,
-                   std::vector<float>(E * H),
+                   std::vector<float>(S * H),
                    std::vector<float>(E * F * H),
                    std::vector<float>(E * F * H),
                    std::vector<float>(E * H * F),
                    std::vector<float>(N * Fs * H),
                    std::vector<float>(N * Fs * H),
                    std::vector<float>(N * H * Fs),
-                   std::vector<float>(E * H),
+                   std::vector<float>(S * H),
                    {},
                    {},
                    {},
@@ -102,13 +103,15 @@ struct full_weights {
     w.shared_gate = draw(N * H, 4 * sh);  // sigmoid scales spread over (0, 1)
     w.output_bias = draw(H, sf);
     w.b3 = draw(E * F, sh);
-    w.gate_bias = draw(E, 1.f);  // logits of std ~2: a bias of this size reorders them
+    w.gate_bias = draw(S, 1.f);  // logits of std ~2: a bias of this size reorders them
     return w;
   }
 
-  matrix_view<const float> gate_view() const { return {gate.data(), cfg.experts, cfg.hidden}; }
+  matrix_view<const float> gate_view() const {
+    return {gate.data(), cfg.scored_experts(), cfg.hidden};
+  }
   matrix_view<const float> noise_gate_view() const {
-    return {noise_gate.data(), cfg.experts, cfg.hidden};
+    return {noise_gate.data(), cfg.scored_experts(), cfg.hidden};
   }
   stacked_view<const float> w1_view() const {
     return {w1.data(), cfg.experts, cfg.ffn, cfg.hidden};

@@ -78,6 +78,9 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                 "capacity::dropless with dedup");
   cfg.validate();
   topo.validate();
+  epmoe::detail::require(cfg.zero_experts == 0, "zero_experts", cfg.zero_experts,
+                         "must be 0 in the simulator (it prices the routed experts' rows; a "
+                         "zero expert sends none)");
   if constexpr (placement_with_validate<placement_type>) where.validate(cfg);
   epmoe::detail::require(topo.ranks() == cfg.ranks, "topology ranks", topo.ranks(),
                          "nodes * ranks_per_node must equal config ranks");
