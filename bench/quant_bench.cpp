@@ -41,8 +41,8 @@ struct shape {
 // 16 experts).
 const shape shapes[] = {
     {"mixtral", "Mixtral-like H 4096, F 1792 (14336 / 8), E 8, top-2", 4096, 1792, 8, 2},
-    {"deepseek", "DeepSeek-like H 7168, F 1024 (2048 / 2), E 16 (256 / 16), top-8", 7168, 1024,
-     16, 8},
+    {"deepseek", "DeepSeek-like H 7168, F 1024 (2048 / 2), E 16 (256 / 16), top-8", 7168, 1024, 16,
+     8},
     {"tiny", "tiny H 256, F 128, E 4, top-2 (smoke)", 256, 128, 4, 2},
 };
 
@@ -94,11 +94,16 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--shapes") shape_list = next();
-    else if (a == "--tokens") token_list = next();
-    else if (a == "--reps") reps = std::stoi(next());
-    else if (a == "--read-gbs") given_gbs = std::stod(next());
-    else if (a == "--smoke") smoke = true;
+    if (a == "--shapes")
+      shape_list = next();
+    else if (a == "--tokens")
+      token_list = next();
+    else if (a == "--reps")
+      reps = std::stoi(next());
+    else if (a == "--read-gbs")
+      given_gbs = std::stod(next());
+    else if (a == "--smoke")
+      smoke = true;
     else {
       std::fprintf(stderr,
                    "usage: epmoe_bench_quant [--shapes mixtral,deepseek,tiny] [--tokens 1,16,...] "
@@ -126,13 +131,15 @@ int main(int argc, char** argv) {
                                                              cpus, streams, prefetch);
       if (g > probe.gbs) probe = {streams, prefetch, g};
     }
-  std::printf("epmoe_bench_quant: the experts stage (SwiGLU, 3 grouped GEMMs) over packed copies\n");
+  std::printf(
+      "epmoe_bench_quant: the experts stage (SwiGLU, 3 grouped GEMMs) over packed copies\n");
   std::printf("CPU: %s, %d logical CPUs; %d BLAS/helper threads\n", bench::cpu_model().c_str(),
               cpus, sp::blas_threads());
-  std::printf("read bandwidth: %.1f GB/s (%s, %d threads, %d stream(s) per thread%s); measured "
-              "again beside every point (column GB/s)\n",
-              probe.gbs, given_gbs > 0 ? "given" : "measured at the start", cpus, probe.streams,
-              probe.prefetch ? ", prefetch" : "");
+  std::printf(
+      "read bandwidth: %.1f GB/s (%s, %d threads, %d stream(s) per thread%s); measured "
+      "again beside every point (column GB/s)\n",
+      probe.gbs, given_gbs > 0 ? "given" : "measured at the start", cpus, probe.streams,
+      probe.prefetch ? ", prefetch" : "");
   const weights_format formats[3] = {weights_format::fp32, weights_format::bf16,
                                      weights_format::int8_channel};
   std::printf("kernels: fp32 %s; bf16 %s; int8 %s\n",
@@ -140,10 +147,11 @@ int main(int argc, char** argv) {
               path == sp::cpu_path::avx512_bf16 ? "AVX512-BF16 dot (inputs rounded to bf16)"
                                                 : "widened to fp32",
               sp::name_of(sp::int8_kernel_for(path)));
-  std::printf("times: median of %d passes, the three formats back to back in each, caches "
-              "evicted before each pass; roof: the active experts' packed bytes (weights + "
-              "scales) / the faster read bandwidth (start, or beside the point)\n\n",
-              reps);
+  std::printf(
+      "times: median of %d passes, the three formats back to back in each, caches "
+      "evicted before each pass; roof: the active experts' packed bytes (weights + "
+      "scales) / the faster read bandwidth (start, or beside the point)\n\n",
+      reps);
 
   for (const std::string& name : [&] {
          std::vector<std::string> v;
@@ -169,9 +177,8 @@ int main(int argc, char** argv) {
       for (float& v : w13) v = u(rng) / std::sqrt(float(H));
       for (float& v : w2) v = u(rng) / std::sqrt(float(F));
     }
-    const epmoe::expert::swiglu::weights w{{w13.data(), E, F, H},
-                                           {w13.data() + E * F * H, E, F, H},
-                                           {w2.data(), E, H, F}};
+    const epmoe::expert::swiglu::weights w{
+        {w13.data(), E, F, H}, {w13.data() + E * F * H, E, F, H}, {w2.data(), E, H, F}};
     std::vector<point> pts;
     index_t max_rows = 0;
     for (index_t T : tokens) {
@@ -213,7 +220,7 @@ int main(int argc, char** argv) {
       for (index_t e = 0; e < E; ++e)
         offsets[std::size_t(e + 1)] = offsets[std::size_t(e)] + rows[std::size_t(e)];
       const index_t n = offsets.back();
-      const epmoe::grouped_rows<float> g{x.data(), H, H, static_cast<int>(E), offsets.data(),
+      const epmoe::grouped_rows<float> g{x.data(),      H, H, static_cast<int>(E), offsets.data(),
                                          offsets.data()};
       std::vector<double> t[3];
       for (int r = 0; r < reps + 1; ++r)
@@ -241,20 +248,19 @@ int main(int argc, char** argv) {
                                                     probe.streams, probe.prefetch);
     }
     std::printf("%s\n", s->note);
-    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s | %8s %8s %8s | %6s %6s %6s\n", "T",
-                "active", "GB/s", "fp32 ms", "bf16 ms", "int8 ms", "int8/bf16", "int8/fp32",
-                "int8 MB", "roof8 ms", "roof16ms", "%roof32", "%roof16", "%roof8");
+    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s | %8s %8s %8s | %6s %6s %6s\n", "T", "active",
+                "GB/s", "fp32 ms", "bf16 ms", "int8 ms", "int8/bf16", "int8/fp32", "int8 MB",
+                "roof8 ms", "roof16ms", "%roof32", "%roof16", "%roof8");
     for (const point& p : pts) {
       // The faster of the run's start and the point's own: the shorter (stricter) roof.
       const auto roof = [&](int f) { return p.bytes[f] / (std::max(p.gbs, probe.gbs) * 1e9); };
       std::printf(
           "%6lld %6lld %6.1f | %9.3f %9.3f %9.3f | %8.2fx %8.2fx | %8.1f %8.3f %8.3f | %5.0f%% "
           "%5.0f%% %5.0f%%\n",
-          static_cast<long long>(p.T), static_cast<long long>(p.active), p.gbs,
-          1e3 * p.seconds[0], 1e3 * p.seconds[1], 1e3 * p.seconds[2],
-          p.seconds[1] / p.seconds[2], p.seconds[0] / p.seconds[2], p.bytes[2] / 1e6,
-          1e3 * roof(2), 1e3 * roof(1), 100 * roof(0) / p.seconds[0],
-          100 * roof(1) / p.seconds[1], 100 * roof(2) / p.seconds[2]);
+          static_cast<long long>(p.T), static_cast<long long>(p.active), p.gbs, 1e3 * p.seconds[0],
+          1e3 * p.seconds[1], 1e3 * p.seconds[2], p.seconds[1] / p.seconds[2],
+          p.seconds[0] / p.seconds[2], p.bytes[2] / 1e6, 1e3 * roof(2), 1e3 * roof(1),
+          100 * roof(0) / p.seconds[0], 100 * roof(1) / p.seconds[1], 100 * roof(2) / p.seconds[2]);
     }
     std::printf("\n");
   }

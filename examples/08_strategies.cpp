@@ -81,7 +81,8 @@ constexpr ex::treatment over_link{.throttled = true};
 using strategies = ex::list<
     ex::bundle<"mixtral top-2", mixtral>, ex::bundle<"deepseek groups", deepseek>,
     ex::bundle<"deepseek +bias", deepseek, ex::treatment{.bias_steps = 50}>,
-    ex::bundle<"gpt-oss", gpt_oss>, ex::bundle<"deepseek-v4", deepseek_v4>, ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
+    ex::bundle<"gpt-oss", gpt_oss>, ex::bundle<"deepseek-v4", deepseek_v4>,
+    ex::bundle<"expert choice", expert_choice>, ex::bundle<"hash top-2", hashed>,
     ex::bundle<"block (table)", replicated>,
     ex::bundle<"balanced +4", replicated, ex::treatment{.from_load = true, .extra_slots = 4}>,
     ex::bundle<"dedup", dedup>, ex::bundle<"padded cf 1.25", padded>,

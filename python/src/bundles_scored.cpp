@@ -15,8 +15,8 @@ using schedule::sequential;
 
 template <class R, class X>
 void add(std::vector<bundle>& m, const char* router, const char* expert) {
-  m.push_back(entry<R, X, dropless, sequential>(router, expert, "dropless", "sequential",
-                                                glu_tensors));
+  m.push_back(
+      entry<R, X, dropless, sequential>(router, expert, "dropless", "sequential", glu_tensors));
 }
 }  // namespace
 

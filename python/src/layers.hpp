@@ -31,14 +31,14 @@ struct router_args {
   int top_groups = 1;
   float norm_p = 1.f;
   float scaling = 1.f;
-  bool group_by_max = false;     // topk_softmax: a group scored by its best expert
-  bool normalize = true;         // sigmoid_bias
-  bool group_mask_zero = false;  // sigmoid_bias: Hugging Face's 0.0 for dropped groups
-  float gamma = 0.f;             // sigmoid_bias: bias update speed (0: the bias stays)
-  std::vector<float> bias;       // sigmoid_bias: [E] or empty
-  float jitter_eps = 0.01f;      // sparsemixer
-  float eps = 0.f;               // scored routers: added to the chosen scores' sum
-  float norm_min = 0.f;          // scored routers: the sum clamped below at this
+  bool group_by_max = false;        // topk_softmax: a group scored by its best expert
+  bool normalize = true;            // sigmoid_bias
+  bool group_mask_zero = false;     // sigmoid_bias: Hugging Face's 0.0 for dropped groups
+  float gamma = 0.f;                // sigmoid_bias: bias update speed (0: the bias stays)
+  std::vector<float> bias;          // sigmoid_bias: [E] or empty
+  float jitter_eps = 0.01f;         // sparsemixer
+  float eps = 0.f;                  // scored routers: added to the chosen scores' sum
+  float norm_min = 0.f;             // scored routers: the sum clamped below at this
   std::vector<std::int32_t> table;  // table routers: [vocab, K] expert ids per token id
   std::int64_t vocab = 0;           // table routers: rows of `table`
 };

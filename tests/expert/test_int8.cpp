@@ -24,8 +24,8 @@ namespace {
 
 std::vector<int8_kernel> kernels_here() {
   std::vector<int8_kernel> out;
-  for (int8_kernel k : {int8_kernel::portable, int8_kernel::avx2, int8_kernel::avx512,
-                        int8_kernel::avx512_vnni})
+  for (int8_kernel k :
+       {int8_kernel::portable, int8_kernel::avx2, int8_kernel::avx512, int8_kernel::avx512_vnni})
     if (epmoe::space::cpu_runs(k)) out.push_back(k);
   return out;
 }
@@ -97,7 +97,7 @@ TEST_CASE("int8 packing: quantised from fp32 as the format defines, byte for byt
           CHECK(std::abs(w[at] - b[at]) <= ref.scale[std::size_t(n)] * 0.5f * (1 + 1e-6f));
           max_q = std::max(max_q, std::abs(int{ref.q[at]}));
         }
-      CHECK(ref.scale[0] == 0);  // the zero channel
+      CHECK(ref.scale[0] == 0);           // the zero channel
       CHECK(max_q == (N > 1 ? 127 : 0));  // every other channel's largest weight
     }
 }
@@ -112,8 +112,8 @@ TEST_CASE("int8 gemm: every kernel this CPU runs equals the format's definition,
         for (index_t K : {1, 3, 4, 5, 17, 37, 64, 67}) cells += check(kernel, M, N, K);
   CHECK(cells > 0);
   INFO("int8 kernels here: " << kernels.size() << ", best "
-                             << name_of(epmoe::space::int8_kernel_for(
-                                    epmoe::space::best_cpu_path())));
+                             << name_of(
+                                    epmoe::space::int8_kernel_for(epmoe::space::best_cpu_path())));
   CHECK(epmoe::space::cpu_runs(epmoe::space::int8_kernel_for(epmoe::space::best_cpu_path())));
 }
 
@@ -127,9 +127,9 @@ TEST_CASE("int8 gemm: zero and ±max channels, zero rows, long sums") {
     b[std::size_t(1 * K + k)] = 3e4f;
     b[std::size_t(2 * K + k)] = k % 2 ? -3e4f : 3e4f;
     b[std::size_t(3 * K + k)] = k == K - 1 ? -1e-3f : 0;
-    a[std::size_t(0 * K + k)] = -2.5f;                  // u8 = 1 everywhere
-    a[std::size_t(1 * K + k)] = 0;                      // a zero row
-    a[std::size_t(2 * K + k)] = k % 3 ? 7.f : -7.f;     // ±max
+    a[std::size_t(0 * K + k)] = -2.5f;               // u8 = 1 everywhere
+    a[std::size_t(1 * K + k)] = 0;                   // a zero row
+    a[std::size_t(2 * K + k)] = k % 3 ? 7.f : -7.f;  // ±max
   }
   index_t cells = 0;
   for (int8_kernel kernel : kernels_here()) {
@@ -173,18 +173,20 @@ TEST_CASE("int8: NaN and Inf (weights refused at pack time, activations spread p
   const epmoe::space::packed_nt packed({b.data(), N, K}, weights_format::int8_channel);
   const auto ref = epmoe::reference::int8_channel::quantise({b.data(), N, K});
   for (int8_kernel kernel : kernels_here())
-    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
       CAPTURE(name_of(kernel), bad);
       auto a = test::uniform(std::size_t(3 * K), 32);
       a[std::size_t(K + 2)] = bad;
       std::vector<float> c(std::size_t(3 * N), 0.f);
       epmoe::space::gemm_nt_int8({a.data(), 3, K}, packed, {c.data(), 3, N}, kernel);
-      const auto want = epmoe::reference::gemm_int8({a.data(), 3, K}, ref,
-                                                   kernel == int8_kernel::avx512_vnni);
+      const auto want =
+          epmoe::reference::gemm_int8({a.data(), 3, K}, ref, kernel == int8_kernel::avx512_vnni);
       for (index_t j = 0; j < N; ++j) {
         CHECK_FALSE(std::isfinite(c[std::size_t(N + j)]));
         if (kernel == int8_kernel::avx512_vnni) CHECK(std::isnan(c[std::size_t(N + j)]));
-        for (index_t i : {0, 2}) CHECK(c[std::size_t(i * N + j)] == Approx(want[std::size_t(i * N + j)]).margin(1e-5));
+        for (index_t i : {0, 2})
+          CHECK(c[std::size_t(i * N + j)] == Approx(want[std::size_t(i * N + j)]).margin(1e-5));
       }
     }
 }

@@ -64,9 +64,9 @@ double int8_bound(const layer_config& cfg, const reference::full_weights& w, boo
   const auto layer = [&](double e1, double e3, double e2) {
     return 3 * std::sqrt(4 * e1 * e1 + e3 * e3 + e2 * e2);
   };
-  double bound = layer(pair(weight_rounding(w.w1, E * F, H), th),
-                       pair(weight_rounding(w.w3, E * F, H), th),
-                       pair(weight_rounding(w.w2, E * H, F), tf));
+  double bound =
+      layer(pair(weight_rounding(w.w1, E * F, H), th), pair(weight_rounding(w.w3, E * F, H), th),
+            pair(weight_rounding(w.w2, E * H, F), tf));
   if (N > 0)
     bound = std::max(bound, layer(pair(weight_rounding(w.shared_w1, N * Fs, H), th),
                                   pair(weight_rounding(w.shared_w3, N * Fs, H), th),
@@ -148,7 +148,7 @@ TEST_CASE("int8 layer: forward only, a backward over int8 copies is refused") {
   moe_layer<default_policies>::gradients grads;
   grads.gate = {g0.data(), E, H};
   grads.experts = {{g1.data(), E, F, H}, {g3.data(), E, F, H}, {g2.data(), E, H, F}};
-  CHECK_THROWS_WITH(layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads),
-                    Catch::Contains("pack_weights = int8_channel") &&
-                        Catch::Contains("forward only"));
+  CHECK_THROWS_WITH(
+      layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads),
+      Catch::Contains("pack_weights = int8_channel") && Catch::Contains("forward only"));
 }

@@ -44,8 +44,8 @@ struct step_result {
   std::vector<float> y, dx, dgate, dw1, dw3, dw2;
 };
 
-[[maybe_unused]] void add_slots(std::vector<float>& into, const std::vector<float>& slots, index_t per,
-               const placement::block& where, int rank) {
+[[maybe_unused]] void add_slots(std::vector<float>& into, const std::vector<float>& slots,
+                                index_t per, const placement::block& where, int rank) {
   for (index_t j = 0; j < where.slots_per_rank(); ++j) {
     const index_t e = where.expert_at(rank, static_cast<int>(j));
     for (index_t i = 0; i < per; ++i) {
@@ -104,7 +104,9 @@ step_result run_step(layer_config cfg, const reference::full_weights& w,
   return out;
 }
 
-[[maybe_unused]] std::vector<float> as_float(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+[[maybe_unused]] std::vector<float> as_float(const std::vector<double>& v) {
+  return {v.begin(), v.end()};
+}
 
 /// The layer's step against the reference's: y, dx, dgate, dW1, dW3, dW2 (6 checks).
 template <class P>
@@ -154,8 +156,7 @@ int check_family(const Router& r, int k, const std::vector<std::int64_t>& tokens
   layer_config two_nodes = scored_layer(4, k);
   two_nodes.ranks_per_node = 2;
   INFO("hierarchical");
-  checked +=
-      check_step<scored_policies<Router, Expert, false, true>>(two_nodes, r, tokens);
+  checked += check_step<scored_policies<Router, Expert, false, true>>(two_nodes, r, tokens);
   return checked;
 }
 
@@ -328,7 +329,7 @@ TEST_CASE("table router in the layer: its own copy, checked entries and token id
     wv.gate = w.gate_view();
     wv.experts = reference::views_of<expert::swiglu>::of(mine);
     moe_layer<P> layer(cfg, c, wv, r, {}, where);
-    sync.arrive_and_wait();  // both layers made their copies
+    sync.arrive_and_wait();                                    // both layers made their copies
     if (rank == 0) std::fill(t.ids.begin(), t.ids.end(), 99);  // the caller's table goes bad
     sync.arrive_and_wait();
     const index_t T = 20, at = rank * T * cfg.hidden;
@@ -339,15 +340,19 @@ TEST_CASE("table router in the layer: its own copy, checked entries and token id
     std::vector<std::int64_t> past(ids.begin(), ids.end());
     if (rank == 1) past[5] = 10;
     std::vector<float> y2(T * cfg.hidden, nan_f);
-    const auto call = [&] { layer.forward({g.x.data() + at, T, cfg.hidden}, {y2.data(), T, cfg.hidden}, past); };
+    const auto call = [&] {
+      layer.forward({g.x.data() + at, T, cfg.hidden}, {y2.data(), T, cfg.hidden}, past);
+    };
     if (rank == 1)
-      CHECK_THROWS_WITH(call(), Catch::Contains("token_ids[5]") && Catch::Contains("[0, router.vocab = 10)"));
+      CHECK_THROWS_WITH(
+          call(), Catch::Contains("token_ids[5]") && Catch::Contains("[0, router.vocab = 10)"));
     else
       CHECK_THROWS_AS(call(), input_error);
     // A table pointed at later is checked at the next pass, before anything is written.
     layer.router().ids = bad.data();
-    CHECK_THROWS_WITH(layer.forward({g.x.data() + at, T, cfg.hidden}, {y2.data(), T, cfg.hidden}, ids),
-                      Catch::Contains("router.ids[3][1]") && Catch::Contains("distinct"));
+    CHECK_THROWS_WITH(
+        layer.forward({g.x.data() + at, T, cfg.hidden}, {y2.data(), T, cfg.hidden}, ids),
+        Catch::Contains("router.ids[3][1]") && Catch::Contains("distinct"));
     bool untouched = true;
     for (float v : y2) untouched = untouched && std::isnan(v);
     std::lock_guard lock(m);
@@ -366,7 +371,8 @@ TEST_CASE("table router in the layer: its own copy, checked entries and token id
     wv.experts = reference::views_of<expert::swiglu>::of(mine);
     router::deepseek_v4_hash<2> b = r;
     b.ids = bad.data();
-    CHECK_THROWS_WITH((moe_layer<P>(cfg, c, wv, b, {}, where)), Catch::Contains("router.ids[3][1]"));
+    CHECK_THROWS_WITH((moe_layer<P>(cfg, c, wv, b, {}, where)),
+                      Catch::Contains("router.ids[3][1]"));
     b.ids = original.data();
     b.vocab = 0;
     CHECK_THROWS_WITH((moe_layer<P>(cfg, c, wv, b, {}, where)), Catch::Contains("router.vocab"));

@@ -25,7 +25,9 @@ namespace {
 
 // The expected side: double arithmetic, nothing from epmoe.
 double sig(double x) { return 1.0 / (1.0 + std::exp(-x)); }
-double sqrtsp(double x) { return std::sqrt(x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x))); }
+double sqrtsp(double x) {
+  return std::sqrt(x > 0 ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x)));
+}
 
 enum class fn { sigmoid, softmax, sqrtsoftplus };
 
@@ -146,9 +148,9 @@ TEMPLATE_TEST_CASE("scored router: values and gradients against the formula", "[
                    router::score::sigmoid, router::score::softmax, router::score::sqrtsoftplus) {
   int n = 0;
   for (std::uint64_t seed = 1; seed <= 6; ++seed)
-    for (const setting& st : {setting{}, setting{false, 0, 0, 2.5}, setting{true, 0.25, 0, 1.5},
-                              setting{true, 1e-6, 0, 1}, setting{true, 0, 50, 1},
-                              setting{true, 0.1, 0.2, 3}}) {
+    for (const setting& st :
+         {setting{}, setting{false, 0, 0, 2.5}, setting{true, 0.25, 0, 1.5},
+          setting{true, 1e-6, 0, 1}, setting{true, 0, 50, 1}, setting{true, 0.1, 0.2, 3}}) {
       n += check_biased<TestType, select_on::scores>(st, seed);
       n += check_biased<TestType, select_on::logits>(st, seed);
     }
@@ -304,8 +306,8 @@ TEST_CASE("table router: experts from the table, weights from the gate", "[route
 }
 
 TEST_CASE("scored routers: bad settings and tables are named", "[router][table][errors]") {
-  const layer_config cfg{.hidden = 4, .ffn = 4, .experts = 4, .top_k = 2, .ranks = 1,
-                         .max_tokens = 4};
+  const layer_config cfg{
+      .hidden = 4, .ffn = 4, .experts = 4, .top_k = 2, .ranks = 1, .max_tokens = 4};
   router::deepseek_v4<2> r{};
   r.eps = -1e-6f;
   CHECK_THROWS_WITH(r.validate(cfg), Catch::Contains("router.eps") && Catch::Contains(">= 0"));
@@ -347,10 +349,9 @@ TEST_CASE("scored routers: bad settings and tables are named", "[router][table][
   std::vector<std::int32_t> ids(4, -7);
   std::vector<float> w(4, -7.f);
   const std::vector<std::int64_t> tokens{2, 3};
-  CHECK_THROWS_WITH(
-      router::route(h, cfg, {logits.data(), 2, 4}, {{ids.data(), 2, 2}, {w.data(), 2, 2}},
-                    {.token_ids = tokens}),
-      Catch::Contains("token_ids[1]") && Catch::Contains("router.vocab = 3"));
+  CHECK_THROWS_WITH(router::route(h, cfg, {logits.data(), 2, 4},
+                                  {{ids.data(), 2, 2}, {w.data(), 2, 2}}, {.token_ids = tokens}),
+                    Catch::Contains("token_ids[1]") && Catch::Contains("router.vocab = 3"));
   CHECK(ids == std::vector<std::int32_t>(4, -7));
   const std::vector<std::int64_t> ok{2, 0};
   router::route(h, cfg, {logits.data(), 2, 4}, {{ids.data(), 2, 2}, {w.data(), 2, 2}},

@@ -73,7 +73,8 @@ typename P::router router_of(const layer_config& cfg) {
 }
 
 /// Everything a rank's layer takes from the inputs: its slots, the shared experts (an expert
-/// type whose views_of has shared()), the noise gate, the shared gate, the output bias and the gate's logit bias.
+/// type whose views_of has shared()), the noise gate, the shared gate, the output bias and the
+/// gate's logit bias.
 template <class P>
 typename moe_layer<P>::weights layer_weights(const inputs& in,
                                              const reference::rank_weights& mine) {

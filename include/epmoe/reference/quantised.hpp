@@ -36,9 +36,9 @@ struct int8_channel {
       out.scale[std::size_t(n)] = s;
       for (index_t k = 0; k < w.cols; ++k)
         out.q[std::size_t(n * w.cols + k)] =
-            amax > 0 ? static_cast<std::int8_t>(
-                           std::clamp(std::nearbyint(w(n, k) / s), -127.f, 127.f))
-                     : 0;
+            amax > 0
+                ? static_cast<std::int8_t>(std::clamp(std::nearbyint(w(n, k) / s), -127.f, 127.f))
+                : 0;
     }
     return out;
   }

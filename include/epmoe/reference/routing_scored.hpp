@@ -30,8 +30,8 @@ std::vector<double> scores(std::span<const double> l) {
   } else {
     std::vector<double> s(l.size());
     for (std::size_t e = 0; e < l.size(); ++e)
-      s[e] = std::is_same_v<Score, router::score::sigmoid> ? sigmoid(l[e])
-                                                           : std::sqrt(softplus(l[e]));
+      s[e] =
+          std::is_same_v<Score, router::score::sigmoid> ? sigmoid(l[e]) : std::sqrt(softplus(l[e]));
     return s;
   }
 }
@@ -149,8 +149,8 @@ std::vector<double> scored_logits_grad(const Router& r, const rank_batch& b,
     const auto row = std::span<const double>(l).subspan(static_cast<std::size_t>(t * E), E);
     const auto s = scores<Score>(row);
     for (index_t k = 0; k < K; ++k) chosen[k] = s[route.ids[t * K + k]];
-    const auto dsk = weights_grad(chosen, dweights.subspan(t * K, K), r.normalize, r.eps,
-                                  r.norm_min, r.scaling);
+    const auto dsk =
+        weights_grad(chosen, dweights.subspan(t * K, K), r.normalize, r.eps, r.norm_min, r.scaling);
     std::fill(ds.begin(), ds.end(), 0.0);
     for (index_t k = 0; k < K; ++k) ds[route.ids[t * K + k]] += dsk[k];
     scores_grad<Score>(row, ds, std::span<double>(dl).subspan(static_cast<std::size_t>(t * E), E));

@@ -52,8 +52,8 @@ struct biased {
   float gamma = 1e-3f;          // bias update speed
   const float* bias = nullptr;  // [E] host values, or nullptr (all zero); see above
   group_mask_mode group_mask = group_mask_mode::minus_inf;  // dropped groups' experts score
-  float eps = 0.f;              // added to the chosen scores' sum (DeepSeek-V4 1e-20, LFM2 1e-6)
-  float norm_min = 0.f;         // the sum clamped below at this (ERNIE 4.5's moe_norm_min)
+  float eps = 0.f;       // added to the chosen scores' sum (DeepSeek-V4 1e-20, LFM2 1e-6)
+  float norm_min = 0.f;  // the sum clamped below at this (ERNIE 4.5's moe_norm_min)
 
   void validate(const layer_config& cfg) const {
     validate_groups(cfg, K, groups, top_groups);

@@ -45,10 +45,9 @@ inline const char* name_of(int8_kernel k) {
 inline bool cpu_runs(int8_kernel k) {
 #if defined(EPMOE_HOST_PACKED_X86)
   if (k == int8_kernel::avx512_vnni) {  // (asked once: every int8 GEMM chooses its kernel)
-    static const bool vnni = __builtin_cpu_supports("avx512f") &&
-                             __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") &&
-                             __builtin_cpu_supports("avx512vnni");
+    static const bool vnni =
+        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     return vnni;
   }
 #endif
@@ -103,8 +102,9 @@ inline float quantise_u8_row(const float* x, index_t K, std::uint8_t* out, index
   const float inv = amax > 0 && !bad ? 127.f / amax : 0.f;
   for (index_t k = 0; k < padded; ++k)
     out[k] = static_cast<std::uint8_t>(
-        128 + (k < K && !bad ? static_cast<int>(std::clamp(std::nearbyint(x[k] * inv), -127.f, 127.f))
-                             : 0));
+        128 + (k < K && !bad
+                   ? static_cast<int>(std::clamp(std::nearbyint(x[k] * inv), -127.f, 127.f))
+                   : 0));
   return bad ? poison : amax / 127.f;
 }
 
@@ -146,7 +146,8 @@ inline constexpr __mmask16 all = 0xFFFF;
 // Byte B of each 32-bit lane, sign-extended, as fp32.
 template <int B>
 __attribute__((target("avx512f"), always_inline)) inline __m512 int8_lane_avx512(__m512i w) {
-  return _mm512_maskz_cvtepi32_ps(all, _mm512_maskz_srai_epi32(all, _mm512_maskz_slli_epi32(all, w, 24 - 8 * B), 24));
+  return _mm512_maskz_cvtepi32_ps(
+      all, _mm512_maskz_srai_epi32(all, _mm512_maskz_slli_epi32(all, w, 24 - 8 * B), 24));
 }
 template <int B>
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 int8_lane_avx2(__m256i w) {
@@ -172,8 +173,8 @@ __attribute__((target("avx512f"), always_inline)) inline void int8_step_avx512(
 template <int MR>
 __attribute__((target("avx512f"))) inline void int8_rows_avx512(const float* a, index_t lda,
                                                                 int8_panel_view p, index_t K,
-                                                                float* c, index_t ldc,
-                                                                __mmask16 m0, __mmask16 m1) {
+                                                                float* c, index_t ldc, __mmask16 m0,
+                                                                __mmask16 m1) {
   __m512 lo[MR], hi[MR];
   EPMOE_PACKED_UNROLL
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
@@ -235,8 +236,10 @@ __attribute__((target("avx512f,avx512vnni"))) inline void int8_rows_vnni(
   EPMOE_PACKED_UNROLL
   for (int i = 0; i < MR; ++i) {
     const __m512 r = _mm512_set1_ps(row_scale[i]);
-    flo[i] = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(all, _mm512_sub_epi32(lo[i], c0)), _mm512_mul_ps(r, s0));
-    fhi[i] = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(all, _mm512_sub_epi32(hi[i], c1)), _mm512_mul_ps(r, s1));
+    flo[i] = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(all, _mm512_sub_epi32(lo[i], c0)),
+                           _mm512_mul_ps(r, s0));
+    fhi[i] = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(all, _mm512_sub_epi32(hi[i], c1)),
+                           _mm512_mul_ps(r, s1));
   }
   store_rows_avx512<MR>(c, ldc, m0, m1, flo, fhi);
 }
@@ -248,8 +251,8 @@ __attribute__((target("avx512f,avx512vnni"))) inline void int8_panel_vnni(
   const int8_panel_view p = int8_panel(panel, K);
   row_blocks<12>(rows, [&](index_t i, index_t n) {
     with_rows<12>(n, [&]<int MR>() {
-      int8_rows_vnni<MR>(a.data + i * a.stride, a.stride, a.scales + i, p, (K + 3) / 4,
-                         c + i * ldc, ldc, m0, m1);
+      int8_rows_vnni<MR>(a.data + i * a.stride, a.stride, a.scales + i, p, (K + 3) / 4, c + i * ldc,
+                         ldc, m0, m1);
     });
   });
 }

@@ -53,8 +53,8 @@ class packed_nt {
     if (as_ == weights_format::int8_channel)
       for (index_t p = 0; p < panels(); ++p) {
         const index_t j0 = p * panel_cols;
-        detail::pack_int8_panel(data_.get() + p * panel_bytes(), k_,
-                                std::min(panel_cols, n_ - j0), j0, b, {}, nullptr);
+        detail::pack_int8_panel(data_.get() + p * panel_bytes(), k_, std::min(panel_cols, n_ - j0),
+                                j0, b, {}, nullptr);
       }
     else if (as_ == weights_format::bf16)
       fill<std::uint16_t>(b, bf16_bits);
@@ -65,8 +65,9 @@ class packed_nt {
   /// scales [N] (finite, >= 0), as a checkpoint stores them.
   void repack_int8(matrix_view<const std::int8_t> q, const float* scales) {
     for (index_t j = 0; j < q.rows; ++j)
-      epmoe::detail::require(std::isfinite(scales[j]) && scales[j] >= 0, "pack_weights(int8_channel)",
-                      scales[j], "a channel's scale must be finite and >= 0");
+      epmoe::detail::require(std::isfinite(scales[j]) && scales[j] >= 0,
+                             "pack_weights(int8_channel)", scales[j],
+                             "a channel's scale must be finite and >= 0");
     shape(q.rows, q.cols, weights_format::int8_channel);
     for (index_t p = 0; p < panels(); ++p) {
       const index_t j0 = p * panel_cols;
@@ -95,8 +96,7 @@ class packed_nt {
       for (index_t k = 0; k < k_; ++k)
         for (index_t j = 0; j < cols; ++j)
           out[(j0 + j) * k_ + k] =
-              as_ == weights_format::int8_channel
-                  ? q.scale[j] * q.q[k / 4 * 128 + 4 * j + k % 4]
+              as_ == weights_format::int8_channel ? q.scale[j] * q.q[k / 4 * 128 + 4 * j + k % 4]
               : pairs ? bf16_value(panel<std::uint16_t>(p)[k / 2 * 2 * panel_cols + 2 * j + k % 2])
                       : panel<float>(p)[k * panel_cols + j];
     }
@@ -112,8 +112,8 @@ class packed_nt {
   }
   void shape(index_t n, index_t k, weights_format as) {
     epmoe::detail::require(as != weights_format::int8_channel || k <= int8_max_cols,
-                    "pack_weights(int8_channel)", k,
-                    "K (a weight's inputs) must be at most 66311: vpdpbusd sums in int32");
+                           "pack_weights(int8_channel)", k,
+                           "K (a weight's inputs) must be at most 66311: vpdpbusd sums in int32");
     if (n != n_ || k != k_ || as != as_ || !data_) {
       n_ = n, k_ = k, as_ = as;
       data_.reset(static_cast<std::byte*>(
