@@ -18,14 +18,14 @@ function(_epmoe_sources_exist out what)
   set(${out} TRUE PARENT_SCOPE)
 endfunction()
 
-# epmoe_add_test(<name> <sources...> [LIBS <targets...>] [LABELS <labels...>] [TIMEOUT <s>])
+# epmoe_add_test(<name> <sources...> [UNITY] [LIBS <targets...>] [LABELS <labels...>] [TIMEOUT <s>])
 # One Catch2 executable; Catch2WithMain supplies main(), each TEST_CASE becomes a CTest test
 # named "<name>:<case>" (Catch passes the prefix through cmake -D, which drops a trailing
 # space) labelled "unit" plus <labels>, plus count.<name> (see epmoe_discover_tests).
 # TIMEOUT: seconds per test, 60 by default: the slowest case takes 0.2 s in Release on 2
 # cores, so 60 s leaves room for Debug and sanitizer builds and only stops a deadlock.
 function(epmoe_add_test name)
-  cmake_parse_arguments(PARSE_ARGV 1 arg "" "TIMEOUT" "LIBS;LABELS")
+  cmake_parse_arguments(PARSE_ARGV 1 arg "UNITY" "TIMEOUT" "LIBS;LABELS")
   _epmoe_sources_exist(ok "test ${name}" ${arg_UNPARSED_ARGUMENTS})
   if(NOT ok)
     return()
@@ -34,6 +34,12 @@ function(epmoe_add_test name)
     set(arg_TIMEOUT 60)
   endif()
   add_executable(${name} ${arg_UNPARSED_ARGUMENTS})
+  # UNITY: the files compile as one unit and share the layer's instantiations instead of
+  # compiling them once each (test_layer's six files: 63 -> 26 s CPU); each file then keeps
+  # its helpers in a namespace of its own.
+  if(arg_UNITY)
+    set_target_properties(${name} PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 0)
+  endif()
   target_link_libraries(${name} PRIVATE epmoe::epmoe ${arg_LIBS} Catch2::Catch2WithMain)
   target_compile_options(${name} PRIVATE
     $<$<COMPILE_LANG_AND_ID:CXX,GNU,Clang,AppleClang>:-Wall -Wextra -Wpedantic>)

@@ -30,6 +30,9 @@ class CMakeBuild(build_ext):
             f"-DEPMOE_PYTHON={sys.executable}", "-DEPMOE_WITH_TORCH=ON",
             "-DEPMOE_BUILD_TESTS=OFF", "-DEPMOE_BUILD_EXAMPLES=OFF", "-DEPMOE_BUILD_BENCH=OFF",
             "-DEPMOE_WITH_MPI=OFF", "-DEPMOE_WITH_CUDA=OFF", "-DEPMOE_INSTALL=OFF",
+            # the defaults said each time: the build folder is kept, and its cache keeps what
+            # an earlier install's EPMOE_CMAKE_ARGS set (python.pip_install: -O0, one entry)
+            "-DCMAKE_CXX_FLAGS_RELEASE=-O3 -DNDEBUG", "-DEPMOE_PYTHON_MENU=full",
             # more configure arguments, e.g. EPMOE_CMAKE_ARGS="-DEPMOE_WITH_BLAS=OFF"
             *shlex.split(os.environ.get("EPMOE_CMAKE_ARGS", ""))])
         jobs = str(max(1, os.cpu_count() or 1))

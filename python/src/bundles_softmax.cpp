@@ -31,10 +31,11 @@ void add(std::vector<bundle>& m, const char* router, const char* expert, const c
 }
 
 void add_softmax_bundles(std::vector<bundle>& m) {
+  add<softmax<2>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
+                                                glu_tensors);
+#ifndef EPMOE_PYTHON_MENU_MIXTRAL  // EPMOE_PYTHON_MENU=mixtral: that entry only
   // The models' choices: swiglu, dropless, sequential.
   add<softmax<1>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
-                                                glu_tensors);
-  add<softmax<2>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
                                                 glu_tensors);
   add<softmax<4>, swiglu, dropless, sequential>(m, "softmax", "swiglu", "dropless", "sequential",
                                                 glu_tensors);
@@ -70,6 +71,7 @@ void add_softmax_bundles(std::vector<bundle>& m) {
                                                    "sequential", mlp_bias_tensors);
   add<softmax<2>, relu_bias, factor<false>, sequential>(m, "softmax", "mlp_relu_bias", "factor",
                                                         "sequential", mlp_bias_tensors);
+#endif
 }
 
 }  // namespace epmoe::py

@@ -149,11 +149,13 @@ void add_longcat_llama4_bundles(std::vector<bundle>& menu);
 inline std::vector<bundle> menu() {
   std::vector<bundle> m;
   add_softmax_bundles(m);
+#ifndef EPMOE_PYTHON_MENU_MIXTRAL  // the one entry add_softmax_bundles keeps then
   add_other_bundles(m);
   add_gpt_oss_bundles(m);
   add_exchange_bundles(m);
   add_scored_bundles(m);
   add_longcat_llama4_bundles(m);
+#endif
   return m;
 }
 

@@ -14,6 +14,8 @@
 #include "space_io.cuh"
 #include <epmoe/router/noisy_topk.hpp>
 
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace device_tests {
 using namespace epmoe;
 
 namespace {
@@ -243,3 +245,5 @@ TEST_CASE("device: a bad input on one rank of two makes both throw, y untouched"
     run(device_policies<router::topk_softmax<2>, capacity::factor<true>, comm::threads>{});
   }
 }
+
+}  // namespace device_tests

@@ -20,6 +20,8 @@
 #include <epmoe/space/host.hpp>
 // clang-format on
 
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace expert_backward_tests {
 using namespace epmoe;
 
 static_assert(training_space<space::cuda<float>>);
@@ -193,3 +195,5 @@ TEST_CASE("cuda: glu silu backward matches space::host", "[cuda][backward]") {
 TEST_CASE("cuda: mlp relu with biases backward matches space::host", "[cuda][backward]") {
   CHECK(check_expert_backward<expert::mlp<act::relu, true>>() == 5);
 }
+
+}  // namespace expert_backward_tests

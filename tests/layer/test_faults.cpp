@@ -23,6 +23,8 @@
 #include <epmoe/schedule/pipelined.hpp>
 #include <epmoe/schedule/sequential.hpp>
 
+// A namespace per file: the test programs compile their files as one unit.
+namespace faults_tests {
 using namespace epmoe;
 using test::faulty_host;
 
@@ -537,3 +539,5 @@ TEST_CASE("faults: the survivors' layer owns what it reads (packed copies, re-pl
   }
   CHECK(compared == std::vector<int>{2, 2, 0, 2});
 }
+
+}  // namespace faults_tests

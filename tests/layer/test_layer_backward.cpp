@@ -29,6 +29,8 @@
 #include <epmoe/router/sinkhorn.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_backward_tests {
 using namespace epmoe;
 
 namespace {
@@ -891,3 +893,5 @@ TEST_CASE("layer backward: deterministic, bit-identical across runs, allocations
   CHECK(test::relative_error(c.dgate, a.dgate) <= 1e-5);
   CHECK(test::relative_error(c.dw1, a.dw1) <= 1e-5);
 }
+
+}  // namespace layer_backward_tests

@@ -10,6 +10,8 @@
 
 // Bounded receive buffers (config max_recv_rows): a pass that would receive more rows than
 // the bound is exchanged in rounds; nothing is dropped and the buffer never exceeds the bound.
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_bounded_tests {
 using namespace epmoe;
 
 namespace {
@@ -229,3 +231,5 @@ TEST_CASE("bounded: ranks that disagree on max_recv_rows all throw naming it",
   CHECK(fields[1] == "max_recv_rows");
 }
 #endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+}  // namespace layer_bounded_tests

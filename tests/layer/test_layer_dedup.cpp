@@ -5,6 +5,8 @@
 #include "harness.hpp"
 
 // Per-rank dedup: a token that picks several experts on one rank sends that rank one row.
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_dedup_tests {
 using namespace epmoe;
 
 namespace {
@@ -100,3 +102,5 @@ TEMPLATE_LIST_TEST_CASE("dedup: rows and bytes of both all-to-alls match a hand 
   CHECK(dedup[1][0].rows_per_local_expert == plain[1][0].rows_per_local_expert);
   CHECK(dedup[0][0].rows_per_local_expert == std::vector<index_t>{2, 2});
 }
+
+}  // namespace layer_dedup_tests

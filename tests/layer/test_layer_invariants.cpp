@@ -7,6 +7,8 @@
 
 #include "harness.hpp"
 
+// A namespace per file: the test programs compile their files as one unit.
+namespace layer_invariants_tests {
 using namespace epmoe;
 
 namespace {
@@ -302,3 +304,5 @@ TEST_CASE("layer: one rank with bad weights makes every rank throw, none hangs",
   CHECK(seen[1] == "weights.experts.w2");
   CHECK(seen[0].rfind("config_valid", 0) == 0);
 }
+
+}  // namespace layer_invariants_tests

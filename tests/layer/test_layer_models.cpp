@@ -15,6 +15,8 @@
 #include <epmoe/sim/source.hpp>
 #include <epmoe/sim/topology.hpp>
 
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_models_tests {
 using namespace epmoe;
 
 namespace {
@@ -318,3 +320,5 @@ TEST_CASE("models: the simulator prices each expert type by its own FLOPs",
   CHECK(ranks == 2);
 }
 #endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+}  // namespace layer_models_tests

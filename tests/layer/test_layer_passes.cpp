@@ -12,6 +12,8 @@
 // State across passes: three passes of one layer, each compared with the reference of that
 // pass (shared-expert sums, training noise drawn per pass, the DeepSeek bias after
 // update_router), on 1, 2 and 4 ranks.
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_passes_tests {
 using namespace epmoe;
 
 namespace {
@@ -132,3 +134,5 @@ TEMPLATE_LIST_TEST_CASE("passes: the DeepSeek bias after update_router matches i
     CHECK(bias != opt.bias);
   }
 }
+
+}  // namespace layer_passes_tests

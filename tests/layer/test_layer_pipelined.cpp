@@ -10,6 +10,8 @@
 #include <epmoe/schedule/pipelined.hpp>
 
 // The pipelined schedule computes exactly what the sequential one does, chunk by chunk.
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_pipelined_tests {
 using namespace epmoe;
 
 namespace {
@@ -260,3 +262,5 @@ TEST_CASE("pipelined: over a throttled link, outputs unchanged and the wire time
   }
 }
 #endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+}  // namespace layer_pipelined_tests

@@ -15,6 +15,8 @@
 #include <epmoe/router/sigmoid_bias.hpp>
 
 // Placement decides where experts live, never what a token computes.
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_placement_tests {
 using namespace epmoe;
 
 namespace {
@@ -173,7 +175,7 @@ TEMPLATE_LIST_TEST_CASE(
   using Space = TestType;
   using io = test::space_io<Space>;
   struct P : test::router_policies<Space, router::sigmoid_bias<2>> {
-    using placement = epmoe::placement::table;
+    using placement [[maybe_unused]] = epmoe::placement::table;  // GCC: the layer reads it
   };
   const int R = 4;
   const layer_config cfg = cfg4();
@@ -298,3 +300,5 @@ TEMPLATE_LIST_TEST_CASE(
   CHECK(s0.rows_per_local_expert[0] > 0);
   CHECK(s0.rows_per_local_expert[1] > 0);
 }
+
+}  // namespace layer_placement_tests

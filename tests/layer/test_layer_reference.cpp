@@ -7,6 +7,8 @@
 #include "harness.hpp"
 #include <epmoe/schedule/pipelined.hpp>
 
+// A namespace per file: the test programs compile their files as one unit.
+namespace layer_reference_tests {
 using namespace epmoe;
 using test::with_top_k;
 
@@ -140,3 +142,5 @@ TEMPLATE_LIST_TEST_CASE("layer: a token with every assignment dropped gets zero 
     }
   }
 }
+
+}  // namespace layer_reference_tests

@@ -16,6 +16,8 @@
 #include <epmoe/router/topk_softmax.hpp>
 
 // Every router through the full layer, on 1 and 4 ranks, equals the reference.
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_routers_tests {
 using namespace epmoe;
 
 namespace {
@@ -372,3 +374,5 @@ TEST_CASE("bias update drives a skewed load toward balance", "[layer][routers][b
   CHECK(last < 0.6 * first);
 }
 #endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+}  // namespace layer_routers_tests

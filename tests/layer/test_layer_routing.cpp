@@ -12,6 +12,8 @@
 #include "harness.hpp"
 
 // forward(x, routing, y): the routing given by the caller, validated before anything moves.
+// A namespace per file: the test programs compile their files as one unit.
+namespace layer_routing_tests {
 using namespace epmoe;
 
 namespace {
@@ -203,3 +205,5 @@ TEST_CASE("routing: a token that repeats an expert is rejected", "[layer][routin
   CHECK(got.what[0].find("repeats routing.ids[4][0]") != std::string::npos);
   CHECK(std::all_of(got.y.begin(), got.y.end(), untouched));
 }
+
+}  // namespace layer_routing_tests

@@ -21,6 +21,8 @@
 #include <epmoe/router/biased.hpp>
 #include <epmoe/router/table.hpp>
 
+// A namespace per file: tests/cuda compiles several of these files in one unit.
+namespace layer_scored_tests {
 using namespace epmoe;
 
 namespace {
@@ -379,3 +381,5 @@ TEST_CASE("table router in the layer: its own copy, checked entries and token id
   });
 }
 #endif  // EPMOE_TEST_SPACES_ONLY_GENERIC
+
+}  // namespace layer_scored_tests

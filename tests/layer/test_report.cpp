@@ -16,6 +16,8 @@
 #include <epmoe/sim/source.hpp>
 
 // Run reports: stats JSON lines (read back by the simulator) and a Chrome trace.
+// A namespace per file: the test programs compile their files as one unit.
+namespace report_tests {
 using namespace epmoe;
 
 namespace {
@@ -169,3 +171,5 @@ TEST_CASE("report: the trace parses and has every rank, stage and counter", "[la
     }
   CHECK(rounds_seen > 0);  // the bound split chunks into rounds, and the trace shows them
 }
+
+}  // namespace report_tests

@@ -17,6 +17,8 @@
 #include <epmoe/reference/backward.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
+// A namespace per file: test_mpi compiles its files as one unit.
+namespace mpi_backward_tests {
 using namespace epmoe;
 
 namespace {
@@ -194,3 +196,5 @@ TEST_CASE("mpi: ranks that make different calls all throw the same error, nothin
   checked += 3;
   CHECK(checked == 3);
 }
+
+}  // namespace mpi_backward_tests

@@ -7,6 +7,8 @@
 #include <epmoe/comm/mpi.hpp>
 #include <epmoe/experiment.hpp>
 
+// A namespace per file: test_mpi compiles its files as one unit.
+namespace mpi_experiment_tests {
 using namespace epmoe;
 
 namespace {
@@ -50,3 +52,5 @@ TEST_CASE("mpi experiment: the table on processes equals the table on threads", 
   }
   CHECK(checked == 2);
 }
+
+}  // namespace mpi_experiment_tests

@@ -19,6 +19,8 @@
 #include <epmoe/placement/table.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
+// A namespace per file: test_mpi compiles its files as one unit.
+namespace mpi_layer_tests {
 using namespace epmoe;
 
 namespace {
@@ -531,3 +533,5 @@ TEST_CASE("mpi layer: hierarchical on 2 nodes x 2, from the config or the comm, 
   }
   CHECK(routes == 2);
 }
+
+}  // namespace mpi_layer_tests

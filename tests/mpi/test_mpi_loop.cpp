@@ -13,6 +13,8 @@
 #include <epmoe/schedule/pipelined.hpp>
 #include <epmoe/testing/training_loop.hpp>
 
+// A namespace per file: test_mpi compiles its files as one unit.
+namespace mpi_loop_tests {
 using namespace epmoe;
 
 namespace {
@@ -79,3 +81,5 @@ TEST_CASE("mpi loop: steps on one layer equal the reference's, every process", "
       mpi_loop<router::topk_softmax<2>, layer_options{}, schedule::sequential, placement::table>>(
       mpi_layer(), {.placement = placement::table(12, R, phy)});
 }
+
+}  // namespace mpi_loop_tests
