@@ -92,8 +92,8 @@ rank_numbers combine(const std::vector<rank_numbers>& ranks) {
 
 void print_row(const std::string& shape, const char* link, const char* rows,
                const rank_numbers& n) {
-  std::printf("%-14s %-10s %-6s %9.0f %11.3f %10.3f %9.2f %9.2f %9.2f %9.2f\n", shape.c_str(),
-              link, rows, n.rows, n.dispatch_bytes * 1e-6, n.combine_bytes * 1e-6, n.permute_ms,
+  std::printf("%-14s %-10s %-6s %9.0f %11.3f %10.3f %9.2f %9.2f %9.2f %9.2f\n", shape.c_str(), link,
+              rows, n.rows, n.dispatch_bytes * 1e-6, n.combine_bytes * 1e-6, n.permute_ms,
               n.dispatch_ms, n.comm_ms, n.ms);
 }
 
@@ -154,17 +154,19 @@ int main(int argc, char** argv) {
     rank_numbers plain[2], slow[2];  // [fp32 rows, int8 rows]
     with_policies<Inner, false>(s, [&]<class P>(auto router) {
       for (int q = 0; q < 2; ++q)
-        plain[q] = each_rank([&](Inner c) { return run_rank<P>(q ? wire : cfg, router, c, full, o.reps); });
+        plain[q] = each_rank(
+            [&](Inner c) { return run_rank<P>(q ? wire : cfg, router, c, full, o.reps); });
     });
     // The link moves the fp32 rows' busiest share (dispatch and combine) in `slow` times the
     // experts' time.
-    const double bw = std::max(plain[0].link_bytes, 1.0) /
-                      (o.slow * std::max(plain[0].experts_ms, 1e-3) * 1e-3);
+    const double bw =
+        std::max(plain[0].link_bytes, 1.0) / (o.slow * std::max(plain[0].experts_ms, 1e-3) * 1e-3);
     const epmoe::comm::link link{.bandwidth = bw, .latency = 20e-6};
     with_policies<Slow, false>(s, [&]<class P>(auto router) {
       for (int q = 0; q < 2; ++q)
-        slow[q] = each_rank(
-            [&](Inner c) { return run_rank<P>(q ? wire : cfg, router, Slow(c, link), full, o.reps); });
+        slow[q] = each_rank([&](Inner c) {
+          return run_rank<P>(q ? wire : cfg, router, Slow(c, link), full, o.reps);
+        });
     });
     print_row(s.name, "plain", "fp32", plain[0]);
     print_row(s.name, "plain", "int8", plain[1]);

@@ -239,8 +239,8 @@ TEST_CASE("wire rows: quantise_row is the format's definition, ties to even, NaN
   CHECK((q[1] == 0 && q[3] == 2 && q[5] == 2 && q[7] == 4));
   CHECK(checked == 24 * H);
   // A row holding NaN or ±Inf: scale NaN, values 0, all NaN on arrival; a zero row: zeros.
-  for (float bad : {nan_f, std::numeric_limits<float>::infinity(),
-                    -std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {nan_f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
     std::vector<float> x = rows[0];
     x[3] = bad;
     wire_ops::quantise_row(x.data(), H, wire.data());
@@ -410,20 +410,20 @@ TEST_CASE("wire rows: the same outputs over every comm (local, throttled, any)",
         cfg, w, g, {}, [](comm::threads c, index_t*, auto&& use) {
           use(comm::throttled<comm::threads>(std::move(c), comm::link{1e9, 1e-6}));
         });
-    const auto any = run_wire<wire_policies<softmax, false, false, schedule::pipelined<2>,
-                                            comm::any>>(
-        cfg, w, g, {}, [](comm::threads c, index_t*, auto&& use) {
-          comm::endpoint_of<comm::threads> ep(std::move(c));
-          use(comm::any(ep));
-        });
+    const auto any =
+        run_wire<wire_policies<softmax, false, false, schedule::pipelined<2>, comm::any>>(
+            cfg, w, g, {}, [](comm::threads c, index_t*, auto&& use) {
+              comm::endpoint_of<comm::threads> ep(std::move(c));
+              use(comm::any(ep));
+            });
     // The same rows and arithmetic (sums may differ in the last bit with buffer alignment).
     CHECK(test::relative_error(slow.y, base) <= 1e-6);
     CHECK(test::relative_error(any.y, base) <= 1e-6);
     CHECK(slow.stats[0].dispatch_bytes_sent == any.stats[0].dispatch_bytes_sent);
     if (R == 1) {
-      const auto local = run_wire<wire_policies<softmax, false, false, schedule::sequential,
-                                                comm::local>>(
-          cfg, w, g, {}, [](comm::threads, index_t*, auto&& use) { use(comm::local{}); });
+      const auto local =
+          run_wire<wire_policies<softmax, false, false, schedule::sequential, comm::local>>(
+              cfg, w, g, {}, [](comm::threads, index_t*, auto&& use) { use(comm::local{}); });
       CHECK(test::relative_error(local.y, base) <= 1e-6);
     }
     for (float v : base) CHECK(std::isfinite(v));
@@ -490,8 +490,8 @@ TEST_CASE("wire rows: a NaN or Inf token arrives all NaN, the others as they wer
   const auto w = reference::full_weights::random(cfg, 31);
   auto g = test::make_tokens({20, 20}, cfg.hidden, 32);
   const index_t H = cfg.hidden;
-  g.x[5] = nan_f;                                                 // token 0 (rank 0)
-  g.x[21 * H + 7] = std::numeric_limits<float>::infinity();       // token 21 (rank 1)
+  g.x[5] = nan_f;                                            // token 0 (rank 0)
+  g.x[21 * H + 7] = std::numeric_limits<float>::infinity();  // token 21 (rank 1)
   const auto ids = token_ids(g.total());
   const auto got = run_wire<P>(cfg, w, g, {.ids = ids});
   test::global_tokens gq = g;

@@ -266,10 +266,10 @@ class exchange_core {
                          index_t rows, int b0, int b1, const index_t* src_at, const index_t* count,
                          const index_t* dst_at) const {
     if (b1 <= b0 || rows <= 0) return;
-    s.for_each_row(rows, w_.hidden,
-                   wire_ops::dequantise_blocks<value_type>{wire_view(src, src_rows), src_at, count,
-                                                           dst_at, b0, b1 - b0, first,
-                                                           expert_view()});
+    s.for_each_row(
+        rows, w_.hidden,
+        wire_ops::dequantise_blocks<value_type>{wire_view(src, src_rows), src_at, count, dst_at, b0,
+                                                b1 - b0, first, expert_view()});
   }
 
   // The counts' stats: rows and bytes per rank (`unique`: dedup's rows per (chunk, rank), else

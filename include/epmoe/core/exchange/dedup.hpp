@@ -211,7 +211,8 @@ class dedup_exchange : public exchange_core<Comm, Space> {
   index_t unit_bytes(int k, bool dispatch = false) const {
     const rank_counts& n = this->counts_[k];
     if constexpr (Hierarchical)
-      return this->crossing_bytes(n.a_recv_n, dispatch) + this->crossing_bytes(n.b_recv_n, dispatch);
+      return this->crossing_bytes(n.a_recv_n, dispatch) +
+             this->crossing_bytes(n.b_recv_n, dispatch);
     else
       return this->crossing_bytes(n.recv_n, dispatch);
   }
@@ -416,8 +417,9 @@ class dedup_exchange : public exchange_core<Comm, Space> {
   matrix_view<const std::uint8_t> chunk_unique_wire(const dispatch_plan& p, int c) const {
     const int R = this->w_.ranks;
     const index_t u0 = p.recv_unique_offsets[c * R];
-    return this->wire_view(this->q_recv_.data() + (u0 + shift_of(p, c).unique) * this->w_.wire_stride,
-                           p.recv_unique_offsets[(c + 1) * R] - u0);
+    return this->wire_view(
+        this->q_recv_.data() + (u0 + shift_of(p, c).unique) * this->w_.wire_stride,
+        p.recv_unique_offsets[(c + 1) * R] - u0);
   }
 
   [[no_unique_address]] levels_type lv_;

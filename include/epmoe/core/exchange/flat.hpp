@@ -265,8 +265,8 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
                               host_arrays(k)[recv_at()], rows, 0, B, dev + recv_at(), dev,
                               dev + regroup_at());
     else
-      x.space.copy_blocks(slot_view(k), this->expert_view(), B, dev + recv_at(),
-                          dev + regroup_at(), dev);
+      x.space.copy_blocks(slot_view(k), this->expert_view(), B, dev + recv_at(), dev + regroup_at(),
+                          dev);
     this->dispatch_event(x, k, chunk_of_unit(x.plan, u), round_of_unit(x.plan, u), rows,
                          this->crossing_bytes(this->counts_[k].recv_n, true));
   }

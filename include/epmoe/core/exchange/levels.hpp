@@ -175,13 +175,13 @@ class node_levels {
   }
 
   int G = 0, N = 1;
-  buffer<value_type> x_relay;          // node rows this rank relays, per (chunk, source node)
-  buffer<value_type> x_fan;            // their copies per (chunk, local rank, source node)
+  buffer<value_type> x_relay;           // node rows this rank relays, per (chunk, source node)
+  buffer<value_type> x_fan;             // their copies per (chunk, local rank, source node)
   buffer<std::uint8_t> q_relay, q_fan;  // 8-bit rows: the same rows on the wire
-  buffer<std::int64_t> mask_relay;     // the relay rows' masks
-  std::vector<index_t> relay_offsets;  // [C*N+1]: relay rows per (chunk, source node)
-  std::vector<index_t> fan_counts;     // [C*G]: fan rows per (chunk, local rank)
-  std::vector<index_t> fan_first;      // [C+1]: each chunk's first fan row
+  buffer<std::int64_t> mask_relay;      // the relay rows' masks
+  std::vector<index_t> relay_offsets;   // [C*N+1]: relay rows per (chunk, source node)
+  std::vector<index_t> fan_counts;      // [C*G]: fan rows per (chunk, local rank)
+  std::vector<index_t> fan_first;       // [C+1]: each chunk's first fan row
 
  private:
   workspace_layout w_{};
