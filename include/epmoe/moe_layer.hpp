@@ -455,6 +455,10 @@ class moe_layer {
                     store_.precision().name(),
                     "computes the forward only (inference): unpack_weights() or pack as fp32 "
                     "or bf16 before a backward");
+    detail::require(cfg_.dispatch_rows == row_format::activations, "dispatch_rows",
+                    row_format_name(cfg_.dispatch_rows),
+                    "carries the forward's rows in 8 bits (inference): a backward needs "
+                    "dispatch_rows = activations");
     train_->check(h);
     const index_t T = pass_.tokens();
     detail::require_shape(dy, T, cfg_.hidden, "dy");

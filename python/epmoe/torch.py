@@ -104,6 +104,9 @@ def _pack_format(pack_weights) -> str:
     return pack_weights if pack_weights in ("bf16", "int8") else "fp32"
 
 
+DISPATCH_ROWS = ("activations", "int8")
+
+
 def _refuse_training(pack_weights, training: bool):
     """int8 copies compute the forward only: a pass in training mode is an error."""
     if pack_weights == "int8" and training:
@@ -161,6 +164,12 @@ class MoE(nn.Module):
     copies are made again before a forward whenever an expert parameter changed in place (an
     optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
     bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
+
+    dispatch_rows: how the dispatch carries the tokens to the expert ranks: "activations" (the
+    default: float32 rows) or "int8" (each token quantised once to int8 with one float32 scale
+    per row, about a quarter of the bytes; the experts compute on the dequantised rows, the
+    combine stays float32; docs/quantisation.md, "8-bit rows on the wire"), inference only:
+    a forward in training mode raises (call .eval()).
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
@@ -178,8 +187,8 @@ class MoE(nn.Module):
                  jitter_eps: float = 0.01, aux_loss_coef: float = 0.01, seq_len: int = 0,
                  max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
                  fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = "auto",
-                 exchange_timeout: float = 600.0, group=None, exchange_group=None,
-                 ranks: Optional[int] = None):
+                 exchange_timeout: float = 600.0, dispatch_rows: str = "activations",
+                 group=None, exchange_group=None, ranks: Optional[int] = None):
         super().__init__()
         self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
         R = _check_sizes(hidden, ffn, experts, top_k, max_tokens, expert, group, exchange_group,
@@ -201,6 +210,10 @@ class MoE(nn.Module):
             raise ValueError(f"epmoe: router_bias has {len(router_bias)} values: must have one per "
                              f"scored expert (experts + zero_experts = "
                              f"{experts + int(zero_experts)})")
+        if dispatch_rows not in DISPATCH_ROWS:
+            raise ValueError(f"epmoe: dispatch_rows = {dispatch_rows!r}: must be 'activations' "
+                             "or 'int8'")
+        self.dispatch_rows = dispatch_rows
         if exchange not in ("flat", "dedup", "hierarchical"):
             raise ValueError(f"epmoe: exchange = {exchange!r}: must be 'flat', 'dedup' or "
                              "'hierarchical'")
@@ -221,6 +234,7 @@ class MoE(nn.Module):
                            aux_loss_coef=float(aux_loss_coef), seq_len=seq_len, chunks=chunks,
                            max_recv_rows=int(max_recv_rows), ranks_per_node=int(ranks_per_node),
                            training=trains, recompute=bool(recompute),
+                           dispatch_rows=dispatch_rows,
                            exchange_timeout=float(exchange_timeout))
         self.router_args = dict(groups=groups, top_groups=top_groups, norm_p=float(norm_p),
                                 scaling=float(scaling), group_by_max=group_by == "max",
@@ -454,6 +468,10 @@ class MoE(nn.Module):
         no_grad / inference_mode, or with nothing requiring grad, the layer keeps nothing
         for a backward. token_ids [...] (x's leading shape): the tokens' vocabulary ids, which
         a table router (router="sqrtsoftplus_table", DeepSeek-V4's hash layers) routes by."""
+        if self.dispatch_rows != "activations" and self.training:
+            raise RuntimeError(f"epmoe: dispatch_rows = {self.dispatch_rows!r} is for inference "
+                               "(forward only) and the module is in training mode: call "
+                               ".eval(), or dispatch_rows='activations' to train")
         shape, dtype = x.shape, x.dtype
         flat = x.reshape(-1, shape[-1])
         if flat.dtype in (torch.bfloat16, torch.float16):  # autocast's: computed in float32

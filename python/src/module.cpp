@@ -161,6 +161,12 @@ layer_config config_of(const ::py::dict& c) {
   cfg.training = c["training"].cast<bool>();
   cfg.recompute = c["recompute"].cast<bool>();
   if (c.contains("exchange_timeout")) cfg.exchange_timeout = c["exchange_timeout"].cast<double>();
+  if (c.contains("dispatch_rows")) {
+    const auto rows = c["dispatch_rows"].cast<std::string>();
+    detail::require(rows == "activations" || rows == "int8", "dispatch_rows", rows,
+                    "must be activations or int8");
+    cfg.dispatch_rows = rows == "int8" ? row_format::int8 : row_format::activations;
+  }
   return cfg;
 }
 

@@ -161,7 +161,8 @@ TEST_CASE("agreement: any config field that differs on one rank makes every rank
       {"chunks", [](layer_config& c) { c.chunks = 2; }},
       {"max_recv_rows", [](layer_config& c) { c.max_recv_rows = 64; }},
       {"capacity_factor (x1e9)", [](layer_config& c) { c.capacity_factor = 1.25 + 1e-6; }},
-      {"aux_loss_coef (x1e9)", [](layer_config& c) { c.aux_loss_coef = 0.02; }}};
+      {"aux_loss_coef (x1e9)", [](layer_config& c) { c.aux_loss_coef = 0.02; }},
+      {"dispatch_rows", [](layer_config& c) { c.dispatch_rows = row_format::int8; }}};
   int fields = 0;
   for (const auto& [field, change] : changes) {
     CAPTURE(field);
@@ -172,7 +173,7 @@ TEST_CASE("agreement: any config field that differs on one rank makes every rank
     CHECK(all_failed_on(got, field));
     ++fields;
   }
-  CHECK(fields == 13);
+  CHECK(fields == 14);
 }
 
 TEST_CASE("agreement: another policy bundle or placement on one rank makes every rank throw",

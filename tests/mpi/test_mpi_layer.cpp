@@ -488,6 +488,46 @@ TEST_CASE("mpi layer: the pipelined schedule (MPI_Ialltoallv) gives the same out
   }
 }
 
+TEST_CASE("mpi layer: 8-bit dispatch rows equal comm::threads' and cross at H + 4 bytes a row",
+          "[mpi][layer][wire]") {
+  const int R = world_size(), me = world_rank();
+  const layer_config cfg{.hidden = 28,
+                         .ffn = 12,
+                         .experts = 2 * R,
+                         .top_k = 2,
+                         .ranks = R,
+                         .max_tokens = 30,
+                         .chunks = 2,
+                         .dispatch_rows = row_format::int8};
+  const auto w = reference::full_weights::random(cfg, 131);
+  std::vector<index_t> per_rank(R, 30);
+  per_rank[0] = 9;
+  const auto g = test::make_tokens(per_rank, cfg.hidden, 132);
+  const index_t H = cfg.hidden, T = per_rank[me];
+  const auto run = [&]<class P>() {
+    const auto mine = reference::slice(w, placement::block(cfg), me);
+    moe_layer<P> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
+    std::vector<float> y(T * H, std::numeric_limits<float>::quiet_NaN());
+    layer.forward({g.x.data() + g.offset(me) * H, T, H}, {y.data(), T, H});
+    const pass_stats& s = layer.stats();
+    index_t rows = 0, assignments = 0;
+    for (int q = 0; q < R; ++q)
+      if (q != me) rows += s.rows_sent[q], assignments += s.assignment_rows_sent[q];
+    CHECK(s.dispatch_bytes_sent == rows * (H + 4) + (P::options.dedup ? 8 * assignments : 0));
+    CHECK(s.combine_bytes_received == rows * 4 * H);
+    const std::vector<float> all = gather(y, g, H);
+    if (me != 0) return;
+    const auto threads = test::run_layer<threads_twin<P>>(cfg, w, g).y;
+    const double off = test::relative_error(all, test::run_reference<P>(cfg, w, g));
+    INFO("8-bit rows against the fp32 reference: " << off);
+    CHECK(test::relative_error(all, threads) <= 1e-6);  // the same rows, quantised alike
+    CHECK(off > 1e-4);                                  // the rounding shows
+    CHECK(off < 0.05);
+  };
+  run.template operator()<mpi_pipelined_policies>();
+  run.template operator()<mpi_pipelined_dedup_policies>();
+}
+
 TEST_CASE("mpi layer: hierarchical on 2 nodes x 2, from the config or the comm, equals flat",
           "[mpi][layer][hierarchical]") {
   const int R = world_size();

@@ -140,6 +140,7 @@ void agree_on_layer(const layer_config& cfg, Comm& comm, const Placement& placem
       {"capacity_factor (x1e9)", scaled(cfg.capacity_factor)},
       {"aux_loss_coef (x1e9)", scaled(cfg.aux_loss_coef)},
       {"exchange_timeout (x1e9)", scaled(cfg.exchange_timeout)},
+      {"dispatch_rows", static_cast<std::int64_t>(cfg.dispatch_rows)},
       {"policies (hash of the policy bundle type)", type_hash<Policies>()},
       {"placement (hash of every slot's expert)", static_cast<std::int64_t>(where)}};
   try {

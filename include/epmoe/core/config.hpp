@@ -9,6 +9,15 @@
 
 namespace epmoe {
 
+/// How the dispatch carries its rows (layer_config::dispatch_rows; docs/quantisation.md,
+/// "8-bit rows on the wire"): at the activation type, or as int8 with one fp32 scale per row
+/// (symmetric, scale = max |x| / 127), quantised once per token at the sender and dequantised
+/// into the experts' input rows on receipt. The combine stays at the activation type.
+enum class row_format : unsigned char { activations, int8 };
+inline const char* row_format_name(row_format f) {
+  return f == row_format::int8 ? "int8" : "activations";
+}
+
 /// Shape and run-time knobs of one MoE layer. Knobs that change code (top-k selection,
 /// activation, padding) live in the policies; these are plain values.
 struct layer_config {
@@ -42,6 +51,8 @@ struct layer_config {
   double exchange_timeout = 600;  // seconds an exchange waits for its peers before every
                                   // waiting rank throws comm_timeout (0: no deadline); ten
                                   // minutes: far past any pass, short of a job's time limit
+  row_format dispatch_rows = row_format::activations;  // int8: the dispatch's rows in 8 bits
+                                                       // and a scale (inference: no backward)
 
   int experts_per_rank() const { return experts / ranks; }
   /// Experts the router scores and picks from: the routed ones and the zero experts.
@@ -89,6 +100,8 @@ struct layer_config {
     require(std::isfinite(exchange_timeout) && exchange_timeout >= 0 && exchange_timeout <= 1e9,
             "exchange_timeout", exchange_timeout,
             "must be finite and >= 0 seconds (0: no deadline), at most 1e9");
+    require(dispatch_rows == row_format::activations || dispatch_rows == row_format::int8,
+            "dispatch_rows", static_cast<int>(dispatch_rows), "must be activations or int8");
     // Row offsets are 32-bit on the device side: keep every buffer's row count in range.
     require(static_cast<std::int64_t>(max_tokens) * top_k * ranks < (std::int64_t{1} << 31),
             "max_tokens", max_tokens, "max_tokens * top_k * ranks must be < 2^31");

@@ -13,7 +13,8 @@
 #include "epmoe/core/exchange/ops.hpp"
 
 // The exchange of moe_layer: one mode object, chosen once at construction from the row format
-// (flat, dedup, hierarchical: the bundle's options) and the unit layout (whole chunks, or with
+// (flat, dedup, hierarchical: the bundle's options; the rows at the activation type or 8-bit:
+// the config's dispatch_rows) and the unit layout (whole chunks, or with
 // config max_recv_rows row rounds (flat) or windows of tokens (dedup)). Each mode runs the
 // counts all-to-all, then per unit the dispatch all-to-all, the regroup to expert-major, the
 // reverse regroup and the combine all-to-all; rows move through transport<Comm, Space>, and
@@ -41,6 +42,9 @@ class exchange {
   /// Rows of the receive buffer (bounded: units in flight x ranks x per-pair quota rows).
   index_t receive_buffer_rows() const { return as_core().receive_buffer_rows(); }
   value_type* send_buffer() const { return as_core().send_buffer(); }
+  /// 8-bit rows (config dispatch_rows): the tokens' wire rows and the send buffer's.
+  std::uint8_t* wire_tokens() const { return as_core().wire_tokens(); }
+  std::uint8_t* wire_send_buffer() const { return as_core().wire_send_buffer(); }
   /// Units of the pass: its chunks, or with a row bound every round of every chunk.
   int units(const dispatch_plan& p) const {
     return std::visit([&](const auto& e) { return e.units(p); }, m_);

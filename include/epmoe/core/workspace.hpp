@@ -9,6 +9,7 @@
 
 #include "epmoe/core/config.hpp"
 #include "epmoe/core/error.hpp"
+#include "epmoe/core/exchange/wire.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/view.hpp"
 
@@ -54,6 +55,11 @@ struct workspace_layout {
   index_t node_rows = 0;   // hierarchical: the node rows one pass sends
   index_t relay_rows = 0;  //   node rows a rank relays for its N peers (N * T)
   index_t fan_rows = 0;    //   their copies to the node's ranks (each reaches <= min(K, G))
+  // 8-bit dispatch rows (config dispatch_rows, core/exchange/wire.hpp): bytes a row takes on
+  // the wire (its scale and H values) and between two rows of the wire buffers (0: the
+  // dispatch moves rows of the activation type).
+  index_t wire_row_bytes = 0;
+  index_t wire_stride = 0;
 
   /// `limit(T)` is the capacity policy's rows per slot for T tokens; `router_cap` the router's
   /// own bound on a slot's rows (expert choice), or 0.
@@ -135,7 +141,18 @@ struct workspace_layout {
       w.relay_rows = w.token_rounds ? units_in_flight * w.slot_relay : N * T;
       w.fan_rows = w.token_rounds ? units_in_flight * w.slot_fan : w.relay_rows * std::min(K, G);
     }
+    if (cfg.dispatch_rows == row_format::int8) {
+      w.wire_row_bytes = wire_row::bytes(cfg.hidden);
+      w.wire_stride = wire_row::stride(cfg.hidden);
+    }
     return w;
+  }
+
+  /// Whether the dispatch moves 8-bit rows (wire buffers beside the activation type's).
+  bool wire() const { return wire_stride > 0; }
+  /// Bytes of one dispatch row that cross the link (the alignment padding is not counted).
+  index_t dispatch_row_bytes(index_t elem_bytes) const {
+    return wire() ? wire_row_bytes : hidden * elem_bytes;
   }
 
   /// A row of n elements padded to the alignment.

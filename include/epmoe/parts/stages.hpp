@@ -201,9 +201,33 @@ struct stages_base {
   static const std::int32_t* home_slot(const dispatch_plan& p) {
     return L::hierarchical ? p.node_slot : p.unique_slot;
   }
+  // 8-bit rows (config dispatch_rows): the send buffer's wire rows, and each of `from`'s T
+  // tokens quantised once (one scale per row) into the exchange's token rows.
+  matrix_view<std::uint8_t> wire_send_view() const {
+    return {l.ex_.wire_send_buffer(), l.layout_.send_rows, l.layout_.wire_row_bytes,
+            l.layout_.wire_stride};
+  }
+  matrix_view<const std::uint8_t> quantise_tokens(matrix_view<const typename L::value_type> from) {
+    const index_t n = l.pass_.tokens();
+    const matrix_view<std::uint8_t> q{l.ex_.wire_tokens(), n, l.layout_.wire_row_bytes,
+                                      l.layout_.wire_stride};
+    l.space_.for_each(n, wire_ops::quantise_rows<typename L::value_type>{from, q});
+    return q;
+  }
   // Dedup and hierarchical: one row of `from` per (token, rank) or (token, node).
   void gather_unique(matrix_view<const typename L::value_type> from) {
     const dispatch_plan& p = l.plan_.host();
+    if (l.layout_.wire()) {  // the tokens' wire rows, copied as bytes
+      const auto q = quantise_tokens(from);
+      const std::int32_t* token = L::hierarchical ? p.node_token : p.unique_token;
+      const index_t* n = L::hierarchical
+                             ? l.plan_.device().node_offsets + p.chunks * p.nodes()
+                             : l.plan_.device().unique_offsets + p.chunks * l.cfg_.ranks;
+      l.space_.for_each_row_n(n, L::hierarchical ? l.layout_.node_rows : l.layout_.send_rows,
+                              l.layout_.wire_row_bytes,
+                              rows::gather<std::uint8_t>{q, token, wire_send_view()});
+      return;
+    }
     if constexpr (L::hierarchical)
       l.space_.for_each_row_n(
           l.plan_.device().node_offsets + p.chunks * p.nodes(), l.layout_.node_rows, l.cfg_.hidden,
@@ -224,6 +248,21 @@ struct stages_base {
     using T = typename L::value_type;
     const dispatch_plan& p = l.plan_.host();
     const index_t n = l.pass_.tokens(), H = l.cfg_.hidden;
+    if (l.layout_.wire()) {  // each token quantised once, its wire row copied per send row
+      const auto q = quantise_tokens(src);
+      if (!weighted) {
+        l.space_.for_each_row_n(l.plan_.device().send_offsets + p.blocks(), l.layout_.send_rows,
+                                l.layout_.wire_row_bytes,
+                                rows::gather<std::uint8_t>{q, p.row_token, wire_send_view()});
+        return;
+      }
+      if constexpr (L::capacity_type::pads)  // padding rows: scale 0, values 0
+        l.space_.fill(l.ex_.wire_send_buffer(), l.layout_.send_rows * l.layout_.wire_stride,
+                      std::uint8_t{0});
+      l.space_.for_each(n, wire_ops::scatter_scaled{q, p.slot, l.router_.routing(n).weights,
+                                                    wire_send_view(), l.layout_.wire_row_bytes});
+      return;
+    }
     if (!weighted) {
       l.space_.for_each_row_n(l.plan_.device().send_offsets + p.blocks(), l.layout_.send_rows, H,
                               rows::gather<T>{src, p.row_token, send_view()});

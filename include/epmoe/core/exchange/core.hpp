@@ -12,6 +12,7 @@
 #include "epmoe/core/clock.hpp"
 #include "epmoe/core/error.hpp"
 #include "epmoe/core/exchange/message.hpp"
+#include "epmoe/core/exchange/wire.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/transport.hpp"
@@ -61,6 +62,13 @@ class exchange_core {
   using mark = typename pass_clock<Space>::mark;
 
   static constexpr bool async = transport_type::async;
+  /// Whether the comm moves 8-bit rows (an all-to-all-v of std::uint8_t; a device space's
+  /// transports move any element type).
+  static constexpr bool moves_bytes =
+      device_space<Space> ||
+      requires(Comm & c, const std::uint8_t* s, std::uint8_t* r, const index_t* n) {
+    c.alltoallv(s, n, n, r, n, n);
+  };
 
   exchange_core() = default;
   /// `slots`: units whose counts and requests live at once; `arrays`: rank_counts arrays of a
@@ -88,11 +96,25 @@ class exchange_core {
     for (auto* r : requests()) r->resize(static_cast<std::size_t>(slots));
     busy_.assign(static_cast<std::size_t>(slots), 0);
     marks_.resize(static_cast<std::size_t>(4 * slots));
+    if (w.wire()) {  // 8-bit rows: the dispatch's own buffers (the combine keeps the above)
+      if (!moves_bytes)
+        throw config_error("dispatch_rows", "int8",
+                           "needs a comm with an all-to-all-v of std::uint8_t elements (this "
+                           "comm policy moves float and int64 only)");
+      q_tokens_ = space.template allocate<std::uint8_t>(w.tokens * w.wire_stride);
+      q_send_ = space.template allocate<std::uint8_t>(w.send_rows * w.wire_stride);
+      q_recv_ = space.template allocate<std::uint8_t>(w.recv_buffer_rows * w.wire_stride);
+      wire_table_.assign(static_cast<std::size_t>(12 * R * slots), 0);
+    }
   }
 
   /// Rows of the receive buffer (bounded: units in flight x ranks x per-pair quota rows).
   index_t receive_buffer_rows() const { return w_.recv_buffer_rows; }
   value_type* send_buffer() const { return x_send_.data(); }
+  /// 8-bit rows: the tokens' wire rows [max_tokens] and the send buffer's [send rows], one
+  /// wire stride apart (layout().wire_stride; nullptr without 8-bit rows).
+  std::uint8_t* wire_tokens() const { return q_tokens_.data(); }
+  std::uint8_t* wire_send_buffer() const { return q_send_.data(); }
 
   /// A call that moves no rows (reduce_gradients, gather_load, ...): the header alone, in the
   /// same exchange a pass's counts take. Returns the first rank that rejected its inputs, or
@@ -193,12 +215,61 @@ class exchange_core {
   }
 
   // Bytes of the rows (H elements each; the alignment padding is not counted) that crossed
-  // to or from other ranks.
-  index_t crossing_bytes(const index_t* n) const {
+  // to or from other ranks; `dispatch`: rows of the dispatch (8-bit rows: their wire bytes).
+  index_t crossing_bytes(const index_t* n, bool dispatch = false) const {
     index_t e = 0;
     for (int r = 0; r < w_.ranks; ++r)
       if (r != me_) e += n[r];
-    return e / w_.row_stride * w_.hidden * static_cast<index_t>(sizeof(value_type));
+    return e / w_.row_stride * (dispatch ? dispatch_row_bytes() : value_row_bytes());
+  }
+  index_t value_row_bytes() const { return w_.hidden * static_cast<index_t>(sizeof(value_type)); }
+  index_t dispatch_row_bytes() const {
+    return w_.dispatch_row_bytes(static_cast<index_t>(sizeof(value_type)));
+  }
+
+  // 8-bit rows: counts and displacements in rows of the activation type (row_stride elements
+  // each) as bytes of wire rows, into slot k's set `set` (0: direct, 1: cross, 2: node) of
+  // four arrays, which stay valid until the slot's next dispatch (what a started exchange
+  // reads until its wait).
+  struct wire_counts {
+    const index_t *sn, *sd, *rn, *rd;
+  };
+  wire_counts in_wire_bytes(int k, int set, const index_t* sn, const index_t* sd, const index_t* rn,
+                            const index_t* rd) {
+    const int R = w_.ranks;
+    index_t* out = wire_table_.data() + static_cast<std::size_t>((12 * k + 4 * set) * R);
+    const index_t* in[4] = {sn, sd, rn, rd};
+    for (int a = 0; a < 4; ++a)
+      for (int r = 0; r < R; ++r) out[a * R + r] = in[a][r] / w_.row_stride * w_.wire_stride;
+    return {out, out + R, out + 2 * R, out + 3 * R};
+  }
+  // Slot k's dispatch of rows over counts n (set 0): the activation type's rows, or with
+  // 8-bit rows the wire buffers' at the same rows.
+  void start_rows(int k, const rank_counts& n) {
+    if (w_.wire()) {
+      const wire_counts b = in_wire_bytes(k, 0, n.send_n, n.send_d, n.recv_n, n.recv_d);
+      if constexpr (moves_bytes)
+        tr_.start(dispatch_req_[k], q_send_.data(), b.sn, b.sd, q_recv_.data(), b.rn, b.rd);
+    } else {
+      tr_.start(dispatch_req_[k], x_send_.data(), n.send_n, n.send_d, x_recv_.data(), n.recv_n,
+                n.recv_d);
+    }
+  }
+  // Wire rows of a buffer as a view (`rows` of them).
+  matrix_view<std::uint8_t> wire_view(std::uint8_t* p, index_t rows) const {
+    return {p, rows, w_.wire_row_bytes, w_.wire_stride};
+  }
+  // Blocks [b0, b1) of wire rows in `src` (rows at src_at[b], count[b] each, following one
+  // another from host row `first`, `rows` in all) -> expert-buffer rows at dst_at[b],
+  // dequantised.
+  void dequantise_blocks(const Space& s, std::uint8_t* src, index_t src_rows, index_t first,
+                         index_t rows, int b0, int b1, const index_t* src_at, const index_t* count,
+                         const index_t* dst_at) const {
+    if (b1 <= b0 || rows <= 0) return;
+    s.for_each_row(
+        rows, w_.hidden,
+        wire_ops::dequantise_blocks<value_type>{wire_view(src, src_rows), src_at, count, dst_at, b0,
+                                                b1 - b0, first, expert_view()});
   }
 
   // The counts' stats: rows and bytes per rank (`unique`: dedup's rows per (chunk, rank), else
@@ -208,7 +279,7 @@ class exchange_core {
     const dispatch_plan& p = x.plan;
     pass_stats& st = x.stats;
     const int R = w_.ranks, C = p.chunks;
-    const index_t row_bytes = w_.hidden * static_cast<index_t>(sizeof(value_type));
+    const index_t row_bytes = value_row_bytes(), wire_bytes = dispatch_row_bytes();
     const index_t meta_bytes = unique ? static_cast<index_t>(sizeof(std::int64_t)) : 0;
     index_t sent = 0, received = 0, meta_sent = 0, meta_received = 0;
     const int G = w_.node_size > 0 ? w_.node_size : R;
@@ -238,8 +309,8 @@ class exchange_core {
       l.rows_sent += st.rows_sent[r];
       l.rows_received += st.rows_received[r];
     }
-    st.dispatch_bytes_sent = sent * row_bytes + meta_sent * meta_bytes;
-    st.dispatch_bytes_received = received * row_bytes + meta_received * meta_bytes;
+    st.dispatch_bytes_sent = sent * wire_bytes + meta_sent * meta_bytes;
+    st.dispatch_bytes_received = received * wire_bytes + meta_received * meta_bytes;
     st.rank_imbalance = imbalance::of(st.rows_sent);
     st.combine_bytes_sent = received * row_bytes;
     st.combine_bytes_received = sent * row_bytes;
@@ -256,9 +327,9 @@ class exchange_core {
     }
   }
 
-  // Each link class's bytes of rows, once its rows are counted.
+  // Each link class's bytes of the dispatch's rows, once its rows are counted.
   void add_link_row_bytes(pass_stats& st) const {
-    const index_t row_bytes = w_.hidden * static_cast<index_t>(sizeof(value_type));
+    const index_t row_bytes = dispatch_row_bytes();
     for (link_traffic* l : {&st.intra_node, &st.inter_node}) {
       l->bytes_sent += l->rows_sent * row_bytes;
       l->bytes_received += l->rows_received * row_bytes;
@@ -304,6 +375,8 @@ class exchange_core {
   int me_ = 0;
   int slots_ = 1;
   buffer<value_type> x_send_, x_recv_, x_expert_;
+  buffer<std::uint8_t> q_tokens_, q_send_, q_recv_;  // 8-bit rows: tokens, send, receive
+  std::vector<index_t> wire_table_;                  // [slots][12][R]: in_wire_bytes' arrays
   message_layout msg_{};
   buffer<index_t> msg_send_;
   mirror<index_t> msg_recv_;

@@ -102,13 +102,19 @@ class dedup_exchange : public exchange_core<Comm, Space> {
     }
     const rank_counts& n = this->counts_[k];
     if constexpr (Hierarchical) {  // first level: node rows and their masks to the peers
-      start_at(exchange_level::cross, this->dispatch_req_[k], this->x_send_.data(), n.a_send_n,
-               n.a_send_d, lv_.x_relay.data(), n.a_recv_n, n.a_recv_d);
+      if (this->w_.wire()) {
+        const auto b = this->in_wire_bytes(k, 1, n.a_send_n, n.a_send_d, n.a_recv_n, n.a_recv_d);
+        if constexpr (base::moves_bytes)
+          start_at(exchange_level::cross, this->dispatch_req_[k], this->q_send_.data(), b.sn, b.sd,
+                   lv_.q_relay.data(), b.rn, b.rd);
+      } else {
+        start_at(exchange_level::cross, this->dispatch_req_[k], this->x_send_.data(), n.a_send_n,
+                 n.a_send_d, lv_.x_relay.data(), n.a_recv_n, n.a_recv_d);
+      }
       start_at(exchange_level::cross, this->mask_req_[k], x.plan.node_mask, n.m_send_n, n.m_send_d,
                lv_.mask_relay.data(), n.m_recv_n, n.m_recv_d);
     } else {
-      this->tr_.start(this->dispatch_req_[k], this->x_send_.data(), n.send_n, n.send_d,
-                      this->x_recv_.data(), n.recv_n, n.recv_d);
+      this->start_rows(k, n);
     }
     this->tr_.start(this->meta_req_[k], x.plan.meta, n.meta_send_n, n.meta_send_d,
                     meta_recv_.data(), n.meta_recv_n, n.meta_recv_d);
@@ -127,7 +133,7 @@ class dedup_exchange : public exchange_core<Comm, Space> {
     const dispatch_plan& p = x.plan;
     const index_t rows =
         p.expert_offsets[(u + 1) * p.local_experts] - p.expert_offsets[u * p.local_experts];
-    this->dispatch_event(x, k, chunk_of_unit(p, u), round_of_unit(p, u), rows, unit_bytes(k));
+    this->dispatch_event(x, k, chunk_of_unit(p, u), round_of_unit(p, u), rows, unit_bytes(k, true));
   }
 
   grouped_rows<value_type> expert_rows(const context& x, int u) const {
@@ -202,12 +208,13 @@ class dedup_exchange : public exchange_core<Comm, Space> {
             p.expert_offsets[(c + 1) * L] - p.expert_offsets[c * L], this->w_.hidden,
             this->w_.row_stride};
   }
-  index_t unit_bytes(int k) const {
+  index_t unit_bytes(int k, bool dispatch = false) const {
     const rank_counts& n = this->counts_[k];
     if constexpr (Hierarchical)
-      return this->crossing_bytes(n.a_recv_n) + this->crossing_bytes(n.b_recv_n);
+      return this->crossing_bytes(n.a_recv_n, dispatch) +
+             this->crossing_bytes(n.b_recv_n, dispatch);
     else
-      return this->crossing_bytes(n.recv_n);
+      return this->crossing_bytes(n.recv_n, dispatch);
   }
 
   // The verdict, then the receive plan: unique rows per (chunk, source), hierarchical the
@@ -283,7 +290,7 @@ class dedup_exchange : public exchange_core<Comm, Space> {
       lv_.add_link_rows(this->counts_[slot(c)], this->me_, st);
     }
     this->add_link_row_bytes(st);
-    const index_t row_bytes = this->w_.hidden * static_cast<index_t>(sizeof(value_type));
+    const index_t row_bytes = this->value_row_bytes();
     st.dispatch_bytes_sent = st.intra_node.bytes_sent + st.inter_node.bytes_sent;
     st.dispatch_bytes_received = st.intra_node.bytes_received + st.inter_node.bytes_received;
     st.combine_bytes_sent = (st.intra_node.rows_received + st.inter_node.rows_received) * row_bytes;
@@ -318,8 +325,15 @@ class dedup_exchange : public exchange_core<Comm, Space> {
     const rank_counts& n = this->counts_[k];
     double modeled = this->tr_.wait(this->mask_req_[k]);
     lv_.fan_out(x.space, lv_.fan_of(c, shift_of(x.plan, c), Units::windows ? k : -1));
-    start_at(exchange_level::node, this->dispatch_req_[k], lv_.x_fan.data(), n.b_send_n, n.b_send_d,
-             this->x_recv_.data(), n.b_recv_n, n.b_recv_d);
+    if (this->w_.wire()) {
+      const auto b = this->in_wire_bytes(k, 2, n.b_send_n, n.b_send_d, n.b_recv_n, n.b_recv_d);
+      if constexpr (base::moves_bytes)
+        start_at(exchange_level::node, this->dispatch_req_[k], lv_.q_fan.data(), b.sn, b.sd,
+                 this->q_recv_.data(), b.rn, b.rd);
+    } else {
+      start_at(exchange_level::node, this->dispatch_req_[k], lv_.x_fan.data(), n.b_send_n,
+               n.b_send_d, this->x_recv_.data(), n.b_recv_n, n.b_recv_d);
+    }
     return modeled + this->tr_.wait(this->dispatch_req_[k]);
   }
   // Hierarchical, unit c after the node's ranks sent their sums back: each relay row = the
@@ -357,9 +371,14 @@ class dedup_exchange : public exchange_core<Comm, Space> {
                                                     x.dev.recv_unique_offsets, x.dev.expert_offsets,
                                                     meta_recv_.data() + at, c, this->w_.ranks,
                                                     p.local_experts, key, expert_row});
-    x.space.for_each_row(n, this->w_.hidden,
-                         exchange_ops::expand_unique<value_type>{
-                             key, expert_row, chunk_unique_view(p, c), unit_expert_view(p, c)});
+    if (this->w_.wire())
+      x.space.for_each_row(n, this->w_.hidden,
+                           wire_ops::expand_dequantise<value_type>{
+                               key, expert_row, chunk_unique_wire(p, c), unit_expert_view(p, c)});
+    else
+      x.space.for_each_row(n, this->w_.hidden,
+                           exchange_ops::expand_unique<value_type>{
+                               key, expert_row, chunk_unique_view(p, c), unit_expert_view(p, c)});
   }
 
   // Each unique row of unit c = the sum of its assignments' expert outputs (`unweighted`:
@@ -392,6 +411,15 @@ class dedup_exchange : public exchange_core<Comm, Space> {
     const index_t u0 = p.recv_unique_offsets[c * R];
     return {this->x_recv_.data() + (u0 + shift_of(p, c).unique) * this->w_.row_stride,
             p.recv_unique_offsets[(c + 1) * R] - u0, this->w_.hidden, this->w_.row_stride};
+  }
+
+  // 8-bit rows: unit c's unique rows as they arrived (chunk_unique_view's rows, on the wire).
+  matrix_view<const std::uint8_t> chunk_unique_wire(const dispatch_plan& p, int c) const {
+    const int R = this->w_.ranks;
+    const index_t u0 = p.recv_unique_offsets[c * R];
+    return this->wire_view(
+        this->q_recv_.data() + (u0 + shift_of(p, c).unique) * this->w_.wire_stride,
+        p.recv_unique_offsets[(c + 1) * R] - u0);
   }
 
   [[no_unique_address]] levels_type lv_;

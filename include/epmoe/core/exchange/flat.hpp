@@ -58,9 +58,7 @@ class flat_exchange : public exchange_core<Comm, Space> {
 
   void start_dispatch(context& x, int u) {
     this->marks_[4 * u] = x.clock.now();
-    const rank_counts& n = this->counts_[u];
-    this->tr_.start(this->dispatch_req_[u], this->x_send_.data(), n.send_n, n.send_d,
-                    this->x_recv_.data(), n.recv_n, n.recv_d);
+    this->start_rows(u, this->counts_[u]);
     this->marks_[4 * u + 1] = x.clock.now();
   }
 
@@ -72,14 +70,20 @@ class flat_exchange : public exchange_core<Comm, Space> {
     // they never left.
     const dispatch_plan& p = x.plan;
     const int L = p.local_experts, B = this->w_.ranks * L, b = u * B, m = b + this->me_ * L;
-    copy_blocks(x, recv_view(p), this->expert_view(), b, m, x.dev.recv_offsets,
-                x.dev.regroup_offsets);
-    copy_blocks(x, send_view(p), this->expert_view(), m, m + L, x.dev.send_offsets,
-                x.dev.regroup_offsets);
-    copy_blocks(x, recv_view(p), this->expert_view(), m + L, b + B, x.dev.recv_offsets,
-                x.dev.regroup_offsets);
+    if (this->w_.wire()) {
+      wire_blocks(x, b, m, false);
+      wire_blocks(x, m, m + L, true);
+      wire_blocks(x, m + L, b + B, false);
+    } else {
+      copy_blocks(x, recv_view(p), this->expert_view(), b, m, x.dev.recv_offsets,
+                  x.dev.regroup_offsets);
+      copy_blocks(x, send_view(p), this->expert_view(), m, m + L, x.dev.send_offsets,
+                  x.dev.regroup_offsets);
+      copy_blocks(x, recv_view(p), this->expert_view(), m + L, b + B, x.dev.recv_offsets,
+                  x.dev.regroup_offsets);
+    }
     const index_t rows = p.expert_offsets[(u + 1) * L] - p.expert_offsets[u * L];
-    this->dispatch_event(x, u, u, 0, rows, this->crossing_bytes(this->counts_[u].recv_n));
+    this->dispatch_event(x, u, u, 0, rows, this->crossing_bytes(this->counts_[u].recv_n, true));
   }
 
   /// The rows every local expert computes in unit u: groups of the expert buffer.
@@ -124,6 +128,16 @@ class flat_exchange : public exchange_core<Comm, Space> {
     if (b1 > b0)
       x.space.copy_blocks(matrix_view<const value_type>(src), dst, b1 - b0, src_at + b0,
                           dst_at + b0, x.dev.recv_counts + b0);
+  }
+  // 8-bit rows: blocks [b0, b1) from the wire receive buffer (or, `own`, the wire send
+  // buffer: this rank's rows never left), dequantised into the expert buffer.
+  void wire_blocks(context& x, int b0, int b1, bool own) const {
+    const dispatch_plan& p = x.plan;
+    const index_t* at = own ? p.send_offsets : p.recv_offsets;
+    this->dequantise_blocks(x.space, own ? this->q_send_.data() : this->q_recv_.data(),
+                            own ? p.send_rows() : p.recv_rows(), at[b0], at[b1] - at[b0], b0, b1,
+                            own ? x.dev.send_offsets : x.dev.recv_offsets, x.dev.recv_counts,
+                            x.dev.regroup_offsets);
   }
   matrix_view<value_type> recv_view(const dispatch_plan& p) const {
     return {this->x_recv_.data(), p.recv_rows(), this->w_.hidden, this->w_.row_stride};
@@ -233,9 +247,7 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
     const int k = slot(u);
     this->marks_[4 * k] = x.clock.now();
     layout_unit(x, u);
-    const rank_counts& n = this->counts_[k];
-    this->tr_.start(this->dispatch_req_[k], this->x_send_.data(), n.send_n, n.send_d,
-                    this->x_recv_.data(), n.recv_n, n.recv_d);
+    this->start_rows(k, this->counts_[k]);
     this->marks_[4 * k + 1] = x.clock.now();
   }
 
@@ -247,11 +259,16 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
     this->take_expert_buffer(u);
     const index_t* dev = device_arrays(k);
     const int B = this->w_.ranks * x.plan.local_experts;
-    x.space.copy_blocks(slot_view(k), this->expert_view(), B, dev + recv_at(), dev + regroup_at(),
-                        dev);
     const index_t rows = host_arrays(k)[expert_at() + x.plan.local_experts];
+    if (this->w_.wire())  // the slot's rows follow one another from its first (layout_unit)
+      this->dequantise_blocks(x.space, this->q_recv_.data(), (k + 1) * slot_rows_,
+                              host_arrays(k)[recv_at()], rows, 0, B, dev + recv_at(), dev,
+                              dev + regroup_at());
+    else
+      x.space.copy_blocks(slot_view(k), this->expert_view(), B, dev + recv_at(), dev + regroup_at(),
+                          dev);
     this->dispatch_event(x, k, chunk_of_unit(x.plan, u), round_of_unit(x.plan, u), rows,
-                         this->crossing_bytes(this->counts_[k].recv_n));
+                         this->crossing_bytes(this->counts_[k].recv_n, true));
   }
 
   grouped_rows<value_type> expert_rows(const context& x, int u) const {
@@ -366,7 +383,8 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
         const index_t b0 = p.recv_offsets[b] - first, b1 = b0 + p.recv_counts[b];
         const index_t x0 = std::max(b0, ra), x1 = std::min(b1, rb);
         count[r * L + j] = std::max<index_t>(0, x1 - x0);
-        recv[r * L + j] = at + std::max<index_t>(0, x0 - ra);
+        // (an empty block sits where the next row goes: every block's rows follow the last)
+        recv[r * L + j] = at + std::max<index_t>(0, std::min(x0, rb) - ra);
       }
       at += rb - ra;
     }

@@ -41,6 +41,10 @@ class node_levels {
     x_fan = space.template allocate<value_type>(w.fan_rows * w.row_stride);
     mask_relay = space.template allocate<std::int64_t>(w.relay_rows);
     fan_at_ = space.template allocate<index_t>(2 * (G * w.relay_rows + slots));
+    if (w.wire()) {  // 8-bit rows: the dispatch's relay and fan rows on the wire
+      q_relay = space.template allocate<std::uint8_t>(w.relay_rows * w.wire_stride);
+      q_fan = space.template allocate<std::uint8_t>(w.fan_rows * w.wire_stride);
+    }
   }
 
   /// The counts message from source s of chunk c (`m`: its entries): a peer whose rows for
@@ -119,6 +123,7 @@ class node_levels {
     index_t* flags;            // [G][n]
     index_t* at;               // [G][n] (+1): each copy's row in `fan`
     matrix_view<value_type> relay, fan;
+    matrix_view<std::uint8_t> wire_relay, wire_fan;  // 8-bit rows: the same rows on the wire
   };
   fan_view fan_of(int c, const unit_shifts& sh, int k) const {
     const index_t n = relay_offsets[(c + 1) * N] - relay_offsets[c * N];
@@ -127,21 +132,29 @@ class node_levels {
     // [G][n] flags then their scan (+1) per unit: after the earlier units', or in its slot.
     index_t* flags =
         fan_at_.data() + (k >= 0 ? k * (G * w_.slot_relay + 1) : G * relay_offsets[c * N] + c);
-    const index_t f0 = fan_first[c] + sh.fan;
+    const index_t f0 = fan_first[c] + sh.fan, fans = fan_first[c + 1] - fan_first[c];
+    const index_t Q = w_.wire_stride, B = w_.wire_row_bytes;
     return {n,
             mask_relay.data() + r0,
             flags,
             flags + half,
             {x_relay.data() + r0 * H, n, w_.hidden, H},
-            {x_fan.data() + f0 * H, fan_first[c + 1] - fan_first[c], w_.hidden, H}};
+            {x_fan.data() + f0 * H, fans, w_.hidden, H},
+            {Q > 0 ? q_relay.data() + r0 * Q : nullptr, n, B, Q},
+            {Q > 0 ? q_fan.data() + f0 * Q : nullptr, fans, B, Q}};
   }
   /// Each relay row -> its copy for every rank of the node it reaches (rows in the fan
   /// buffer from a scan of the masks).
   void fan_out(const Space& space, const fan_view& f) const {
     space.for_each(G * f.n, exchange_ops::mask_bits{f.mask, f.n, f.flags});
     space.exclusive_scan(f.flags, f.at, G * f.n);
-    space.for_each_row(f.n, w_.hidden,
-                       exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G, f.relay, f.fan});
+    if (w_.wire())  // 8-bit rows: copies of their bytes, scale and values
+      space.for_each_row(
+          f.n, w_.wire_row_bytes,
+          exchange_ops::fan_rows<std::uint8_t>{f.mask, f.at, f.n, G, f.wire_relay, f.wire_fan});
+    else
+      space.for_each_row(f.n, w_.hidden,
+                         exchange_ops::fan_rows<value_type>{f.mask, f.at, f.n, G, f.relay, f.fan});
   }
   /// Each relay row = the sum of what the node's ranks sent back, in rank order.
   void fan_in(const Space& space, const fan_view& f) const {
@@ -162,12 +175,13 @@ class node_levels {
   }
 
   int G = 0, N = 1;
-  buffer<value_type> x_relay;          // node rows this rank relays, per (chunk, source node)
-  buffer<value_type> x_fan;            // their copies per (chunk, local rank, source node)
-  buffer<std::int64_t> mask_relay;     // the relay rows' masks
-  std::vector<index_t> relay_offsets;  // [C*N+1]: relay rows per (chunk, source node)
-  std::vector<index_t> fan_counts;     // [C*G]: fan rows per (chunk, local rank)
-  std::vector<index_t> fan_first;      // [C+1]: each chunk's first fan row
+  buffer<value_type> x_relay;           // node rows this rank relays, per (chunk, source node)
+  buffer<value_type> x_fan;             // their copies per (chunk, local rank, source node)
+  buffer<std::uint8_t> q_relay, q_fan;  // 8-bit rows: the same rows on the wire
+  buffer<std::int64_t> mask_relay;      // the relay rows' masks
+  std::vector<index_t> relay_offsets;   // [C*N+1]: relay rows per (chunk, source node)
+  std::vector<index_t> fan_counts;      // [C*G]: fan rows per (chunk, local rank)
+  std::vector<index_t> fan_first;       // [C+1]: each chunk's first fan row
 
  private:
   workspace_layout w_{};
