@@ -161,3 +161,50 @@ TEST_CASE("int4 layer: forward only, a backward over group-wise copies is refuse
                           Catch::Contains("forward only"));
   }
 }
+
+TEST_CASE("int4 layer: packed_matrix takes a checkpoint's quantised values, matrix by matrix") {
+  // Layer B holds weights w but is given, matrix by matrix, the quantised values of other
+  // weights w2; layer C holds w2 and packs them itself: the same bits out. Tensors in
+  // SwiGLU's order (w1, w3, w2), then the shared expert's.
+  const layer_config cfg{.hidden = 40, .ffn = 36, .experts = 4, .top_k = 2, .max_tokens = 9,
+                         .shared_experts = 1, .shared_ffn = 20};
+  const auto w = reference::full_weights::random(cfg, 7);
+  auto w2 = reference::full_weights::random(cfg, 8);
+  w2.gate = w.gate;  // the same routing
+  const auto mine = reference::slice(w, placement::block(cfg), 0);
+  const auto theirs = reference::slice(w2, placement::block(cfg), 0);
+  const weights_format f = weights_format::int4_asym_g32;
+  using L = moe_layer<default_policies>;
+  L b(cfg, comm::local{}, {w.gate_view(), mine.experts(), w.shared()});
+  L c(cfg, comm::local{}, {w2.gate_view(), theirs.experts(), w2.shared()});
+  CHECK_THROWS_WITH(b.packed_matrix(0, 0), Catch::Contains("pack_weights() first"));
+  b.pack_weights(f);
+  c.pack_weights(f);
+  const index_t H = cfg.hidden, F = cfg.ffn, Fs = cfg.shared_ffn;
+  const std::vector<float>* given[] = {&theirs.w1, &theirs.w3, &theirs.w2,
+                                       &w2.shared_w1, &w2.shared_w3, &w2.shared_w2};
+  int filled = 0;
+  for (int t = 0; t < 6; ++t) {
+    const bool shared = t >= 3;
+    const index_t rows = t % 3 == 2 ? H : shared ? Fs : F, cols = t % 3 == 2 ? (shared ? Fs : F) : H;
+    for (index_t j = 0; j < (shared ? 1 : cfg.experts); ++j) {
+      const auto q = reference::group_weights::quantise(
+          {given[t]->data() + j * rows * cols, rows, cols}, f);
+      b.packed_matrix(t, j).repack_grouped(f, {q.q.data(), rows, cols}, q.scale.data(),
+                                           q.offset.data());
+      ++filled;
+    }
+  }
+  CHECK(filled == 3 * 4 + 3);
+  CHECK_THROWS_WITH(b.packed_matrix(6, 0), Catch::Contains("names no packed matrix"));
+  CHECK_THROWS_WITH(b.packed_matrix(0, 4), Catch::Contains("names no packed matrix"));
+  const index_t T = 9;
+  const auto x = reference::random_tokens(T, H, 4);
+  std::vector<float> yb(x.size(), std::numeric_limits<float>::quiet_NaN()), yc = yb;
+  b.forward({x.data(), T, H}, {yb.data(), T, H});
+  c.forward({x.data(), T, H}, {yc.data(), T, H});
+  for (std::size_t i = 0; i < yb.size(); ++i) {
+    CHECK(std::isfinite(yb[i]));
+    CHECK(yb[i] == yc[i]);
+  }
+}

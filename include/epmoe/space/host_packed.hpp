@@ -415,6 +415,9 @@ class packed_weights {
     }
     return nullptr;
   }
+  packed_nt* find(stacked_view<const float> w) {
+    return const_cast<packed_nt*>(std::as_const(*this).find(w));
+  }
   /// Holds exactly the tensors of `all`, packed: those held already are refilled in place,
   /// the others dropped (a layer that rebound its weights).
   void pack_only(std::span<const stacked_view<const float>> all,
