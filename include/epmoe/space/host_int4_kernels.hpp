@@ -25,6 +25,15 @@ inline void with_kind(weights_format f, F&& fn) {
     fn.template operator()<wkind::int8_group>();
 }
 
+// The panels stream from memory: a quad's lines are fetched 2 KB ahead (more lines in flight
+// than the hardware prefetcher keeps: +15-25% at one token on the 2-vCPU Xeon).
+template <index_t QB>
+__attribute__((always_inline)) inline void prefetch_quad(const std::byte* quad) {
+  constexpr index_t ahead = 2048;
+  __builtin_prefetch(quad + ahead);
+  if constexpr (QB == 128) __builtin_prefetch(quad + ahead + 64);
+}
+
 // --- AVX512-VNNI W4A8 / W8A8 --------------------------------------------------------------
 
 // MR rows (<= 6) x 32 columns: 2 MR int32 sums per group and 2 MR fp32 accumulators. Per
@@ -35,6 +44,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void group_rows_vn
     const std::uint32_t* a, index_t lda, index_t sums, const float* row_scale,
     const std::byte* panel, weights_format f, index_t K, float* c, index_t ldc, __mmask16 m0,
     __mmask16 m1) {
+  constexpr index_t QB = Kind == wkind::int8_group ? 128 : 64;
   const index_t G = group_count(f, K), per = f.group / 4;
   const __m512i nibble = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(-128);
   __m512 flo[MR], fhi[MR];
@@ -51,6 +61,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void group_rows_vn
     const index_t quads = (std::min<index_t>(K - t * f.group, f.group) + 3) / 4;  // the last group's
     const std::uint32_t* x = a + t * per;
     for (index_t g = 0; g < quads; ++g) {
+      prefetch_quad<QB>(b.quads + g * QB);
       __m512i u0, u1;
       if constexpr (Kind == wkind::int8_group) {
         u0 = _mm512_xor_si512(_mm512_load_si512(b.quads + g * 128), flip);
@@ -151,6 +162,7 @@ __attribute__((target("avx512f"))) inline void group_rows_avx512(const float* a,
     const index_t k1 = std::min(K, k0 + f.group);
     index_t k = k0;
     for (; k + 4 <= k1; k += 4) {
+      prefetch_quad<QB>(b.quads + (k - k0) / 4 * QB);
       __m512i w0, w1;
       group_load_avx512<QB>(b.quads + (k - k0) / 4 * QB, w0, w1);
       group_step_avx512<MR, Kind, 0>(a, lda, k, w0, w1, s0, s1, o0, o1, lo, hi);
