@@ -94,10 +94,10 @@ std::vector<index_t> offsets_of(const std::vector<index_t>& rows) {
 // roofline (the active experts' weights + scales + offsets / the faster of `gbs` and a read
 // beside the point). Returns false on a non-finite output.
 bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
-                 const std::vector<index_t>& tokens, int reps, const sp::host& space0,
-                 double gbs, int streams, bool prefetch, double given_gbs, int cpus) {
-  const weights_format formats[] = {weights_format::bf16,          weights_format::int4_g32,
-                                    weights_format::int4_g128,     weights_format::int4_asym_g32,
+                 const std::vector<index_t>& tokens, int reps, const sp::host& space0, double gbs,
+                 int streams, bool prefetch, double given_gbs, int cpus) {
+  const weights_format formats[] = {weights_format::bf16,           weights_format::int4_g32,
+                                    weights_format::int4_g128,      weights_format::int4_asym_g32,
                                     weights_format::int4_asym_g128, weights_format::int8_g32};
   constexpr int nf = std::size(formats);
   const index_t H = s.H, F = s.F, E = s.E;
@@ -123,8 +123,8 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   std::printf("%s: group-wise formats, %s (int8_g32: %s)\n", s.note,
               sp::name_of(kernel, weights_format::int4_g32),
               sp::name_of(kernel, weights_format::int8_g32));
-  std::printf("%6s %6s %6s | %-15s %9s %8s %8s %9s %6s\n", "T", "active", "GB/s", "format",
-              "ms", "x bf16", "MB", "roof ms", "%roof");
+  std::printf("%6s %6s %6s | %-15s %9s %8s %8s %9s %6s\n", "T", "active", "GB/s", "format", "ms",
+              "x bf16", "MB", "roof ms", "%roof");
   for (index_t T : tokens) {
     const auto rows = route(T, E, s.k, 11 + T);
     index_t active = 0;
@@ -145,8 +145,8 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
         if (r > 0) t[f].push_back(bench::seconds_since(start));
         for (index_t i = 0; i < n * H; ++i)
           if (!std::isfinite(x[std::size_t(i)])) {
-            std::fprintf(stderr, "%s %s T=%lld: a non-finite output\n", s.name,
-                         formats[f].name(), static_cast<long long>(T));
+            std::fprintf(stderr, "%s %s T=%lld: a non-finite output\n", s.name, formats[f].name(),
+                         static_cast<long long>(T));
             return false;
           }
       }
@@ -162,8 +162,9 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
     for (int f = 0; f < nf; ++f) {
       const double bytes = per_expert[f] * double(active);
       const double roof = 1e3 * bytes / (std::max(here, gbs) * 1e9);
-      const std::string label = std::string(formats[f].name()) +
-                                (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "");
+      const std::string label =
+          std::string(formats[f].name()) +
+          (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "");
       std::printf("%6lld %6lld %6.1f | %-15s %9.3f %7.2fx %8.1f %9.3f %5.0f%%\n",
                   static_cast<long long>(T), static_cast<long long>(active), here, label.c_str(),
                   ms[f], ms[0] / ms[f], bytes / 1e6, roof, 100 * roof / ms[f]);

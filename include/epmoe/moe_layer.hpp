@@ -268,7 +268,8 @@ class moe_layer {
   /// such matrix. Local.
   auto& packed_matrix(int tensor, index_t slot) {
     auto* m = store_.packed_matrix(static_cast<std::size_t>(tensor), slot);
-    detail::require(m != nullptr, "packed_matrix", std::to_string(tensor) + ", " + std::to_string(slot),
+    detail::require(m != nullptr, "packed_matrix",
+                    std::to_string(tensor) + ", " + std::to_string(slot),
                     "names no packed matrix: pack_weights() first; tensor in Expert::tensors "
                     "order (then the shared experts'), slot < the tensor's count");
     return *m;

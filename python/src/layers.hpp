@@ -51,8 +51,9 @@ struct router_args {
 inline weights_format format_named(const std::string& s) {
   using k = weights_format::kind;
   if (s == "fp32" || s == "bf16" || s == "int8")
-    return s == "int8" ? weights_format::int8_channel : s == "bf16" ? weights_format::bf16
-                                                                    : weights_format::fp32;
+    return s == "int8"   ? weights_format::int8_channel
+           : s == "bf16" ? weights_format::bf16
+                         : weights_format::fp32;
   const auto group = [&](std::size_t at) {  // "" or "_g<digits>" from `at`
     if (at == s.size()) return 32;
     const bool digits = s.compare(at, 2, "_g") == 0 && at + 2 < s.size() && at + 6 >= s.size() &&

@@ -153,9 +153,10 @@ TEST_CASE("int4 gemm: every kernel this CPU runs equals the format's definition,
         for (index_t N : {1, 17, 32, 33, 70})
           for (index_t K : {1, 3, 5, 32, 37, 67, 131, 260}) cells += check(kernel, f, M, N, K);
   CHECK(cells > 0);
-  INFO("int4 kernels here: " << kernels.size() << ", best "
-                             << name_of(epmoe::space::int8_kernel_for(epmoe::space::best_cpu_path()),
-                                        weights_format::int4_g32));
+  INFO(
+      "int4 kernels here: " << kernels.size() << ", best "
+                            << name_of(epmoe::space::int8_kernel_for(epmoe::space::best_cpu_path()),
+                                       weights_format::int4_g32));
   CHECK(epmoe::space::cpu_runs(epmoe::space::int8_kernel_for(epmoe::space::best_cpu_path())));
 }
 
@@ -194,17 +195,17 @@ TEST_CASE("int4: NaN and Inf (weights refused at pack time, activations spread p
   const index_t N = 20, K = 45;
   auto b = test::uniform(std::size_t(N * K), 31);
   for (weights_format f : formats)
-    for (float bad : {std::numeric_limits<float>::quiet_NaN(),
-                      std::numeric_limits<float>::infinity(),
-                      -std::numeric_limits<float>::infinity()}) {
+    for (float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+          -std::numeric_limits<float>::infinity()}) {
       auto w = b;
       w[std::size_t(7 * K + 40)] = bad;
       epmoe::space::packed_nt p;
-      CHECK_THROWS_WITH(p.repack({w.data(), N, K}, f),
-                        Catch::Contains(std::string("pack_weights(") + f.name() + ")") &&
-                            Catch::Contains("output channel 7, group " +
-                                            std::to_string(40 / f.group)) &&
-                            Catch::Contains("NaN or Inf"));
+      CHECK_THROWS_WITH(
+          p.repack({w.data(), N, K}, f),
+          Catch::Contains(std::string("pack_weights(") + f.name() + ")") &&
+              Catch::Contains("output channel 7, group " + std::to_string(40 / f.group)) &&
+              Catch::Contains("NaN or Inf"));
     }
   // Activations: a row holding NaN or Inf gives non-finite outputs (VNNI: NaN in every
   // column; W4A16: as fp32 arithmetic); the other rows are unaffected.
@@ -247,9 +248,9 @@ TEST_CASE("int4 loader: repack_grouped checks the integers, scales, offsets and 
   CHECK_THROWS_WITH(p.repack_grouped(weights_format::int4_asym_g32, {q.data(), N, K}, s.data()),
                     Catch::Contains("offsets") && Catch::Contains("needs an offset"));
   s[3] = std::numeric_limits<float>::infinity();
-  CHECK_THROWS_WITH(p.repack_grouped(weights_format::int8_g32, {q.data(), N, K}, s.data()),
-                    Catch::Contains("repack_grouped(int8_group).scales") &&
-                        Catch::Contains("finite"));
+  CHECK_THROWS_WITH(
+      p.repack_grouped(weights_format::int8_g32, {q.data(), N, K}, s.data()),
+      Catch::Contains("repack_grouped(int8_group).scales") && Catch::Contains("finite"));
   s[3] = 0.5f, m[4] = std::numeric_limits<float>::quiet_NaN();
   CHECK_THROWS_WITH(
       p.repack_grouped(weights_format::int4_asym_g32, {q.data(), N, K}, s.data(), m.data()),

@@ -92,8 +92,8 @@ int check_path() {
   const space::int8_kernel kernel = space::int8_kernel_for(Path);
   const bool a8 = kernel == space::int8_kernel::avx512_vnni;
   int runs = 0;
-  for (weights_format f : {weights_format::int4_g32, weights_format::int4_asym_g128,
-                           weights_format::int8_g32})
+  for (weights_format f :
+       {weights_format::int4_g32, weights_format::int4_asym_g128, weights_format::int8_g32})
     for (int R : {1, 2, 4})
       for (index_t T : {1, 7, 61}) {
         const layer_config cfg{.hidden = 67,  // odd: the last group partial, no whole quad
@@ -166,8 +166,13 @@ TEST_CASE("int4 layer: packed_matrix takes a checkpoint's quantised values, matr
   // Layer B holds weights w but is given, matrix by matrix, the quantised values of other
   // weights w2; layer C holds w2 and packs them itself: the same bits out. Tensors in
   // SwiGLU's order (w1, w3, w2), then the shared expert's.
-  const layer_config cfg{.hidden = 40, .ffn = 36, .experts = 4, .top_k = 2, .max_tokens = 9,
-                         .shared_experts = 1, .shared_ffn = 20};
+  const layer_config cfg{.hidden = 40,
+                         .ffn = 36,
+                         .experts = 4,
+                         .top_k = 2,
+                         .max_tokens = 9,
+                         .shared_experts = 1,
+                         .shared_ffn = 20};
   const auto w = reference::full_weights::random(cfg, 7);
   auto w2 = reference::full_weights::random(cfg, 8);
   w2.gate = w.gate;  // the same routing
@@ -181,15 +186,18 @@ TEST_CASE("int4 layer: packed_matrix takes a checkpoint's quantised values, matr
   b.pack_weights(f);
   c.pack_weights(f);
   const index_t H = cfg.hidden, F = cfg.ffn, Fs = cfg.shared_ffn;
-  const std::vector<float>* given[] = {&theirs.w1, &theirs.w3, &theirs.w2,
+  const std::vector<float>* given[] = {&theirs.w1,    &theirs.w3,    &theirs.w2,
                                        &w2.shared_w1, &w2.shared_w3, &w2.shared_w2};
   int filled = 0;
   for (int t = 0; t < 6; ++t) {
     const bool shared = t >= 3;
-    const index_t rows = t % 3 == 2 ? H : shared ? Fs : F, cols = t % 3 == 2 ? (shared ? Fs : F) : H;
+    const index_t rows = t % 3 == 2 ? H
+                         : shared   ? Fs
+                                    : F,
+                  cols = t % 3 == 2 ? (shared ? Fs : F) : H;
     for (index_t j = 0; j < (shared ? 1 : cfg.experts); ++j) {
-      const auto q = reference::group_weights::quantise(
-          {given[t]->data() + j * rows * cols, rows, cols}, f);
+      const auto q =
+          reference::group_weights::quantise({given[t]->data() + j * rows * cols, rows, cols}, f);
       b.packed_matrix(t, j).repack_grouped(f, {q.q.data(), rows, cols}, q.scale.data(),
                                            q.offset.data());
       ++filled;

@@ -55,7 +55,7 @@ inline constexpr weights_format weights_format::int4_g32{weights_format::kind::i
 inline constexpr weights_format weights_format::int4_g128{weights_format::kind::int4, 128};
 inline constexpr weights_format weights_format::int4_asym_g32{weights_format::kind::int4_asym, 32};
 inline constexpr weights_format weights_format::int4_asym_g128{weights_format::kind::int4_asym,
-                                                                128};
+                                                               128};
 inline constexpr weights_format weights_format::int8_g32{weights_format::kind::int8_group, 32};
 
 /// The name of weights_format from before formats beyond floats (fp32, bf16).

@@ -100,11 +100,13 @@ inline std::vector<double> gemm_int8(matrix_view<const float> a, const int8_chan
 struct group_weights {
   weights_format format;
   index_t rows = 0, cols = 0;
-  std::vector<std::int8_t> q;       // [N, K] row-major
+  std::vector<std::int8_t> q;        // [N, K] row-major
   std::vector<float> scale, offset;  // [N, G] row-major (offset: int4_asym; else zeros)
 
   index_t groups() const { return (cols + format.group - 1) / format.group; }
-  float s(index_t n, index_t k) const { return scale[std::size_t(n * groups() + k / format.group)]; }
+  float s(index_t n, index_t k) const {
+    return scale[std::size_t(n * groups() + k / format.group)];
+  }
   float m(index_t n, index_t k) const {
     return offset[std::size_t(n * groups() + k / format.group)];
   }
@@ -165,8 +167,8 @@ struct group_weights {
   double magnitude(const double* x, index_t n) const {
     double out = 0;
     for (index_t k = 0; k < cols; ++k)
-      out += std::abs(x[k]) * (std::abs(double{s(n, k)} * q[std::size_t(n * cols + k)]) +
-                               std::abs(double{m(n, k)}));
+      out += std::abs(x[k]) *
+             (std::abs(double{s(n, k)} * q[std::size_t(n * cols + k)]) + std::abs(double{m(n, k)}));
     return out;
   }
 };
@@ -174,8 +176,8 @@ struct group_weights {
 /// c[M, N] = a[M, K] wᵀ over group-wise weights, in double: W4A16 / W8A16 (a as it is) or,
 /// with `a8`, W4A8 / W8A8 (each row quantised per token, int8_token). `mag` (optional): per
 /// element, group_weights::magnitude.
-inline std::vector<double> gemm_grouped(matrix_view<const float> a, const group_weights& w,
-                                        bool a8, std::vector<double>* mag = nullptr) {
+inline std::vector<double> gemm_grouped(matrix_view<const float> a, const group_weights& w, bool a8,
+                                        std::vector<double>* mag = nullptr) {
   const index_t M = a.rows, N = w.rows, K = w.cols;
   std::vector<double> c(std::size_t(M * N));
   if (mag) mag->assign(c.size(), 0.0);

@@ -45,7 +45,9 @@ inline constexpr index_t group_max = 4096;
 /// Groups of a row of K inputs, bytes of one quad (4 inputs x 32 columns), of one group's
 /// block and of one panel.
 constexpr index_t group_count(weights_format f, index_t K) { return (K + f.group - 1) / f.group; }
-constexpr index_t group_quad_bytes(weights_format f) { return f.id == wkind::int8_group ? 128 : 64; }
+constexpr index_t group_quad_bytes(weights_format f) {
+  return f.id == wkind::int8_group ? 128 : 64;
+}
 constexpr index_t group_block_bytes(weights_format f) {
   return f.group / 4 * group_quad_bytes(f) + (f.id == wkind::int4_asym ? 256 : 128);
 }
@@ -84,27 +86,27 @@ inline std::pair<float, float> quantise_group(weights_format f, const float* w, 
   float amax = 0, lo = w[0], hi = w[0];
   for (index_t k = 0; k < n; ++k) {
     if (!std::isfinite(w[k]))
-      throw config_error(std::string("pack_weights(") + f.name() + ")",
-                         "output channel " + std::to_string(row) + ", group " +
-                             std::to_string(group),
-                         "holds NaN or Inf, which the format cannot hold");
+      throw config_error(
+          std::string("pack_weights(") + f.name() + ")",
+          "output channel " + std::to_string(row) + ", group " + std::to_string(group),
+          "holds NaN or Inf, which the format cannot hold");
     amax = std::max(amax, std::abs(w[k]));
     lo = std::min(lo, w[k]), hi = std::max(hi, w[k]);
   }
   if (f.id == wkind::int4_asym) {  // in double: hi - lo may pass fp32's range
     const double step = (double{hi} - lo) / 15;
     for (index_t k = 0; k < n; ++k)
-      put(k, static_cast<std::int8_t>(
-                 step > 0 ? std::clamp(std::nearbyint((double{w[k]} - lo) / step), 0.0, 15.0)
-                          : 0.0));
+      put(k,
+          static_cast<std::int8_t>(
+              step > 0 ? std::clamp(std::nearbyint((double{w[k]} - lo) / step), 0.0, 15.0) : 0.0));
     return {static_cast<float>(step), lo};
   }
   const bool four = f.id == wkind::int4;
   const float scale = amax / (four ? 7.5f : 127.f), top = four ? 7.f : 127.f;
   for (index_t k = 0; k < n; ++k)
-    put(k, static_cast<std::int8_t>(
-               amax > 0 ? std::clamp(std::nearbyint(w[k] / scale), four ? -8.f : -127.f, top)
-                        : 0.f));
+    put(k,
+        static_cast<std::int8_t>(
+            amax > 0 ? std::clamp(std::nearbyint(w[k] / scale), four ? -8.f : -127.f, top) : 0.f));
   return {scale, 0.f};
 }
 
@@ -170,10 +172,9 @@ inline float group_weight(const std::byte* panel, weights_format f, index_t k, i
 
 // Packs rows [j0, j0 + cols) of b (fp32, quantised here) or of q (pre-quantised, with scales
 // and offsets [N, G], offsets only for int4_asym) into one panel; zero past K and past cols.
-inline void pack_group_panel(std::byte* out, weights_format f, index_t K, index_t cols,
-                             index_t j0, matrix_view<const float> b,
-                             matrix_view<const std::int8_t> q, const float* scales,
-                             const float* offsets) {
+inline void pack_group_panel(std::byte* out, weights_format f, index_t K, index_t cols, index_t j0,
+                             matrix_view<const float> b, matrix_view<const std::int8_t> q,
+                             const float* scales, const float* offsets) {
   const index_t G = group_count(f, K), g = f.group;
   std::fill_n(out, group_panel_bytes(f, K), std::byte{0});
   for (index_t j = 0; j < cols; ++j)
@@ -205,8 +206,7 @@ inline void pack_group_panel(std::byte* out, weights_format f, index_t K, index_
 // c rows [0, m) x columns [0, cols) of one panel, portable W4A16 / W8A16: each weight
 // dequantised (group_weight), fp32 sums of x w in input order.
 inline void group_panel_portable(matrix_view<const float> a, const std::byte* panel,
-                                 weights_format f, index_t K, float* c, index_t ldc,
-                                 index_t cols) {
+                                 weights_format f, index_t K, float* c, index_t ldc, index_t cols) {
   constexpr index_t W = panel_width;
   for (index_t i = 0; i < a.rows; ++i) {
     float acc[W] = {};

@@ -58,7 +58,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void group_rows_vn
       lo[i] = hi[i] = Kind == wkind::int4_asym
                           ? _mm512_setzero_si512()
                           : _mm512_set1_epi32(static_cast<int>(a[i * lda + sums + t]));
-    const index_t quads = (std::min<index_t>(K - t * f.group, f.group) + 3) / 4;  // the last group's
+    const index_t quads =
+        (std::min<index_t>(K - t * f.group, f.group) + 3) / 4;  // the last group's
     const std::uint32_t* x = a + t * per;
     for (index_t g = 0; g < quads; ++g) {
       prefetch_quad<QB>(b.quads + g * QB);
@@ -128,8 +129,8 @@ __attribute__((target("avx512f"), always_inline)) inline void group_load_avx512(
 
 template <int MR, wkind Kind, int R>
 __attribute__((target("avx512f"), always_inline)) inline void group_step_avx512(
-    const float* a, index_t lda, index_t k, __m512i w0, __m512i w1, __m512 s0, __m512 s1,
-    __m512 o0, __m512 o1, __m512 (&lo)[MR], __m512 (&hi)[MR]) {
+    const float* a, index_t lda, index_t k, __m512i w0, __m512i w1, __m512 s0, __m512 s1, __m512 o0,
+    __m512 o1, __m512 (&lo)[MR], __m512 (&hi)[MR]) {
   __m512 e0, e1;
   group_weights_avx512<Kind, R>(w0, w1, s0, s1, o0, o1, e0, e1);
   EPMOE_PACKED_UNROLL
@@ -156,7 +157,8 @@ __attribute__((target("avx512f"))) inline void group_rows_avx512(const float* a,
     const group_block b = group_at(panel, f, t);
     const __m512 s0 = _mm512_load_ps(b.scale), s1 = _mm512_load_ps(b.scale + 16);
     const __m512 eight = _mm512_set1_ps(-8.f);
-    const __m512 o0 = Kind == wkind::int4_asym ? _mm512_load_ps(b.offset) : _mm512_mul_ps(s0, eight);
+    const __m512 o0 =
+        Kind == wkind::int4_asym ? _mm512_load_ps(b.offset) : _mm512_mul_ps(s0, eight);
     const __m512 o1 =
         Kind == wkind::int4_asym ? _mm512_load_ps(b.offset + 16) : _mm512_mul_ps(s1, eight);
     const index_t k1 = std::min(K, k0 + f.group);
@@ -195,18 +197,16 @@ __attribute__((target("avx2,fma"), always_inline)) inline void group_weights_avx
   } else {
     const __m256i nibble = _mm256_set1_epi32(15);
     e0 = _mm256_fmadd_ps(
-        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w0, 8 * R + 4 * H), nibble)), s0,
-        o0);
+        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w0, 8 * R + 4 * H), nibble)), s0, o0);
     e1 = _mm256_fmadd_ps(
-        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w1, 8 * R + 4 * H), nibble)), s1,
-        o1);
+        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w1, 8 * R + 4 * H), nibble)), s1, o1);
   }
 }
 
 template <int MR, wkind Kind, int H, int R>
 __attribute__((target("avx2,fma"), always_inline)) inline void group_step_avx2(
-    const float* a, index_t lda, index_t k, __m256i w0, __m256i w1, __m256 s0, __m256 s1,
-    __m256 o0, __m256 o1, __m256 (&lo)[MR], __m256 (&hi)[MR]) {
+    const float* a, index_t lda, index_t k, __m256i w0, __m256i w1, __m256 s0, __m256 s1, __m256 o0,
+    __m256 o1, __m256 (&lo)[MR], __m256 (&hi)[MR]) {
   __m256 e0, e1;
   group_weights_avx2<Kind, H, R>(w0, w1, s0, s1, o0, o1, e0, e1);
   EPMOE_PACKED_UNROLL
@@ -233,10 +233,10 @@ __attribute__((target("avx2,fma"))) inline void group_rows_avx2(const float* a, 
     const group_block b = group_at(panel, f, t);
     const __m256 s0 = _mm256_load_ps(b.scale + 16 * H), s1 = _mm256_load_ps(b.scale + 16 * H + 8);
     const __m256 eight = _mm256_set1_ps(-8.f);
-    const __m256 o0 = Kind == wkind::int4_asym ? _mm256_load_ps(b.offset + 16 * H)
-                                               : _mm256_mul_ps(s0, eight);
-    const __m256 o1 = Kind == wkind::int4_asym ? _mm256_load_ps(b.offset + 16 * H + 8)
-                                               : _mm256_mul_ps(s1, eight);
+    const __m256 o0 =
+        Kind == wkind::int4_asym ? _mm256_load_ps(b.offset + 16 * H) : _mm256_mul_ps(s0, eight);
+    const __m256 o1 =
+        Kind == wkind::int4_asym ? _mm256_load_ps(b.offset + 16 * H + 8) : _mm256_mul_ps(s1, eight);
     const index_t k1 = std::min(K, k0 + f.group);
     const auto quad = [&](index_t at) {
       return reinterpret_cast<const __m256i*>(b.quads + (at - k0) / 4 * QB + half);
@@ -252,8 +252,10 @@ __attribute__((target("avx2,fma"))) inline void group_rows_avx2(const float* a, 
     if (k < k1) {
       const __m256i w0 = _mm256_load_si256(quad(k)), w1 = _mm256_load_si256(quad(k) + 1);
       group_step_avx2<MR, Kind, H, 0>(a, lda, k, w0, w1, s0, s1, o0, o1, lo, hi);
-      if (k + 1 < k1) group_step_avx2<MR, Kind, H, 1>(a, lda, k + 1, w0, w1, s0, s1, o0, o1, lo, hi);
-      if (k + 2 < k1) group_step_avx2<MR, Kind, H, 2>(a, lda, k + 2, w0, w1, s0, s1, o0, o1, lo, hi);
+      if (k + 1 < k1)
+        group_step_avx2<MR, Kind, H, 1>(a, lda, k + 1, w0, w1, s0, s1, o0, o1, lo, hi);
+      if (k + 2 < k1)
+        group_step_avx2<MR, Kind, H, 2>(a, lda, k + 2, w0, w1, s0, s1, o0, o1, lo, hi);
     }
   }
   store_rows_avx2<MR>(c, ldc, cols, lo, hi);
@@ -263,8 +265,8 @@ __attribute__((target("avx2,fma"))) inline void group_rows_avx2(const float* a, 
 // One panel's c rows [0, a.rows) x columns [0, cols) on `kernel`; a8: a converted for VNNI
 // (quantise_group_rows, stride group_input_words).
 inline void group_panel(int8_kernel kernel, matrix_view<const float> a, converted_rows a8,
-                        const std::byte* panel, weights_format f, index_t K, float* c,
-                        index_t ldc, index_t cols) {
+                        const std::byte* panel, weights_format f, index_t K, float* c, index_t ldc,
+                        index_t cols) {
 #if defined(EPMOE_HOST_PACKED_X86)
   if (kernel == int8_kernel::avx512_vnni || kernel == int8_kernel::avx512) {
     const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);

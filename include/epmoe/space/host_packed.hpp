@@ -98,8 +98,8 @@ class packed_nt {
     const bool asym = as.id == weights_format::kind::int4_asym;
     epmoe::detail::require(!asym || offsets, (who + ".offsets").c_str(), "none",
                            "int4_asym needs an offset per group");
-    const int lo = as.id == weights_format::kind::int4 ? -8 : asym ? 0 : -128,
-              hi = as.id == weights_format::kind::int4 ? 7 : asym ? 15 : 127;
+    const bool four = as.id == weights_format::kind::int4;
+    const int lo = four ? -8 : asym ? 0 : -128, hi = four ? 7 : asym ? 15 : 127;
     for (index_t n = 0; n < q.rows; ++n)
       for (index_t k = 0; k < q.cols; ++k)
         epmoe::detail::require(q(n, k) >= lo && q(n, k) <= hi, (who + ".q").c_str(), int{q(n, k)},
@@ -152,8 +152,8 @@ class packed_nt {
 
  private:
   index_t panel_bytes() const {
-    return as_.grouped()                       ? group_panel_bytes(as_, k_)
-           : as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
+    if (as_.grouped()) return group_panel_bytes(as_, k_);
+    return as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
            : as_ == weights_format::bf16       ? (k_ + 1) / 2 * 2 * panel_cols * 2
                                                : k_ * panel_cols * 4;
   }
