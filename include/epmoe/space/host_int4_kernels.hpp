@@ -58,8 +58,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) inline void group_rows_vn
       lo[i] = hi[i] = Kind == wkind::int4_asym
                           ? _mm512_setzero_si512()
                           : _mm512_set1_epi32(static_cast<int>(a[i * lda + sums + t]));
-    const index_t quads =
-        (std::min<index_t>(K - t * f.group, f.group) + 3) / 4;  // the last group's
+    // (the last group: its quads up to K; the padded ones after it are skipped)
+    const index_t quads = (std::min<index_t>(K - t * f.group, f.group) + 3) / 4;
     const std::uint32_t* x = a + t * per;
     for (index_t g = 0; g < quads; ++g) {
       prefetch_quad<QB>(b.quads + g * QB);
