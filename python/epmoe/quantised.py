@@ -15,6 +15,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from ._ranks import EXPERT_TENSORS
+
 __all__ = ["Quantised", "from_gptq", "from_awq", "from_gguf", "gguf_experts", "format_group"]
 
 _FORMAT = re.compile(r"^(int4|int4_asym|int8)(?:_g(\d+))?$")
@@ -159,3 +161,45 @@ def gguf_experts(tensor) -> list:
     K, N, E = (int(v) for v in tensor.shape)
     data = np.asarray(tensor.data).reshape(E, -1)
     return [from_gguf(data[e], tensor.tensor_type, (N, K)) for e in range(E)]
+
+
+# --- MoE.load_quantised's parts (epmoe/torch.py) ----------------------------------------------
+
+def plan_given(moe, tensors: dict) -> list:
+    """[(parameter name, slot, Quantised)] for load_quantised's {(name, expert): Quantised},
+    every entry checked (ValueError naming it) before any is used."""
+    kinds = EXPERT_TENSORS[moe.expert_kind]
+    held = moe.expert_ids.tolist()
+    planned = []
+    for (name, expert), t in tensors.items():
+        base = name[len("shared_"):] if name.startswith("shared_") else name
+        if base not in kinds or not hasattr(moe, name):
+            raise ValueError(f"epmoe: load_quantised: {name!r} is not an expert tensor of this "
+                             f"module ({', '.join(kinds)}, shared_...)")
+        if t.format != moe._pack:
+            raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}] is {t.format}: "
+                             f"pack_weights = {moe._pack!r} must name that format")
+        shared = name != base
+        if (shared and not 0 <= expert < moe.shared_experts) or (not shared and expert not in held):
+            raise ValueError(f"epmoe: load_quantised: expert {expert} of {name!r} is not held by "
+                             "this process")
+        p = getattr(moe, name)
+        if tuple(t.q.shape) != tuple(p.shape[1:]):
+            raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}] has shape "
+                             f"{tuple(t.q.shape)}: must be {tuple(p.shape[1:])}")
+        planned.append((name, expert if shared else held.index(expert), t))
+    return planned
+
+
+def give(moe, given: dict):
+    """moe's packed copies of `given` ({(name, slot): Quantised}) replaced, on the local rank
+    holding each slot (a shared expert: on every local rank)."""
+    kinds = EXPERT_TENSORS[moe.expert_kind]
+    L, local = moe.experts // moe.ranks, moe._layer_ranks()
+    for (name, slot), t in given.items():
+        shared = name.startswith("shared_")
+        tensor = kinds.index(name[len("shared_"):] if shared else name) + (len(kinds) if shared else 0)
+        for r in range(local) if shared else [slot // L]:
+            moe._layer.pack_given(r, tensor, slot if shared else slot % L, t.format,
+                                  t.q.contiguous(), t.scales.float().contiguous(),
+                                  None if t.offsets is None else t.offsets.float().contiguous())

@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import _epmoe, _ops
-from .quantised import format_group
+from .quantised import format_group, give, plan_given
 from ._ranks import (EXPERT_TENSORS, GATE_BIAS_ROUTERS, _check_sizes, _exchange_group,
                      _placement_table)
 
@@ -93,8 +93,7 @@ PACK_WEIGHTS = ("auto", True, False, "bf16", "int8")  # and the group-wise forma
 
 
 def _pack_option(pack_weights):
-    """pack_weights checked: one of PACK_WEIGHTS or a group-wise format (ValueError naming the
-    field otherwise)."""
+    """pack_weights checked: PACK_WEIGHTS or a group-wise format (else ValueError)."""
     if not (any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
                 for v in PACK_WEIGHTS) or format_group(pack_weights)):
         raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
@@ -115,8 +114,7 @@ def _packs(pack_weights, training: bool) -> bool:
 
 
 def _refuse_training(pack_weights, training: bool):
-    """int8 and group-wise copies compute the forward only: a pass in training mode is an
-    error."""
+    """int8 and group-wise copies compute the forward only: training mode is an error."""
     if (pack_weights == "int8" or format_group(pack_weights)) and training:
         raise RuntimeError(f"epmoe: pack_weights = {pack_weights!r} is for inference (forward "
                            "only) and the module is in training mode: call .eval(), or pack as "
@@ -168,11 +166,9 @@ class MoE(nn.Module):
     the parameters, activations and sums stay fp32), in both modes; "int8": packed as int8
     per output channel with an fp32 scale each (a quarter of the bytes; activations quantised
     per token on AVX512-VNNI; docs/quantisation.md), inference only: a forward in training
-    mode raises (call .eval()); group-wise, inference only too: "int4" (int4 in [-8, 7] with
-    an fp32 scale per group of 32 inputs), "int4_g128" (groups of 128), "int4_asym" /
-    "int4_asym_g128" (unsigned int4 with a scale and an offset per group: GPTQ, AWQ, GGUF
-    Q4_K), "int8_g32" (GGUF Q8_0), any group a multiple of 32 as "..._g<group>" (W4A8 on
-    AVX512-VNNI; load_quantised gives a checkpoint's quantised values); False: never. Packed
+    mode raises (call .eval()); group-wise, inference only too: "int4", "int4_g128" (a scale
+    per 32 / 128 inputs), "int4_asym", "int4_asym_g128" (and an offset: GPTQ, AWQ, Q4_K),
+    "int8_g32" (Q8_0), "..._g<group>" (load_quantised takes checkpoints); False: never. Packed
     copies are made again before a forward whenever an expert parameter changed in place (an
     optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
     bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
@@ -299,64 +295,23 @@ class MoE(nn.Module):
             self._layer.pack(True, _pack_format(self._pack))
             self._packed_versions = self._versions()
             if self._given and self._given[1] == self._packed_versions:
-                self._give(self._given[0])  # the checkpoint's values, not requantised ones
+                give(self, self._given[0])  # the checkpoint's values, not requantised ones
             else:
                 self._given = None  # the parameters changed since: their values now
 
     @torch.no_grad()
     def load_quantised(self, tensors: dict):
-        """Gives expert matrices quantised already (epmoe.quantised: from_gptq, from_awq,
-        from_gguf, gguf_experts) to the packed copies, which then hold the checkpoint's values
-        exactly instead of quantising the parameters themselves. tensors: {(name, expert):
-        Quantised}, name "w1", "w3", "w2" (or "shared_w1", ...), expert the logical expert
-        (a shared expert's index): one this process holds. Each Quantised must be in the
-        format pack_weights names (e.g. "int4_asym_g128" for a GPTQ checkpoint of group 128);
-        the parameters take the dequantised values (what the reference and state_dict see).
-        A later change of the parameters (an assignment, load_state_dict) packs their values
-        again and drops these."""
-        kinds = EXPERT_TENSORS[self.expert_kind]
-        held = self.expert_ids.tolist()
-        planned = []
-        for (name, expert), t in tensors.items():
-            base = name[len("shared_"):] if name.startswith("shared_") else name
-            if base not in kinds or not hasattr(self, name):
-                raise ValueError(f"epmoe: load_quantised: {name!r} is not an expert tensor of "
-                                 f"this module ({', '.join(kinds)}, shared_...)")
-            if t.format != self._pack:
-                raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}] is {t.format}: "
-                                 f"pack_weights = {self._pack!r} must name that format")
-            shared = name != base
-            if (shared and not 0 <= expert < self.shared_experts) or (
-                    not shared and expert not in held):
-                raise ValueError(f"epmoe: load_quantised: expert {expert} of {name!r} is not "
-                                 "held by this process")
-            slot = expert if shared else held.index(expert)
-            p = getattr(self, name)
-            if tuple(t.q.shape) != tuple(p.shape[1:]):
-                raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}] has shape "
-                                 f"{tuple(t.q.shape)}: must be {tuple(p.shape[1:])}")
-            planned.append((name, slot, t))
+        """The packed copies hold these checkpoint values (epmoe.quantised: {(name, expert):
+        Quantised}, name "w1" ... or "shared_w1" ..., expert logical and held here, in the
+        format pack_weights names); the parameters take them dequantised. A later change of
+        the parameters packs their values again (docs/quantisation.md, "Loaders")."""
         given = dict(self._given[0]) if self._given and self._versions() == self._given[1] else {}
-        for name, slot, t in planned:
+        for name, slot, t in plan_given(self, tensors):  # (every entry checked first)
             getattr(self, name)[slot].copy_(t.dequantise())
             given[(name, slot)] = t
         self._given = (given, self._versions())
         if not self.training:  # (else the first forward in eval mode packs them)
             self.pack_weights()
-
-    def _give(self, given: dict):
-        """The layer's packed copies of `given` ({(name, slot): Quantised}) replaced."""
-        kinds = EXPERT_TENSORS[self.expert_kind]
-        L, local = self.experts // self.ranks, self._layer_ranks()
-        for (name, slot), t in given.items():
-            shared = name.startswith("shared_")
-            tensor = kinds.index(name[len("shared_"):] if shared else name)
-            if shared:
-                tensor += len(kinds)
-            for r in range(local) if shared else [slot // L]:
-                self._layer.pack_given(r, tensor, slot if shared else slot % L, t.format,
-                                       t.q.contiguous(), t.scales.float().contiguous(),
-                                       None if t.offsets is None else t.offsets.float().contiguous())
 
     def _versions(self):
         kinds = EXPERT_TENSORS[self.expert_kind]
