@@ -10,8 +10,11 @@
 // and the share of it each format reaches. Weights come from memory before every timed pass
 // (a 64 MB read evicts the caches).
 //
+// Then the group-wise formats (int4, int4_asym groups 32 and 128, int8_g32) against bf16 in a
+// table of their own (group_table; --group: that table only).
+//
 //   epmoe_bench_quant [--shapes mixtral,deepseek] [--tokens 1,16,128,1024] [--reps N]
-//                     [--read-gbs X] [--smoke]
+//                     [--read-gbs X] [--group] [--smoke]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -23,6 +26,7 @@
 #include "bench_common.hpp"
 #include <epmoe/expert/swiglu.hpp>
 #include <epmoe/space/host.hpp>
+#include <epmoe/space/host_int4.hpp>
 
 using epmoe::index_t;
 using epmoe::weights_format;
@@ -78,13 +82,107 @@ struct point {
   double gbs = 0;          // read bandwidth measured right after the point
 };
 
+// Rows per expert for a point, as offsets (expert-major).
+std::vector<index_t> offsets_of(const std::vector<index_t>& rows) {
+  std::vector<index_t> offsets(rows.size() + 1, 0);
+  for (std::size_t e = 0; e < rows.size(); ++e) offsets[e + 1] = offsets[e] + rows[e];
+  return offsets;
+}
+
+// The group-wise formats against bf16: per point, the formats back to back in every rep
+// (caches evicted before each pass: a 512 MB read), the time, the ratio to bf16 and the share of the bytes
+// roofline (the active experts' weights + scales + offsets / the faster of `gbs` and a read
+// beside the point). Returns false on a non-finite output.
+bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
+                 const std::vector<index_t>& tokens, int reps, const sp::host& space0, double gbs,
+                 int streams, bool prefetch, double given_gbs, int cpus) {
+  const weights_format formats[] = {weights_format::bf16,           weights_format::int4_g32,
+                                    weights_format::int4_g128,      weights_format::int4_asym_g32,
+                                    weights_format::int4_asym_g128, weights_format::int8_g32};
+  constexpr int nf = std::size(formats);
+  const index_t H = s.H, F = s.F, E = s.E;
+  const sp::int8_kernel kernel = sp::int8_kernel_for(space0.kernel_path());
+  index_t max_rows = 0;
+  for (index_t T : tokens) max_rows = std::max(max_rows, T * s.k);
+  std::vector<float> x0(std::size_t(max_rows * H)), x(x0.size()),
+      scratch(std::size_t(max_rows * epmoe::expert::swiglu::scratch_per_row(F)));
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (float& v : x0) v = u(rng);
+  // 512 MB: more than the 480 MB L3 this VM reports (64 MB left a 27 MB int4 pass partly in
+  // the L3: over 100% of the roof in one run).
+  std::vector<float> flush_buffer(std::size_t{128} << 20, 1.f);
+  volatile float sink = 0;
+  std::vector<sp::packed_weights> packed(nf);
+  std::vector<sp::host> spaces(nf, space0);
+  double per_expert[nf];
+  for (int f = 0; f < nf; ++f) {
+    for (auto v : {w.w1, w.w3, w.w2}) packed[f].pack(v, formats[f]);
+    packed[f].reserve_inputs(max_rows, space0.kernel_path());
+    spaces[f].use_packed(&packed[f]);
+    per_expert[f] = double(packed[f].bytes()) / double(E);
+  }
+  std::printf("%s: group-wise formats, %s (int8_g32: %s)\n", s.note,
+              sp::name_of(kernel, weights_format::int4_g32),
+              sp::name_of(kernel, weights_format::int8_g32));
+  std::printf("%6s %6s %6s | %-15s %9s %8s %8s %9s %6s\n", "T", "active", "GB/s", "format", "ms",
+              "x bf16", "MB", "roof ms", "%roof");
+  for (index_t T : tokens) {
+    const auto rows = route(T, E, s.k, 11 + T);
+    index_t active = 0;
+    for (index_t n : rows) active += n > 0;
+    std::vector<index_t> offsets = offsets_of(rows);
+    const index_t n = offsets.back();
+    const epmoe::grouped_rows<float> g{x.data(),      H, H, static_cast<int>(E), offsets.data(),
+                                       offsets.data()};
+    std::vector<std::vector<double>> t(nf);
+    for (int r = 0; r < reps + 1; ++r)
+      for (int f = 0; f < nf; ++f) {
+        std::memcpy(x.data(), x0.data(), std::size_t(n * H) * sizeof(float));
+        float sum = 0;
+        for (std::size_t i = 0; i < flush_buffer.size(); i += 16) sum += flush_buffer[i];
+        sink = sink + sum;
+        const auto start = bench::clock::now();
+        epmoe::expert::swiglu::forward(spaces[f], w, g, scratch.data());
+        if (r > 0) t[f].push_back(bench::seconds_since(start));
+        for (index_t i = 0; i < n * H; ++i)
+          if (!std::isfinite(x[std::size_t(i)])) {
+            std::fprintf(stderr, "%s %s T=%lld: a non-finite output\n", s.name, formats[f].name(),
+                         static_cast<long long>(T));
+            return false;
+          }
+      }
+    const double here =
+        given_gbs > 0 ? given_gbs
+                      : bench::read_bandwidth(std::size_t(std::max(per_expert[0] * active, 64e6)),
+                                              cpus, streams, prefetch);
+    double ms[nf];
+    for (int f = 0; f < nf; ++f) {
+      std::sort(t[f].begin(), t[f].end());
+      ms[f] = 1e3 * t[f][t[f].size() / 2];
+    }
+    for (int f = 0; f < nf; ++f) {
+      const double bytes = per_expert[f] * double(active);
+      const double roof = 1e3 * bytes / (std::max(here, gbs) * 1e9);
+      const std::string label =
+          std::string(formats[f].name()) +
+          (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "");
+      std::printf("%6lld %6lld %6.1f | %-15s %9.3f %7.2fx %8.1f %9.3f %5.0f%%\n",
+                  static_cast<long long>(T), static_cast<long long>(active), here, label.c_str(),
+                  ms[f], ms[0] / ms[f], bytes / 1e6, roof, 100 * roof / ms[f]);
+    }
+  }
+  std::printf("\n");
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string shape_list = "mixtral,deepseek", token_list = "1,16,128,1024";
   int reps = 5;
   double given_gbs = 0;
-  bool smoke = false;
+  bool smoke = false, group_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const auto next = [&]() -> std::string {
@@ -104,10 +202,12 @@ int main(int argc, char** argv) {
       given_gbs = std::stod(next());
     else if (a == "--smoke")
       smoke = true;
+    else if (a == "--group")
+      group_only = true;
     else {
       std::fprintf(stderr,
                    "usage: epmoe_bench_quant [--shapes mixtral,deepseek,tiny] [--tokens 1,16,...] "
-                   "[--reps N] [--read-gbs X] [--smoke]\n");
+                   "[--reps N] [--read-gbs X] [--group] [--smoke]\n");
       return a == "--help" ? 0 : 2;
     }
   }
@@ -179,6 +279,12 @@ int main(int argc, char** argv) {
     }
     const epmoe::expert::swiglu::weights w{
         {w13.data(), E, F, H}, {w13.data() + E * F * H, E, F, H}, {w2.data(), E, H, F}};
+    if (group_only) {
+      if (!group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams, probe.prefetch,
+                       given_gbs, cpus))
+        return 1;
+      continue;
+    }
     std::vector<point> pts;
     index_t max_rows = 0;
     for (index_t T : tokens) {
@@ -263,6 +369,10 @@ int main(int argc, char** argv) {
           100 * roof(0) / p.seconds[0], 100 * roof(1) / p.seconds[1], 100 * roof(2) / p.seconds[2]);
     }
     std::printf("\n");
+    for (auto& copy : packed) copy.clear();  // (room for the group-wise copies)
+    if (!group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams, probe.prefetch,
+                     given_gbs, cpus))
+      return 1;
   }
   return 0;
 }

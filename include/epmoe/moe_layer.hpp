@@ -261,6 +261,19 @@ class moe_layer {
                   "layer_options::pack_weights or pack_weights()");
     store_.pack(space_, as, input_rows(), cfg_.shared_experts > 0);
   }
+  /// The packed copy of matrix `slot` of expert tensor `tensor` (Expert::tensors order, the
+  /// shared experts' after the routed ones), to refill with weights quantised already (a
+  /// checkpoint's: space::packed_nt::repack_grouped, repack_int8) in the format packed.
+  /// Valid until the next pack; config_error when the weights are not packed or there is no
+  /// such matrix. Local.
+  auto& packed_matrix(int tensor, index_t slot) {
+    auto* m = store_.packed_matrix(static_cast<std::size_t>(tensor), slot);
+    detail::require(m != nullptr, "packed_matrix",
+                    std::to_string(tensor) + ", " + std::to_string(slot),
+                    "names no packed matrix: pack_weights() first; tensor in Expert::tensors "
+                    "order (then the shared experts'), slot < the tensor's count");
+    return *m;
+  }
   /// Back to reading the weights themselves; frees the packed copies.
   void unpack_weights() { store_.unpack(); }
   bool weights_packed() const { return store_.packed(); }

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import _epmoe, _ops
+from .quantised import format_group, give, plan_given
 from ._ranks import (EXPERT_TENSORS, GATE_BIAS_ROUTERS, _check_sizes, _exchange_group,
                      _placement_table)
 
@@ -87,32 +88,40 @@ def _viewable(t: torch.Tensor) -> bool:
 
 
 
-PACK_WEIGHTS = ("auto", True, False, "bf16", "int8")
+PACK_WEIGHTS = ("auto", True, False, "bf16", "int8")  # and the group-wise formats:
+# "int4" (group 32), "int4_g128", "int4_asym", "int4_asym_g128", "int8_g32" (epmoe.quantised)
 
 
 def _pack_option(pack_weights):
-    """pack_weights checked: one of PACK_WEIGHTS (ValueError naming the field otherwise)."""
-    if not any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
-               for v in PACK_WEIGHTS):
+    """pack_weights checked: PACK_WEIGHTS or a group-wise format (else ValueError)."""
+    if not (any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
+                for v in PACK_WEIGHTS) or format_group(pack_weights)):
         raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
-                         "False, 'bf16' or 'int8'")
+                         "False, 'bf16', 'int8' or a group-wise format ('int4', 'int4_g128', "
+                         "'int4_asym', 'int4_asym_g128', 'int8_g32')")
     return pack_weights
 
 
 def _pack_format(pack_weights) -> str:
     """The layer's packed format for a pack_weights option that packs."""
-    return pack_weights if pack_weights in ("bf16", "int8") else "fp32"
+    return pack_weights if isinstance(pack_weights, str) and pack_weights != "auto" else "fp32"
+
+
+def _packs(pack_weights, training: bool) -> bool:
+    """Whether a module with this option reads packed copies in this mode."""
+    return (pack_weights is True or (isinstance(pack_weights, str) and pack_weights != "auto")
+            or (pack_weights == "auto" and not training))
 
 
 DISPATCH_ROWS = ("activations", "int8")
 
 
 def _refuse_training(pack_weights, training: bool):
-    """int8 copies compute the forward only: a pass in training mode is an error."""
-    if pack_weights == "int8" and training:
-        raise RuntimeError("epmoe: pack_weights = 'int8' is for inference (forward only) and "
-                           "the module is in training mode: call .eval(), or pack as True "
-                           "or 'bf16' to train")
+    """int8 and group-wise copies compute the forward only: training mode is an error."""
+    if (pack_weights == "int8" or format_group(pack_weights)) and training:
+        raise RuntimeError(f"epmoe: pack_weights = {pack_weights!r} is for inference (forward "
+                           "only) and the module is in training mode: call .eval(), or pack as "
+                           "True or 'bf16' to train")
 
 
 class MoE(nn.Module):
@@ -160,7 +169,9 @@ class MoE(nn.Module):
     the parameters, activations and sums stay fp32), in both modes; "int8": packed as int8
     per output channel with an fp32 scale each (a quarter of the bytes; activations quantised
     per token on AVX512-VNNI; docs/quantisation.md), inference only: a forward in training
-    mode raises (call .eval()); False: never. Packed
+    mode raises (call .eval()); group-wise, inference only too: "int4", "int4_g128" (a scale
+    per 32 / 128 inputs), "int4_asym", "int4_asym_g128" (and an offset: GPTQ, AWQ, Q4_K),
+    "int8_g32" (Q8_0), "..._g<group>" (load_quantised takes checkpoints); False: never. Packed
     copies are made again before a forward whenever an expert parameter changed in place (an
     optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
     bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
@@ -280,6 +291,7 @@ class MoE(nn.Module):
         self._bound = self._pointers()
         self._pack = _pack_option(pack_weights)
         self._packed_versions = None  # packed at the first forward that packs
+        self._given = None  # load_quantised: ({(name, expert): Quantised}, versions after)
 
     @property
     def packed(self) -> bool:
@@ -288,7 +300,7 @@ class MoE(nn.Module):
 
     def _wants_packing(self) -> bool:
         _refuse_training(self._pack, self.training)
-        return self._pack in (True, "bf16", "int8") or (self._pack == "auto" and not self.training)
+        return _packs(self._pack, self.training)
 
     def pack_weights(self):
         """Packs the expert weights again now (after writing them through `p.data`, which torch's
@@ -296,6 +308,24 @@ class MoE(nn.Module):
         if self._wants_packing():
             self._layer.pack(True, _pack_format(self._pack))
             self._packed_versions = self._versions()
+            if self._given and self._given[1] == self._packed_versions:
+                give(self, self._given[0])  # the checkpoint's values, not requantised ones
+            else:
+                self._given = None  # the parameters changed since: their values now
+
+    @torch.no_grad()
+    def load_quantised(self, tensors: dict):
+        """The packed copies hold these checkpoint values (epmoe.quantised: {(name, expert):
+        Quantised}, name "w1" ... or "shared_w1" ..., expert logical and held here, in the
+        format pack_weights names); the parameters take them dequantised. A later change of
+        the parameters packs their values again (docs/quantisation.md, "Loaders")."""
+        given = dict(self._given[0]) if self._given and self._versions() == self._given[1] else {}
+        for name, slot, t in plan_given(self, tensors):  # (every entry checked first)
+            getattr(self, name)[slot].copy_(t.dequantise())
+            given[(name, slot)] = t
+        self._given = (given, self._versions())
+        if not self.training:  # (else the first forward in eval mode packs them)
+            self.pack_weights()
 
     def _versions(self):
         kinds = EXPERT_TENSORS[self.expert_kind]

@@ -104,12 +104,24 @@ class layer_of final : public any_layer {
   void rebind(const rank_weights& w) override { layer_.set_weights(weights_of(w)); }
   void pack(bool on, const std::string& format) override {
     if (!on) return layer_.unpack_weights();
-    const weights_format as = format == "int8"   ? weights_format::int8_channel
-                              : format == "bf16" ? weights_format::bf16
-                                                 : weights_format::fp32;
-    detail::require(format == "int8" || format == "bf16" || format == "fp32", "pack_weights",
-                    format, "must be fp32, bf16 or int8");
-    layer_.pack_weights(as);
+    layer_.pack_weights(format_named(format));
+  }
+  void pack_given(int tensor, index_t slot, const std::string& format,
+                  matrix_view<const std::int8_t> q, const float* scales,
+                  const float* offsets) override {
+    space::packed_nt& m = layer_.packed_matrix(tensor, slot);
+    const weights_format as = format_named(format);
+    detail::require(m.precision() == as, "format", format,
+                    "must be the format the layer packs (pack_weights)");
+    m.repack_grouped(as, q, scales, offsets);
+  }
+  std::vector<float> packed_values(int tensor, index_t slot, index_t& rows,
+                                   index_t& cols) override {
+    const space::packed_nt& m = layer_.packed_matrix(tensor, slot);
+    rows = m.rows(), cols = m.cols();
+    std::vector<float> out(static_cast<std::size_t>(rows * cols));
+    m.unpack(out.data());
+    return out;
   }
   moe_load global_load() override {
     auto g = layer_.gather_load();

@@ -7,6 +7,7 @@
 // tensors into the views here; the bundle files (bundles_*.cpp) instantiate the layers, each
 // in its own translation unit so that two cores build them side by side.
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -17,7 +18,9 @@
 
 #include "epmoe/comm/any.hpp"
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/error.hpp"
 #include "epmoe/core/losses.hpp"
+#include "epmoe/core/options.hpp"
 #include "epmoe/core/routing.hpp"
 #include "epmoe/core/stats.hpp"
 #include "epmoe/core/view.hpp"
@@ -42,6 +45,33 @@ struct router_args {
   std::vector<std::int32_t> table;  // table routers: [vocab, K] expert ids per token id
   std::int64_t vocab = 0;           // table routers: rows of `table`
 };
+
+/// The weights_format of a pack_weights name: fp32, bf16, int8 (int8_channel), and the
+/// group-wise int4[_asym][_g<group>] and int8_g<group> (int4: group 32). config_error else.
+inline weights_format format_named(const std::string& s) {
+  using k = weights_format::kind;
+  if (s == "fp32" || s == "bf16" || s == "int8")
+    return s == "int8"   ? weights_format::int8_channel
+           : s == "bf16" ? weights_format::bf16
+                         : weights_format::fp32;
+  const auto group = [&](std::size_t at) {  // "" or "_g<digits>" from `at`
+    if (at == s.size()) return 32;
+    const bool digits = s.compare(at, 2, "_g") == 0 && at + 2 < s.size() && at + 6 >= s.size() &&
+                        std::all_of(s.begin() + static_cast<std::ptrdiff_t>(at) + 2, s.end(),
+                                    [](char c) { return c >= '0' && c <= '9'; });
+    return digits ? std::stoi(s.substr(at + 2)) : -1;
+  };
+  weights_format f{k::fp32, -1};
+  if (s.rfind("int4_asym", 0) == 0)
+    f = {k::int4_asym, group(9)};
+  else if (s.rfind("int4", 0) == 0)
+    f = {k::int4, group(4)};
+  else if (s.rfind("int8_g", 0) == 0)
+    f = {k::int8_group, group(4)};
+  detail::require(f.group > 0, "pack_weights", s,
+                  "must be fp32, bf16, int8, int4[_asym][_g<group>] or int8_g<group>");
+  return f;
+}
 
 /// Everything a bundle needs to build its layer on one rank.
 struct layer_args {
@@ -93,9 +123,21 @@ class any_layer {
   virtual void rebind(const rank_weights& w) = 0;
   /// Packs the expert weights into the layer's own copies (again: their values now), or
   /// frees those and reads the tensors (moe_layer::pack_weights / unpack_weights), in
-  /// `format`: "fp32", "bf16" (copies rounded to bf16: half the bytes a pass reads) or "int8"
-  /// (weights_format::int8_channel: a quarter, forward only).
+  /// `format`: "fp32", "bf16" (copies rounded to bf16: half the bytes a pass reads), "int8"
+  /// (weights_format::int8_channel: a quarter, forward only) or a group-wise format
+  /// (format_named: "int4", "int4_asym_g128", "int8_g32", ...; forward only).
   virtual void pack(bool on, const std::string& format) = 0;
+  /// Replaces the packed copy of matrix `slot` of expert tensor `tensor` (rank_tensors'
+  /// experts order, then the shared ones) with weights quantised already in group-wise
+  /// `format`, the one packed (space::packed_nt::repack_grouped: q [N, K], scales and
+  /// offsets [N, G]).
+  virtual void pack_given(int tensor, index_t slot, const std::string& format,
+                          matrix_view<const std::int8_t> q, const float* scales,
+                          const float* offsets) = 0;
+  /// The values that packed copy holds (its format's dequantise), [N, K] row-major, with N
+  /// and K.
+  virtual std::vector<float> packed_values(int tensor, index_t slot, index_t& rows,
+                                           index_t& cols) = 0;
   /// Collective: the last pass's rows per logical expert [E] and rows computed per rank [R],
   /// summed over the ranks (moe_layer::gather_load).
   virtual moe_load global_load() = 0;

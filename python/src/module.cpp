@@ -339,6 +339,52 @@ class layer {
     for (auto& l : layers_) l->pack(on, format);
   }
 
+  /// Local: local rank `rank`'s packed copy of matrix `slot` of expert tensor `tensor` (the
+  /// bundle's expert_tensors order, then the shared ones) replaced by weights quantised
+  /// already (epmoe/quantised.py): q int8 [N, K], scales and offsets (int4_asym; else None)
+  /// float32 [N, G], in `format`, the format packed.
+  void pack_given(int rank, int tensor, index_t slot, const std::string& format,
+                  const at::Tensor& q, const at::Tensor& scales,
+                  const std::optional<at::Tensor>& offsets) {
+    if (rank < 0 || rank >= local_ranks())
+      value_error("pack_given: rank " + std::to_string(rank) + " is not a local rank");
+    const auto dense = [](const at::Tensor& t, at::ScalarType type, const char* name) {
+      if (t.scalar_type() != type || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != 2)
+        type_error(std::string("pack_given: ") + name + " must be a contiguous 2-D CPU " +
+                   c10::toString(type) + " tensor");
+    };
+    dense(q, at::kChar, "q");
+    dense(scales, at::kFloat, "scales");
+    const index_t N = q.size(0), K = q.size(1), G = scales.size(1);
+    if (scales.size(0) != N) value_error("pack_given: scales must have q's rows");
+    if (offsets) {
+      dense(*offsets, at::kFloat, "offsets");
+      if (offsets->size(0) != N || offsets->size(1) != G)
+        value_error("pack_given: offsets must have the shape of scales");
+    }
+    const weights_format f = format_named(format);
+    if (f.grouped() && G != (K + f.group - 1) / f.group)
+      value_error("pack_given: scales have " + std::to_string(G) + " groups: " + format +
+                  " over K = " + std::to_string(K) + " has " +
+                  std::to_string((K + f.group - 1) / f.group));
+    ::py::gil_scoped_release free;
+    layers_[rank]->pack_given(tensor, slot, format, {q.data_ptr<std::int8_t>(), N, K},
+                              scales.data_ptr<float>(),
+                              offsets ? offsets->data_ptr<float>() : nullptr);
+  }
+
+  /// Local rank `rank`'s packed copy of matrix `slot` of expert tensor `tensor` as the values
+  /// it holds, float32 [N, K] (tests: what a loader gave).
+  at::Tensor packed_values(int rank, int tensor, index_t slot) {
+    if (rank < 0 || rank >= local_ranks())
+      value_error("packed_values: rank " + std::to_string(rank) + " is not a local rank");
+    index_t rows = 0, cols = 0;
+    const std::vector<float> v = layers_[rank]->packed_values(tensor, slot, rows, cols);
+    at::Tensor out = at::empty({rows, cols}, at::kFloat);
+    std::copy(v.begin(), v.end(), out.data_ptr<float>());
+    return out;
+  }
+
   /// Each local rank's (rows per logical expert, rows computed per rank) of the last pass,
   /// summed over all ranks (collective; every rank gets the same).
   std::pair<std::vector<index_t>, std::vector<index_t>> global_load() {
@@ -584,6 +630,11 @@ PYBIND11_MODULE(_epmoe, m) {
            ::py::arg("routing_grad") = ::py::none())
       .def("rebind", &ep::layer::rebind)
       .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("format") = "fp32")
+      .def("pack_given", &ep::layer::pack_given, ::py::arg("rank"), ::py::arg("tensor"),
+           ::py::arg("slot"), ::py::arg("format"), ::py::arg("q"), ::py::arg("scales"),
+           ::py::arg("offsets") = ::py::none())
+      .def("packed_values", &ep::layer::packed_values, ::py::arg("rank"), ::py::arg("tensor"),
+           ::py::arg("slot"))
       .def("stats", &ep::layer::stats)
       .def("exchange_copies", &ep::layer::exchange_copies)
       .def("global_load", &ep::layer::global_load)

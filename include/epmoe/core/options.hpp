@@ -17,25 +17,46 @@ namespace epmoe {
 /// - int8_channel: a quarter of the bytes; each output channel (row of an [out, in] weight)
 ///   as int8 in [-127, 127] times one fp32 scale (max |w| / 127), symmetric; forward only
 ///   (inference). Activations quantised per token to int8 on AVX512-VNNI (W8A8), else fp32.
+/// - int4, int4_asym, int8_group: group-wise, `group` inputs (a multiple of 32; the last group
+///   of a row may be partial) per fp32 scale: int4 q in [-8, 7], w = scale q; int4_asym
+///   q in [0, 15] and an fp32 offset per group, w = scale q + offset (GPTQ/AWQ's zero points,
+///   GGUF Q4_K); int8_group q in [-127, 127] (GGUF Q8_0 at group 32); forward only. W4A8 /
+///   W8A8 on AVX512-VNNI, else fp32 (space/host_int4.hpp).
 /// A format is a kind plus its parameters (a group size, zero points: the later int4 kinds),
 /// a plain value: the layer passes it to the store, which the space's kernels read.
 struct weights_format {
-  enum class kind : unsigned char { fp32, bf16, int8_channel };
+  enum class kind : unsigned char { fp32, bf16, int8_channel, int4, int4_asym, int8_group };
   kind id = kind::fp32;
   int group = 0;  // input elements per scale; 0: one scale per output channel (or none)
 
   static const weights_format fp32, bf16, int8_channel;
+  static const weights_format int4_g32, int4_g128, int4_asym_g32, int4_asym_g128, int8_g32;
 
   friend constexpr bool operator==(const weights_format&, const weights_format&) = default;
   /// Whether the packed copies compute the forward only (no backward reads them).
-  constexpr bool inference_only() const { return id == kind::int8_channel; }
+  constexpr bool inference_only() const { return id == kind::int8_channel || grouped(); }
+  /// Whether a scale (and offset) per group of inputs (space/host_int4.hpp's panels).
+  constexpr bool grouped() const {
+    return id == kind::int4 || id == kind::int4_asym || id == kind::int8_group;
+  }
   constexpr const char* name() const {
-    return id == kind::bf16 ? "bf16" : id == kind::int8_channel ? "int8_channel" : "fp32";
+    return id == kind::bf16           ? "bf16"
+           : id == kind::int8_channel ? "int8_channel"
+           : id == kind::int4         ? "int4"
+           : id == kind::int4_asym    ? "int4_asym"
+           : id == kind::int8_group   ? "int8_group"
+                                      : "fp32";
   }
 };
 inline constexpr weights_format weights_format::fp32{weights_format::kind::fp32};
 inline constexpr weights_format weights_format::bf16{weights_format::kind::bf16};
 inline constexpr weights_format weights_format::int8_channel{weights_format::kind::int8_channel};
+inline constexpr weights_format weights_format::int4_g32{weights_format::kind::int4, 32};
+inline constexpr weights_format weights_format::int4_g128{weights_format::kind::int4, 128};
+inline constexpr weights_format weights_format::int4_asym_g32{weights_format::kind::int4_asym, 32};
+inline constexpr weights_format weights_format::int4_asym_g128{weights_format::kind::int4_asym,
+                                                               128};
+inline constexpr weights_format weights_format::int8_g32{weights_format::kind::int8_group, 32};
 
 /// The name of weights_format from before formats beyond floats (fp32, bf16).
 using packed_precision = weights_format;

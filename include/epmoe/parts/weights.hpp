@@ -105,6 +105,16 @@ class weights_store {
     }
   }
   packed_precision precision() const { return pack_as_; }
+  /// The packed copy of matrix j of tensor t (Expert::tensors order, the shared experts'
+  /// after the routed ones), or nullptr when there is none.
+  auto* packed_matrix(std::size_t t, index_t j) requires packs {
+    std::array<stacked_view<const value_type>, 16> all{};
+    std::size_t n = 0;
+    for (auto* v : Expert::tensors(w_.experts)) all.at(n++) = *v;
+    for (auto* v : Expert::tensors(w_.shared)) all.at(n++) = *v;
+    auto* m = t < n && j >= 0 && j < all[t].count ? packed_.find(all[t]) : nullptr;
+    return m ? m + j : nullptr;
+  }
   void unpack() {
     if constexpr (packs) packed_.clear();
   }

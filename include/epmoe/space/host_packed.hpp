@@ -9,7 +9,7 @@
 // decode batch); the streaming kernel (host_gemm.hpp) re-reads a for every 4 columns.
 // The micro-kernels, one per instruction set and chosen at run time from what the CPU has,
 // are in host_packed_kernels.hpp; each weights_format beyond the floats has a header of its
-// own with its panel layout, quantisation and kernels (host_int8.hpp).
+// own with its panel layout, quantisation and kernels (host_int8.hpp, host_int4.hpp).
 
 #include <algorithm>
 #include <cstddef>
@@ -24,6 +24,7 @@
 
 #include "epmoe/core/options.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/space/host_int4.hpp"
 #include "epmoe/space/host_int8.hpp"
 #include "epmoe/space/host_packed_kernels.hpp"
 
@@ -34,7 +35,8 @@ namespace epmoe::space {
 /// to read, values rounded to nearest even): ceil(K / 2) rows of 32 pairs, column j's
 /// elements k and k + 1 side by side (k even; past K zero), the layout of AVX512-BF16's pair
 /// dot products, which the other paths widen with a shift and a mask. int8_channel: int8 quads
-/// and each column's scale and compensation (host_int8.hpp). Built once; repack() refills it
+/// and each column's scale and compensation (host_int8.hpp); int4, int4_asym, int8_group: a
+/// block per group of inputs (host_int4.hpp). Built once; repack() refills it
 /// in place (new values of the same shape and format: a training step) without allocating.
 class packed_nt {
  public:
@@ -50,7 +52,13 @@ class packed_nt {
   /// or Inf, or K past int8_max_cols.
   void repack(matrix_view<const float> b, weights_format as = weights_format::fp32) {
     shape(b.rows, b.cols, as);
-    if (as_ == weights_format::int8_channel)
+    if (as_.grouped())
+      for (index_t p = 0; p < panels(); ++p) {
+        const index_t j0 = p * panel_cols;
+        detail::pack_group_panel(data_.get() + p * panel_bytes(), as_, k_,
+                                 std::min(panel_cols, n_ - j0), j0, b, {}, nullptr, nullptr);
+      }
+    else if (as_ == weights_format::int8_channel)
       for (index_t p = 0; p < panels(); ++p) {
         const index_t j0 = p * panel_cols;
         detail::pack_int8_panel(data_.get() + p * panel_bytes(), k_, std::min(panel_cols, n_ - j0),
@@ -76,6 +84,43 @@ class packed_nt {
     }
   }
 
+  /// Packs weights quantised already in group-wise format `as` (int4, int4_asym, int8_group),
+  /// as a checkpoint stores them (loaders: GPTQ, AWQ, GGUF Q4_K / Q8_0): q [N, K] holding the
+  /// format's integers (int4 [-8, 7], int4_asym [0, 15], int8_group any int8), scales [N, G]
+  /// and, for int4_asym, offsets [N, G] (G = ceil(K / group); row-major; finite); w = scale q
+  /// + offset. config_error naming the field and the rule otherwise.
+  void repack_grouped(weights_format as, matrix_view<const std::int8_t> q, const float* scales,
+                      const float* offsets = nullptr) {
+    const std::string who = std::string("repack_grouped(") + as.name() + ")";
+    epmoe::detail::require(as.grouped(), who.c_str(), as.name(),
+                           "must be a group-wise format (int4, int4_asym, int8_group)");
+    check_group(as);
+    const bool asym = as.id == weights_format::kind::int4_asym;
+    epmoe::detail::require(!asym || offsets, (who + ".offsets").c_str(), "none",
+                           "int4_asym needs an offset per group");
+    const bool four = as.id == weights_format::kind::int4;
+    const int lo = four ? -8 : asym ? 0 : -128, hi = four ? 7 : asym ? 15 : 127;
+    for (index_t n = 0; n < q.rows; ++n)
+      for (index_t k = 0; k < q.cols; ++k)
+        epmoe::detail::require(q(n, k) >= lo && q(n, k) <= hi, (who + ".q").c_str(), int{q(n, k)},
+                               asym ? "must be in [0, 15]" : "must be in [-8, 7]");
+    const index_t values = q.rows * group_count(as, q.cols);
+    for (index_t i = 0; i < values; ++i) {
+      epmoe::detail::require(std::isfinite(scales[i]), (who + ".scales").c_str(), scales[i],
+                             "must be finite");
+      if (asym)
+        epmoe::detail::require(std::isfinite(offsets[i]), (who + ".offsets").c_str(), offsets[i],
+                               "must be finite");
+    }
+    shape(q.rows, q.cols, as);
+    for (index_t p = 0; p < panels(); ++p) {
+      const index_t j0 = p * panel_cols;
+      detail::pack_group_panel(data_.get() + p * panel_bytes(), as_, k_,
+                               std::min(panel_cols, n_ - j0), j0, {}, q, scales,
+                               asym ? offsets : nullptr);
+    }
+  }
+
   index_t rows() const { return n_; }  // N: output columns of c
   index_t cols() const { return k_; }  // K
   weights_format precision() const { return as_; }
@@ -96,7 +141,8 @@ class packed_nt {
       for (index_t k = 0; k < k_; ++k)
         for (index_t j = 0; j < cols; ++j)
           out[(j0 + j) * k_ + k] =
-              as_ == weights_format::int8_channel ? q.scale[j] * q.q[k / 4 * 128 + 4 * j + k % 4]
+              as_.grouped() ? detail::group_weight(panel<std::byte>(p), as_, k, j)
+              : as_ == weights_format::int8_channel ? q.scale[j] * q.q[k / 4 * 128 + 4 * j + k % 4]
               : pairs ? bf16_value(panel<std::uint16_t>(p)[k / 2 * 2 * panel_cols + 2 * j + k % 2])
                       : panel<float>(p)[k * panel_cols + j];
     }
@@ -106,6 +152,7 @@ class packed_nt {
 
  private:
   index_t panel_bytes() const {
+    if (as_.grouped()) return group_panel_bytes(as_, k_);
     return as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
            : as_ == weights_format::bf16       ? (k_ + 1) / 2 * 2 * panel_cols * 2
                                                : k_ * panel_cols * 4;
@@ -114,6 +161,7 @@ class packed_nt {
     epmoe::detail::require(as != weights_format::int8_channel || k <= int8_max_cols,
                            "pack_weights(int8_channel)", k,
                            "K (a weight's inputs) must be at most 66311: vpdpbusd sums in int32");
+    if (as.grouped()) check_group(as);
     if (n != n_ || k != k_ || as != as_ || !data_) {
       n_ = n, k_ = k, as_ = as;
       data_.reset(static_cast<std::byte*>(
@@ -212,6 +260,22 @@ inline void gemm_nt_int8_panels(matrix_view<const float> a, converted_rows a8, c
     }
   }
 }
+
+// The same for group-wise panels (host_int4.hpp: group_panel).
+inline void gemm_nt_group_panels(matrix_view<const float> a, converted_rows a8, const packed_nt& b,
+                                 matrix_view<float> c, index_t p0, index_t p1, int8_kernel kernel) {
+  const index_t K = b.cols(), N = b.rows(), chunk = packed_row_chunk(K);
+  for (index_t i0 = 0; i0 < a.rows; i0 += chunk) {
+    const matrix_view<const float> ai = a.rows_slice(i0, std::min(chunk, a.rows - i0));
+    const converted_rows a8i{a8.data ? a8.data + i0 * a8.stride : nullptr, a8.stride,
+                             a8.scales ? a8.scales + i0 : nullptr};
+    for (index_t p = p0; p < p1; ++p) {
+      const index_t j0 = p * packed_nt::panel_cols;
+      group_panel(kernel, ai, a8i, b.panel<std::byte>(p), b.precision(), K, c.row(i0) + j0,
+                  c.stride, std::min(packed_nt::panel_cols, N - j0));
+    }
+  }
+}
 }  // namespace detail
 
 /// Whether gemm_nt_packed over b on `path` reads a as bf16 pairs (to_bf16_pairs): bf16
@@ -226,6 +290,8 @@ inline index_t packed_input_words(weights_format as, index_t K, cpu_path path) {
   if (as == weights_format::bf16 && path == cpu_path::avx512_bf16) return (K + 1) / 2;
   if (as == weights_format::int8_channel && int8_kernel_for(path) == int8_kernel::avx512_vnni)
     return (K + 3) / 4;
+  if (as.grouped() && int8_kernel_for(path) == int8_kernel::avx512_vnni)
+    return group_input_words(as, K);
   return 0;
 }
 
@@ -233,7 +299,9 @@ inline index_t packed_input_words(weights_format as, index_t K, cpu_path path) {
 /// into out (row stride `stride` words) and, for u8 quads, one scale per row into scales.
 inline void convert_inputs(matrix_view<const float> a, const packed_nt& b, cpu_path path,
                            std::uint32_t* out, index_t stride, float* scales) {
-  if (b.precision() == weights_format::int8_channel)
+  if (b.precision().grouped())
+    quantise_group_rows(a, b.precision(), out, stride, scales, int8_kernel_for(path));
+  else if (b.precision() == weights_format::int8_channel)
     quantise_u8_rows(a, out, stride, scales, int8_kernel_for(path));
   else
     to_bf16_pairs(a, out, stride, path);
@@ -250,7 +318,9 @@ inline void convert_inputs(matrix_view<const float> a, const packed_nt& b, cpu_p
 inline void gemm_nt_packed(matrix_view<const float> a, converted_rows a16, const packed_nt& b,
                            matrix_view<float> c, index_t p0, index_t p1,
                            cpu_path path = best_cpu_path()) {
-  if (b.precision() == weights_format::int8_channel)
+  if (b.precision().grouped())
+    detail::gemm_nt_group_panels(a, a16, b, c, p0, p1, int8_kernel_for(path));
+  else if (b.precision() == weights_format::int8_channel)
     detail::gemm_nt_int8_panels(a, a16, b, c, p0, p1, int8_kernel_for(path));
   else if (b.precision() == weights_format::bf16)
     detail::gemm_nt_panels<std::uint16_t>(a, a16, b, c, p0, p1, path);
@@ -297,6 +367,23 @@ inline void gemm_nt_int8(matrix_view<const float> a, const packed_nt& b, matrix_
   detail::gemm_nt_int8_panels(a, a8, b, c, 0, b.panels(), kernel);
 }
 
+/// Group-wise panels (int4, int4_asym, int8_group) on a given kernel (tests and benchmarks),
+/// converting a where it reads it quantised (VNNI).
+inline void gemm_nt_grouped(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
+                            int8_kernel kernel) {
+  std::vector<std::uint32_t> words;
+  std::vector<float> scales;
+  converted_rows a8;
+  if (kernel == int8_kernel::avx512_vnni) {
+    const index_t w = group_input_words(b.precision(), b.cols());
+    words.resize(static_cast<std::size_t>(a.rows * w));
+    scales.resize(static_cast<std::size_t>(a.rows));
+    quantise_group_rows(a, b.precision(), words.data(), w, scales.data(), kernel);
+    a8 = {words.data(), w, scales.data()};
+  }
+  detail::gemm_nt_group_panels(a, a8, b, c, 0, b.panels(), kernel);
+}
+
 /// Packed copies of stacked weights (an expert tensor [L, N, K]), found again by the tensor
 /// they copy: the storage a layer owns when it packs its experts (moe_layer::pack_weights).
 /// The copies are of the values at pack() time: weights changed in place need pack() again.
@@ -327,6 +414,9 @@ class packed_weights {
       if (j * s.batch_stride == offset && j + w.count <= s.count) return &x.mats[std::size_t(j)];
     }
     return nullptr;
+  }
+  packed_nt* find(stacked_view<const float> w) {
+    return const_cast<packed_nt*>(std::as_const(*this).find(w));
   }
   /// Holds exactly the tensors of `all`, packed: those held already are refilled in place,
   /// the others dropped (a layer that rebound its weights).
