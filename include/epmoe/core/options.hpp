@@ -17,25 +17,38 @@ namespace epmoe {
 /// - int8_channel: a quarter of the bytes; each output channel (row of an [out, in] weight)
 ///   as int8 in [-127, 127] times one fp32 scale (max |w| / 127), symmetric; forward only
 ///   (inference). Activations quantised per token to int8 on AVX512-VNNI (W8A8), else fp32.
+/// - fp8_block: about a quarter; FP8 e4m3fn times one fp32 scale per 128 x 128 block (as
+///   DeepSeek-V3's checkpoints: w = fp8 * scale_inv); forward only; computed as bf16.
+/// - mxfp4: about an eighth; E2M1 in blocks of 32 inputs with one E8M0 scale each (OCP MX,
+///   GPT-OSS's checkpoints); forward only; computed as bf16.
 /// A format is a kind plus its parameters (a group size, zero points: the later int4 kinds),
 /// a plain value: the layer passes it to the store, which the space's kernels read.
 struct weights_format {
-  enum class kind : unsigned char { fp32, bf16, int8_channel };
+  enum class kind : unsigned char { fp32, bf16, int8_channel, fp8_block, mxfp4 };
   kind id = kind::fp32;
   int group = 0;  // input elements per scale; 0: one scale per output channel (or none)
 
   static const weights_format fp32, bf16, int8_channel;
+  static const weights_format fp8_block, mxfp4;  // group: 128, 32
 
   friend constexpr bool operator==(const weights_format&, const weights_format&) = default;
   /// Whether the packed copies compute the forward only (no backward reads them).
-  constexpr bool inference_only() const { return id == kind::int8_channel; }
+  constexpr bool inference_only() const {
+    return id == kind::int8_channel || id == kind::fp8_block || id == kind::mxfp4;
+  }
   constexpr const char* name() const {
-    return id == kind::bf16 ? "bf16" : id == kind::int8_channel ? "int8_channel" : "fp32";
+    return id == kind::bf16           ? "bf16"
+           : id == kind::int8_channel ? "int8_channel"
+           : id == kind::fp8_block    ? "fp8_block"
+           : id == kind::mxfp4        ? "mxfp4"
+                                      : "fp32";
   }
 };
 inline constexpr weights_format weights_format::fp32{weights_format::kind::fp32};
 inline constexpr weights_format weights_format::bf16{weights_format::kind::bf16};
 inline constexpr weights_format weights_format::int8_channel{weights_format::kind::int8_channel};
+inline constexpr weights_format weights_format::fp8_block{weights_format::kind::fp8_block, 128};
+inline constexpr weights_format weights_format::mxfp4{weights_format::kind::mxfp4, 32};
 
 /// The name of weights_format from before formats beyond floats (fp32, bf16).
 using packed_precision = weights_format;
