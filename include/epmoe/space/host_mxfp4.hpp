@@ -282,63 +282,47 @@ __attribute__((target("avx2,fma"))) inline void mxfp4_panel_avx2(matrix_view<con
 // AVX512-BF16: 16 bytes (16 columns' two codes) -> 16 bf16 pairs: each byte widened to a
 // dword b, b * 4097 puts the low nibble in the low word and the high nibble in the high one
 // (vpmaddwd), and vpermw looks both up in the 16 values' bf16 bits (twice over: index bit 4
-// is the high nibble's bit 0).
-__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m512bh e2m1_pairs_bf16(
-    const std::uint8_t* bytes, __m512i table) {
-  const __m512i d = _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-  const __m512i idx = _mm512_madd_epi16(d, _mm512_set1_epi32(4097));
-  return (__m512bh)_mm512_permutexvar_epi16(idx, table);
-}
+// is the high nibble's bit 0). Scales: each column's per block of 16 pairs.
+struct mxfp4_to_bf16 {
+  const std::uint8_t *q, *e;
+  __m512i values, times;
 
-// MR rows (<= 8) of bf16 pairs x 32 columns; per block of 16 pairs the sums times each
-// column's scale, added into c (the first block stores).
-template <int MR>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mxfp4_rows_bf16(
-    const std::uint32_t* a, index_t lda, const std::uint8_t* q, const std::uint8_t* e, index_t K,
-    float* c, index_t ldc, __mmask16 m0, __mmask16 m1) {
-  const __m512i table = _mm512_set4_epi32(0x40c04080, 0x40404000, 0x3fc03f80, 0x3f000000);
-  const __m512i signs = _mm512_set1_epi32(static_cast<int>(0x80008000u));
-  const __m512i values = _mm512_mask_or_epi32(table, 0xF0F0, table, signs);  // words 8..15 negative
-  const index_t pairs = (K + 1) / 2;
-  for (index_t p0 = 0; p0 < pairs; p0 += 16) {
-    __m512 lo[MR], hi[MR];
-    EPMOE_PACKED_UNROLL
-    for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-    const index_t p1 = std::min(pairs, p0 + 16);
-    for (index_t p = p0; p < p1; ++p) {
-      const __m512bh w0 = e2m1_pairs_bf16(q + 32 * p, values);
-      const __m512bh w1 = e2m1_pairs_bf16(q + 32 * p + 16, values);
-      EPMOE_PACKED_UNROLL
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
-        lo[i] = _mm512_dpbf16_ps(lo[i], x, w0);
-        hi[i] = _mm512_dpbf16_ps(hi[i], x, w1);
-      }
-    }
-    const __m512 s0 = e8m0_avx512(e + p0 / 16 * 32), s1 = e8m0_avx512(e + p0 / 16 * 32 + 16);
-    EPMOE_PACKED_UNROLL
-    for (int i = 0; i < MR; ++i) {
-      float* ci = c + i * ldc;
-      if (p0 > 0) {
-        lo[i] = _mm512_fmadd_ps(lo[i], s0, _mm512_maskz_loadu_ps(m0, ci));
-        hi[i] = _mm512_fmadd_ps(hi[i], s1, _mm512_maskz_loadu_ps(m1, ci + 16));
-      } else {
-        lo[i] = _mm512_mul_ps(lo[i], s0), hi[i] = _mm512_mul_ps(hi[i], s1);
-      }
-    }
-    store_rows_avx512<MR>(c, ldc, m0, m1, lo, hi);
+  __attribute__((target("avx512f,avx512bw"))) mxfp4_to_bf16(const std::uint8_t* codes,
+                                                            const std::uint8_t* scales)
+      : q(codes), e(scales) {
+    const __m512i table = _mm512_set4_epi32(0x40c04080, 0x40404000, 0x3fc03f80, 0x3f000000);
+    const __m512i signs = _mm512_set1_epi32(static_cast<int>(0x80008000u));
+    values = _mm512_mask_or_epi32(table, 0xF0F0, table, signs);  // words 8..15: negative
+    times = _mm512_set1_epi32(4097);
   }
-}
+  __attribute__((target("avx512f,avx512bw"), always_inline)) __m512bh pairs(
+      const std::uint8_t* bytes) const {
+    const __m512i d = _mm512_maskz_cvtepu8_epi32(
+        0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+    return (__m512bh)_mm512_permutexvar_epi16(_mm512_madd_epi16(d, times), values);
+  }
+  __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) void operator()(
+      index_t p, __m512bh& w0, __m512bh& w1) const {
+    _mm_prefetch(reinterpret_cast<const char*>(q + 32 * p + minifloat_prefetch), _MM_HINT_T0);
+    w0 = pairs(q + 32 * p);
+    w1 = pairs(q + 32 * p + 16);
+  }
+  __attribute__((target("avx512f"), always_inline)) void scales(index_t block, __m512& s0,
+                                                                __m512& s1) const {
+    s0 = e8m0_avx512(e + block * 32), s1 = e8m0_avx512(e + block * 32 + 16);
+  }
+};
 
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void mxfp4_panel_bf16(
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void mxfp4_panel_bf16(
     converted_rows a, index_t rows, const std::byte* panel, index_t K, float* c, index_t ldc,
     index_t cols) {
   const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
   const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
+  const mxfp4_to_bf16 convert(q, q + mxfp4_scale_offset(K));
   row_blocks<8>(rows, [&](index_t i, index_t n) {
     with_rows<8>(n, [&]<int MR>() {
-      mxfp4_rows_bf16<MR>(a.data + i * a.stride, a.stride, q, q + mxfp4_scale_offset(K), K,
-                          c + i * ldc, ldc, m0, m1);
+      minifloat_rows_bf16<MR, 16>(a.data + i * a.stride, a.stride, convert, K, c + i * ldc, ldc,
+                                  m0, m1);
     });
   });
 }
