@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
-from .torch import _pack_format, _pack_option, _refuse_training, _viewable
+from .torch import INFERENCE_FORMATS, _pack_format, _pack_option, _refuse_training, _viewable
 
 __all__ = ["Experts"]
 
@@ -194,7 +194,8 @@ class Experts(nn.Module):
             st.packed = None
         st.bound = pointers
         _refuse_training(self._pack, self.training)
-        packs = self._pack in (True, "bf16", "int8") or (self._pack == "auto" and not self.training)
+        packs = (self._pack in (True, "bf16") + INFERENCE_FORMATS
+                 or (self._pack == "auto" and not self.training))
         versions = tuple(t._version for t in tensors)
         if not packs and st.packed is not None:
             self._layer.pack(False)

@@ -87,7 +87,8 @@ def _viewable(t: torch.Tensor) -> bool:
 
 
 
-PACK_WEIGHTS = ("auto", True, False, "bf16", "int8")
+PACK_WEIGHTS = ("auto", True, False, "bf16", "int8", "fp8", "mxfp4")
+INFERENCE_FORMATS = ("int8", "fp8", "mxfp4")  # packed copies that compute the forward only
 
 
 def _pack_option(pack_weights):
@@ -95,19 +96,20 @@ def _pack_option(pack_weights):
     if not any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
                for v in PACK_WEIGHTS):
         raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
-                         "False, 'bf16' or 'int8'")
+                         "False, 'bf16', 'int8', 'fp8' or 'mxfp4'")
     return pack_weights
 
 
 def _pack_format(pack_weights) -> str:
     """The layer's packed format for a pack_weights option that packs."""
-    return pack_weights if pack_weights in ("bf16", "int8") else "fp32"
+    return pack_weights if pack_weights in ("bf16",) + INFERENCE_FORMATS else "fp32"
 
 
 def _refuse_training(pack_weights, training: bool):
-    """int8 copies compute the forward only: a pass in training mode is an error."""
-    if pack_weights == "int8" and training:
-        raise RuntimeError("epmoe: pack_weights = 'int8' is for inference (forward only) and "
+    """int8, fp8 and mxfp4 copies compute the forward only: a pass in training mode is an
+    error."""
+    if pack_weights in INFERENCE_FORMATS and training:
+        raise RuntimeError(f"epmoe: pack_weights = {pack_weights!r} is for inference (forward only) and "
                            "the module is in training mode: call .eval(), or pack as True "
                            "or 'bf16' to train")
 
@@ -157,7 +159,10 @@ class MoE(nn.Module):
     the parameters, activations and sums stay fp32), in both modes; "int8": packed as int8
     per output channel with an fp32 scale each (a quarter of the bytes; activations quantised
     per token on AVX512-VNNI; docs/quantisation.md), inference only: a forward in training
-    mode raises (call .eval()); False: never. Packed
+    mode raises (call .eval()); "fp8": FP8 e4m3fn with an fp32 scale per 128 x 128 block, and
+    "mxfp4": E2M1 with an E8M0 scale per 32 inputs (both computed as bf16 on AVX512-BF16),
+    inference only, quantised at pack time, or loaded as a checkpoint stores them
+    (load_quantised); False: never. Packed
     copies are made again before a forward whenever an expert parameter changed in place (an
     optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
     bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
@@ -274,7 +279,8 @@ class MoE(nn.Module):
 
     def _wants_packing(self) -> bool:
         _refuse_training(self._pack, self.training)
-        return self._pack in (True, "bf16", "int8") or (self._pack == "auto" and not self.training)
+        return (self._pack in (True, "bf16") + INFERENCE_FORMATS
+                or (self._pack == "auto" and not self.training))
 
     def pack_weights(self):
         """Packs the expert weights again now (after writing them through `p.data`, which torch's
@@ -342,6 +348,23 @@ class MoE(nn.Module):
             planned.append((p, t[self.expert_ids] if routed else t))
         for p, t in planned:
             p.copy_(t)
+
+    @torch.no_grad()
+    def load_quantised(self, format: str, tensors: dict, *, source: str = "tensors"):
+        """Packs the experts from a checkpoint's quantised tensors as they are (no
+        re-quantisation; docs/quantisation.md) and sets their parameters to the dequantised
+        values; the module then packs as `format` ("fp8" or "mxfp4": inference only).
+        tensors maps w1, w3 [E, F, H] / w2 [E, H, F] (logical order, every expert) and
+        shared_w1 ... [N, ...] to (codes, scales): "fp8": (float8_e4m3fn or uint8 [E, N_out,
+        K], float32 scale_inv [E, ceil(N_out / 128), ceil(K / 128)]), w = fp8 * scale_inv per
+        128 x 128 block; "mxfp4": (uint8 blocks [E, N_out, ceil(K / 32) * 16], two E2M1
+        codes a byte, low nibble first; uint8 E8M0 scales [E, N_out, ceil(K / 32)]), w = e2m1 *
+        2^(scale - 127) per 32 inputs. A wrong shape or dtype raises ValueError; a NaN code or
+        scale, ValueError from the layer (epmoe.config_error). A later change of the
+        parameters packs them again from their values (quantising them)."""
+        from .quantised import load_quantised
+
+        load_quantised(self, format, tensors, source)
 
     def _experts(self, prefix: str, first: int, n: int):
         return [getattr(self, prefix + name)[first:first + n] for name in EXPERT_TENSORS[self.expert_kind]]

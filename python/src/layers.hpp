@@ -67,6 +67,17 @@ struct rank_tensors {
 using rank_weights = rank_tensors<const float>;
 using rank_grads = rank_tensors<float>;
 
+/// A stacked tensor of expert weights quantised already, as a checkpoint stores it
+/// (load_quantised): codes [count, rows, bytes per row] (fp8: one e4m3fn byte a weight;
+/// mxfp4: GPT-OSS's blocks, ceil(cols / 32) * 16 bytes, two E2M1 codes a byte) and scales
+/// [count, ...] (fp8: fp32 [ceil(rows / 128), ceil(cols / 128)]; mxfp4: E8M0 bytes [rows,
+/// ceil(cols / 32)]), both contiguous; cols: the weights' inputs K.
+struct quantised_tensor {
+  const std::uint8_t* codes = nullptr;  // nullptr: packed from the weights' values instead
+  const void* scales = nullptr;
+  index_t count = 0, rows = 0, cols = 0;
+};
+
 /// What gather_load returns, without the layer's type.
 struct moe_load {
   std::vector<index_t> per_expert;  // [E]
@@ -93,9 +104,14 @@ class any_layer {
   virtual void rebind(const rank_weights& w) = 0;
   /// Packs the expert weights into the layer's own copies (again: their values now), or
   /// frees those and reads the tensors (moe_layer::pack_weights / unpack_weights), in
-  /// `format`: "fp32", "bf16" (copies rounded to bf16: half the bytes a pass reads) or "int8"
-  /// (weights_format::int8_channel: a quarter, forward only).
+  /// `format`: "fp32", "bf16" (copies rounded to bf16: half the bytes a pass reads), "int8"
+  /// (weights_format::int8_channel: a quarter, forward only), "fp8" (fp8_block) or "mxfp4".
   virtual void pack(bool on, const std::string& format) = 0;
+  /// Packs the expert weights in `format` ("fp8" or "mxfp4") from a checkpoint's tensors as
+  /// they are (moe_layer::pack_weights with a loader): one per expert tensor, routed then
+  /// shared, in the expert's tensors() order (a missing one packed from the weights).
+  virtual void load_quantised(const std::string& format,
+                              const std::vector<quantised_tensor>& tensors) = 0;
   /// Collective: the last pass's rows per logical expert [E] and rows computed per rank [R],
   /// summed over the ranks (moe_layer::gather_load).
   virtual moe_load global_load() = 0;

@@ -39,5 +39,5 @@ def test_int8_is_refused_in_training_mode_and_for_backward():
     with pytest.raises(Exception, match="int8_channel.*forward only"):
         y.sum().backward()
     with pytest.raises(ValueError, match="pack_weights = 'int4': must be 'auto', True, False, "
-                                         "'bf16' or 'int8'"):
+                                         "'bf16', 'int8'"):
         MoE(16, 8, 4, 2, pack_weights="int4", ranks=1)
