@@ -449,19 +449,86 @@ struct fp8_to_bf16 {
   }
 };
 
+// One block of np pairs already in bf16 (w: pair p's 32 columns at w + 64 p) times MR rows
+// (<= 12) of bf16 pairs: the sums times the block's scales, added to the rows' totals (tot:
+// 32 floats a row, on the stack: plain stores, which the next block's loads take at once).
+template <int MR>
+__attribute__((target("avx512f,avx512bf16"))) inline void minifloat_block_bf16(
+    const std::uint32_t* a, index_t lda, const std::uint16_t* w, index_t np, __m512 s0, __m512 s1,
+    float* tot) {
+  __m512 lo[MR], hi[MR];
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (index_t p = 0; p < np; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_load_si512(w + 64 * p);
+    const __m512bh w1 = (__m512bh)_mm512_load_si512(w + 64 * p + 32);
+    EPMOE_PACKED_UNROLL
+    for (int i = 0; i < MR; ++i) {
+      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
+      lo[i] = _mm512_dpbf16_ps(lo[i], x, w0);
+      hi[i] = _mm512_dpbf16_ps(hi[i], x, w1);
+    }
+  }
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    float* t = tot + 32 * i;
+    _mm512_store_ps(t, _mm512_fmadd_ps(lo[i], s0, _mm512_load_ps(t)));
+    _mm512_store_ps(t + 16, _mm512_fmadd_ps(hi[i], s1, _mm512_load_ps(t + 16)));
+  }
+}
+
+// c rows [0, rows) x columns [0, cols) of a minifloat panel on AVX512-BF16. Up to 8 rows: each
+// pair converted in registers as it is used (minifloat_rows_bf16). More: each block of pairs
+// converted once into bf16 pairs on the stack for every 48 rows, then read by every 12 of them
+// (else the conversion, repeated per 8 rows, costs more than the dot products).
+template <index_t Block, class Convert>
+__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void minifloat_panel_bf16(
+    converted_rows a, index_t rows, const Convert& convert, index_t K, float* c, index_t ldc,
+    index_t cols) {
+  const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
+  if (rows <= 8) {
+    with_rows<8>(rows, [&]<int MR>() {
+      minifloat_rows_bf16<MR, Block>(a.data, a.stride, convert, K, c, ldc, m0, m1);
+    });
+    return;
+  }
+  constexpr index_t max_rows = 48;
+  alignas(64) std::uint16_t w[Block * 64];
+  alignas(64) float tot[max_rows * 32];
+  const index_t pairs = (K + 1) / 2;
+  for (index_t r0 = 0; r0 < rows; r0 += max_rows) {
+    const index_t n = std::min(max_rows, rows - r0);
+    std::fill_n(tot, n * 32, 0.f);
+    for (index_t p0 = 0; p0 < pairs; p0 += Block) {
+      const index_t np = std::min(pairs - p0, Block);
+      for (index_t p = 0; p < np; ++p) {
+        __m512bh w0, w1;
+        convert(p0 + p, w0, w1);
+        _mm512_store_si512(w + 64 * p, (__m512i)w0);
+        _mm512_store_si512(w + 64 * p + 32, (__m512i)w1);
+      }
+      __m512 s0, s1;
+      convert.scales(p0 / Block, s0, s1);
+      row_blocks<12>(n, [&](index_t i, index_t m) {
+        with_rows<12>(m, [&]<int MR>() {
+          minifloat_block_bf16<MR>(a.data + (r0 + i) * a.stride + p0, a.stride, w, np, s0, s1,
+                                   tot + 32 * i);
+        });
+      });
+    }
+    for (index_t i = 0; i < n; ++i) {
+      _mm512_mask_storeu_ps(c + (r0 + i) * ldc, m0, _mm512_load_ps(tot + 32 * i));
+      _mm512_mask_storeu_ps(c + (r0 + i) * ldc + 16, m1, _mm512_load_ps(tot + 32 * i + 16));
+    }
+  }
+}
+
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void fp8_panel_bf16(
     converted_rows a, index_t rows, const std::byte* panel, index_t K, float* c, index_t ldc,
     index_t cols) {
-  const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
   const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
-  const auto* s = reinterpret_cast<const float*>(panel + (K + 1) / 2 * 64);
-  const fp8_to_bf16 convert(q, s);
-  row_blocks<8>(rows, [&](index_t i, index_t n) {
-    with_rows<8>(n, [&]<int MR>() {
-      minifloat_rows_bf16<MR, 64>(a.data + i * a.stride, a.stride, convert, K, c + i * ldc, ldc,
-                                  m0, m1);
-    });
-  });
+  const fp8_to_bf16 convert(q, reinterpret_cast<const float*>(panel + (K + 1) / 2 * 64));
+  minifloat_panel_bf16<64>(a, rows, convert, K, c, ldc, cols);
 }
 #endif
 

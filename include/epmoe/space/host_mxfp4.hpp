@@ -316,15 +316,9 @@ struct mxfp4_to_bf16 {
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void mxfp4_panel_bf16(
     converted_rows a, index_t rows, const std::byte* panel, index_t K, float* c, index_t ldc,
     index_t cols) {
-  const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
   const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
   const mxfp4_to_bf16 convert(q, q + mxfp4_scale_offset(K));
-  row_blocks<8>(rows, [&](index_t i, index_t n) {
-    with_rows<8>(n, [&]<int MR>() {
-      minifloat_rows_bf16<MR, 16>(a.data + i * a.stride, a.stride, convert, K, c + i * ldc, ldc,
-                                  m0, m1);
-    });
-  });
+  minifloat_panel_bf16<16>(a, rows, convert, K, c, ldc, cols);
 }
 #endif
 
