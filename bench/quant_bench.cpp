@@ -114,8 +114,8 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   std::printf("%s: bf16 against fp8_block and mxfp4 (kernel %s)\n", s.note,
               sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())));
   std::printf("%6s %6s %6s | %9s %9s %9s | %8s %8s | %8s %8s %8s | %6s %6s %6s\n", "T", "active",
-              "GB/s", "bf16 ms", "fp8 ms", "mxfp4 ms", "bf16/fp8", "bf16/mx4", "fp8 MB",
-              "roof8 ms", "roof4 ms", "%roof16", "%roof8", "%roof4");
+              "GB/s", "bf16 ms", "fp8 ms", "mxfp4 ms", "bf16/fp8", "bf16/mx4", "fp8 MB", "roof8 ms",
+              "roof4 ms", "%roof16", "%roof8", "%roof4");
   for (index_t T : tokens) {
     const auto rows = route(T, E, s.k, 11 + T);
     std::vector<index_t> offsets(std::size_t(E + 1), 0);
@@ -125,7 +125,7 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
       active += rows[std::size_t(e)] > 0;
     }
     const index_t n = offsets.back();
-    const epmoe::grouped_rows<float> g{x.data(), H, H, static_cast<int>(E), offsets.data(),
+    const epmoe::grouped_rows<float> g{x.data(),      H, H, static_cast<int>(E), offsets.data(),
                                        offsets.data()};
     std::vector<double> t[n_formats];
     for (int r = 0; r < reps + 1; ++r)
@@ -157,10 +157,9 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
     std::printf(
         "%6lld %6lld %6.1f | %9.3f %9.3f %9.3f | %7.2fx %7.2fx | %8.1f %8.3f %8.3f | %5.0f%% "
         "%5.0f%% %5.0f%%\n",
-        static_cast<long long>(T), static_cast<long long>(active), gbs, 1e3 * sec[0],
-        1e3 * sec[1], 1e3 * sec[2], sec[0] / sec[1], sec[0] / sec[2], bytes[1] / 1e6,
-        1e3 * roof(1), 1e3 * roof(2), 100 * roof(0) / sec[0], 100 * roof(1) / sec[1],
-        100 * roof(2) / sec[2]);
+        static_cast<long long>(T), static_cast<long long>(active), gbs, 1e3 * sec[0], 1e3 * sec[1],
+        1e3 * sec[2], sec[0] / sec[1], sec[0] / sec[2], bytes[1] / 1e6, 1e3 * roof(1),
+        1e3 * roof(2), 100 * roof(0) / sec[0], 100 * roof(1) / sec[1], 100 * roof(2) / sec[2]);
   }
   std::printf("\n");
 }

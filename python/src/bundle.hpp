@@ -109,35 +109,32 @@ class layer_of final : public any_layer {
                               : format == "fp8"   ? weights_format::fp8_block
                               : format == "mxfp4" ? weights_format::mxfp4
                                                   : weights_format::fp32;
-    detail::require(format == "int8" || format == "bf16" || format == "fp32" ||
-                        format == "fp8" || format == "mxfp4",
+    detail::require(format == "int8" || format == "bf16" || format == "fp32" || format == "fp8" ||
+                        format == "mxfp4",
                     "pack_weights", format, "must be fp32, bf16, int8, fp8 or mxfp4");
     layer_.pack_weights(as);
   }
-  void load_quantised(const std::string& format,
-                      const std::vector<quantised_tensor>& q) override {
+  void load_quantised(const std::string& format, const std::vector<quantised_tensor>& q) override {
     detail::require(format == "fp8" || format == "mxfp4", "load_quantised", format,
                     "must be fp8 or mxfp4");
     const bool fp8 = format == "fp8";
-    layer_.pack_weights(
-        fp8 ? weights_format::fp8_block : weights_format::mxfp4,
-        [&](std::size_t t, index_t j, space::packed_nt& m) {
-          if (t >= q.size() || !q[t].codes) return false;
-          const quantised_tensor& s = q[t];
-          detail::require(j < s.count, "load_quantised.count", s.count,
-                          "must hold every slot of the tensor");
-          const index_t R = s.rows, K = s.cols;
-          if (fp8) {
-            const index_t blocks = (R + 127) / 128 * ((K + 127) / 128);
-            m.repack_fp8({s.codes + j * R * K, R, K},
-                         static_cast<const float*>(s.scales) + j * blocks);
-          } else {
-            const index_t nb = (K + 31) / 32;
-            m.repack_mxfp4(K, {s.codes + j * R * nb * 16, R, nb * 16},
-                           {static_cast<const std::uint8_t*>(s.scales) + j * R * nb, R, nb});
-          }
-          return true;
-        });
+    const auto load = [&](std::size_t t, index_t j, space::packed_nt& m) {
+      if (t >= q.size() || !q[t].codes) return false;
+      const quantised_tensor& s = q[t];
+      detail::require(j < s.count, "load_quantised.count", s.count,
+                      "must hold every slot of the tensor");
+      const index_t R = s.rows, K = s.cols;
+      if (fp8) {
+        const index_t blocks = (R + 127) / 128 * ((K + 127) / 128);
+        m.repack_fp8({s.codes + j * R * K, R, K}, static_cast<const float*>(s.scales) + j * blocks);
+      } else {
+        const index_t nb = (K + 31) / 32;
+        m.repack_mxfp4(K, {s.codes + j * R * nb * 16, R, nb * 16},
+                       {static_cast<const std::uint8_t*>(s.scales) + j * R * nb, R, nb});
+      }
+      return true;
+    };
+    layer_.pack_weights(fp8 ? weights_format::fp8_block : weights_format::mxfp4, load);
   }
   moe_load global_load() override {
     auto g = layer_.gather_load();

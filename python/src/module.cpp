@@ -101,8 +101,8 @@ quantised_tensor quantised_of(const ::py::handle& h, const std::string& format,
   const auto bad = [&](const std::string& what, const at::Tensor& t, at::ScalarType type) {
     if (t.scalar_type() != type || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != 3)
       type_error(name + "." + what + " is " + c10::toString(t.scalar_type()) + " " +
-                 std::to_string(t.dim()) + "-d: must be a contiguous CPU " +
-                 c10::toString(type) + " tensor [count, ...]");
+                 std::to_string(t.dim()) + "-d: must be a contiguous CPU " + c10::toString(type) +
+                 " tensor [count, ...]");
   };
   bad("codes", codes, at::kByte);
   const bool fp8 = format == "fp8";
@@ -114,11 +114,11 @@ quantised_tensor quantised_of(const ::py::handle& h, const std::string& format,
           : std::vector<index_t>{n, rows, (cols + 31) / 32};
   if (codes.size(2) != want_codes || scales.sizes().vec() != want_scales)
     value_error(name + ": codes " + c10::str(codes.sizes()) + " and scales " +
-                c10::str(scales.sizes()) + " do not fit " + std::to_string(cols) +
-                " inputs: " + (fp8 ? "fp8 wants codes [n, rows, K] and scales [n, ceil(rows / "
-                                     "128), ceil(K / 128)]"
-                                   : "mxfp4 wants codes [n, rows, ceil(K / 32) * 16] and scales "
-                                     "[n, rows, ceil(K / 32)]"));
+                c10::str(scales.sizes()) + " do not fit " + std::to_string(cols) + " inputs: " +
+                (fp8 ? "fp8 wants codes [n, rows, K] and scales [n, ceil(rows / "
+                       "128), ceil(K / 128)]"
+                     : "mxfp4 wants codes [n, rows, ceil(K / 32) * 16] and scales "
+                       "[n, rows, ceil(K / 32)]"));
   return {codes.data_ptr<std::uint8_t>(), scales.data_ptr(), n, rows, cols};
 }
 
@@ -374,8 +374,8 @@ class layer {
     for (std::size_t r = 0; r < q.size(); ++r) {
       int i = 0;
       for (const ::py::handle h : per_rank[r].cast<::py::list>())
-        q[r].push_back(quantised_of(h, format,
-                                    "tensors[" + std::to_string(r) + "][" + std::to_string(i++) + "]"));
+        q[r].push_back(quantised_of(
+            h, format, "tensors[" + std::to_string(r) + "][" + std::to_string(i++) + "]"));
     }
     ::py::gil_scoped_release free;
     for (std::size_t r = 0; r < q.size(); ++r) layers_[r]->load_quantised(format, q[r]);
@@ -605,7 +605,7 @@ PYBIND11_MODULE(_epmoe, m) {
   m.def(
       "packed_values",
       [](const std::string& format, const at::Tensor& w) {
-        const auto as = format == "fp8" ? epmoe::weights_format::fp8_block
+        const auto as = format == "fp8"     ? epmoe::weights_format::fp8_block
                         : format == "mxfp4" ? epmoe::weights_format::mxfp4
                         : format == "int8"  ? epmoe::weights_format::int8_channel
                                             : epmoe::weights_format::bf16;
@@ -618,7 +618,8 @@ PYBIND11_MODULE(_epmoe, m) {
         return out;
       },
       "w [N, K] float32 packed in format (fp8, mxfp4, int8, bf16), unpacked: its quantised "
-      "values", ::py::arg("format"), ::py::arg("w"));
+      "values",
+      ::py::arg("format"), ::py::arg("w"));
   m.def(
       "dequantised",
       [](const std::string& format, const at::Tensor& codes, const at::Tensor& scales,

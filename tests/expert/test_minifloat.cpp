@@ -67,8 +67,8 @@ index_t check(minifloat_kernel kernel, const std::vector<float>& a, const std::v
   const matrix_view<const float> av(a.data(), M, K), bv(b.data(), N, K);
   const epmoe::space::packed_nt packed(bv, F::format);
   std::vector<double> mag;
-  const auto want = ref::gemm_dequantised(av, F::quantise(bv),
-                                          kernel == minifloat_kernel::avx512_bf16, &mag);
+  const auto want =
+      ref::gemm_dequantised(av, F::quantise(bv), kernel == minifloat_kernel::avx512_bf16, &mag);
   std::vector<float> c(static_cast<std::size_t>(M * ldc), nan_f);
   epmoe::space::gemm_nt_minifloat(av, packed, matrix_view<float>(c.data(), M, N, ldc), kernel);
   const double u = std::ldexp(1.0, -24);
@@ -199,13 +199,13 @@ TEMPLATE_TEST_CASE("minifloat gemm: every kernel this CPU runs equals the defini
         for (index_t K : {1, 3, 31, 33, 64, 129, 257}) {
           auto b = test::uniform(std::size_t(N * K), 5 + N + K);
           for (std::size_t i = 0; i < b.size(); i += 5) b[i] *= 1e-3f;  // subnormal codes
-          cells += check<TestType>(kernel, test::uniform(std::size_t(M * K), 3 + M + K), b, M, N,
-                                   K);
+          cells +=
+              check<TestType>(kernel, test::uniform(std::size_t(M * K), 3 + M + K), b, M, N, K);
         }
   CHECK(cells > 0);
-  INFO("minifloat kernels here: "
-       << kernels.size() << ", best "
-       << name_of(epmoe::space::minifloat_kernel_for(epmoe::space::best_cpu_path())));
+  INFO("minifloat kernels here: " << kernels.size() << ", best "
+                                  << name_of(epmoe::space::minifloat_kernel_for(
+                                         epmoe::space::best_cpu_path())));
   CHECK(epmoe::space::cpu_runs(epmoe::space::minifloat_kernel_for(epmoe::space::best_cpu_path())));
 }
 
@@ -246,8 +246,8 @@ TEMPLATE_TEST_CASE("minifloat gemm: zero, ±max and tiny blocks, zero rows, long
 TEST_CASE("minifloat: NaN and Inf (weights refused at pack time, activations spread per row)") {
   const index_t N = 20, K = 9;
   auto b = test::uniform(std::size_t(N * K), 31);
-  for (float bad : {nan_f, std::numeric_limits<float>::infinity(),
-                    -std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {nan_f, std::numeric_limits<float>::infinity(), -std::numeric_limits<float>::infinity()}) {
     auto w = b;
     w[std::size_t(7 * K + 4)] = bad;
     epmoe::space::packed_nt p;
@@ -280,8 +280,8 @@ TEST_CASE("minifloat: NaN and Inf (weights refused at pack time, activations spr
     auto s = f4.scale;
     s[5] = e;
     CHECK_THROWS_WITH(p.repack_mxfp4(K, {blocks.data(), N, 16}, {s.data(), N, 1}),
-                      Catch::Contains("pack_weights(mxfp4).scales") &&
-                          Catch::Contains("[5, 0]") && Catch::Contains("at most 252"));
+                      Catch::Contains("pack_weights(mxfp4).scales") && Catch::Contains("[5, 0]") &&
+                          Catch::Contains("at most 252"));
   }
   CHECK_THROWS_WITH(p.repack_mxfp4(K + 32, {blocks.data(), N, 16}, {f4.scale.data(), N, 1}),
                     Catch::Contains("ceil(K / 32) * 16"));
@@ -300,7 +300,8 @@ TEST_CASE("minifloat: NaN and Inf (weights refused at pack time, activations spr
         epmoe::space::gemm_nt_minifloat({a.data(), 3, K}, packed, {clean.data(), 3, N}, kernel);
         for (index_t j = 0; j < N; ++j) {
           CHECK_FALSE(std::isfinite(c[std::size_t(N + j)]));
-          for (index_t i : {0, 2}) CHECK(c[std::size_t(i * N + j)] == clean[std::size_t(i * N + j)]);
+          for (index_t i : {0, 2})
+            CHECK(c[std::size_t(i * N + j)] == clean[std::size_t(i * N + j)]);
         }
       }
   }

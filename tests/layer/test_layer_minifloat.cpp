@@ -171,8 +171,8 @@ TEST_CASE("mxfp4 layer: within the format's error bound of the fp32 reference, e
 
 TEST_CASE("minifloat layer: a checkpoint's tensors loaded as they are, forward only") {
   // Hand-made checkpoint tensors (random codes below 128, so that a block's max is not 448:
-  // re-quantising their values would move them), the views holding them dequantised: the loaded layer
-  // differs from the same layer reading the views by the tokens' rounding alone.
+  // re-quantising their values would move them), the views holding them dequantised: the loaded
+  // layer differs from the same layer reading the views by the tokens' rounding alone.
   layer_config cfg{.hidden = 160, .ffn = 70, .experts = 4, .top_k = 2, .max_tokens = 9};
   const index_t H = cfg.hidden, F = cfg.ffn, E = cfg.experts, T = 9;
   std::mt19937 rng(7);
@@ -230,8 +230,8 @@ TEST_CASE("minifloat layer: a checkpoint's tensors loaded as they are, forward o
     });
     CHECK(loads == 3 * E);
     const std::vector<float> loaded = run();
-    const bool bf16 = space::minifloat_kernel_for(space::best_cpu_path()) ==
-                      space::minifloat_kernel::avx512_bf16;
+    const bool bf16 =
+        space::minifloat_kernel_for(space::best_cpu_path()) == space::minifloat_kernel::avx512_bf16;
     const double tokens = 3 * std::sqrt(6.0) * std::max(token_rounding(bf16), 1e-6);
     const double err = rms_error(loaded, want);
     INFO("loaded error " << err << ", the tokens' bound " << tokens);
@@ -248,14 +248,14 @@ TEST_CASE("minifloat layer: a checkpoint's tensors loaded as they are, forward o
   // A loader that hands back a matrix of another shape or format is refused, by name.
   auto mine = reference::slice(w, placement::block(cfg), 0);
   moe_layer<default_policies> layer(cfg, comm::local{}, {w.gate_view(), mine.experts()});
-  CHECK_THROWS_WITH(layer.pack_weights(weights_format::mxfp4,
-                                       [&](std::size_t t, index_t j, space::packed_nt& m) {
-                                         const tensor& s = ts.at(t);
-                                         m.repack_fp8({s.fp8[j].q.data(), s.rows, s.cols},
-                                                      s.fp8[j].scale.data());
-                                         return true;
-                                       }),
-                    Catch::Contains("pack_weights(loaded)") && Catch::Contains("fp8_block"));
+  CHECK_THROWS_WITH(
+      layer.pack_weights(weights_format::mxfp4,
+                         [&](std::size_t t, index_t j, space::packed_nt& m) {
+                           const tensor& s = ts.at(t);
+                           m.repack_fp8({s.fp8[j].q.data(), s.rows, s.cols}, s.fp8[j].scale.data());
+                           return true;
+                         }),
+      Catch::Contains("pack_weights(loaded)") && Catch::Contains("fp8_block"));
 }
 
 TEST_CASE("minifloat layer: forward only, a backward over fp8 or mxfp4 copies is refused") {
@@ -277,9 +277,8 @@ TEST_CASE("minifloat layer: forward only, a backward over fp8 or mxfp4 copies is
     moe_layer<default_policies>::gradients grads;
     grads.gate = {g0.data(), E, H};
     grads.experts = {{g1.data(), E, F, H}, {g3.data(), E, F, H}, {g2.data(), E, H, F}};
-    CHECK_THROWS_WITH(
-        layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads),
-        Catch::Contains(std::string("pack_weights = ") + f->name()) &&
-            Catch::Contains("forward only"));
+    CHECK_THROWS_WITH(layer.backward({dy.data(), T, H}, {dx.data(), T, H}, grads),
+                      Catch::Contains(std::string("pack_weights = ") + f->name()) &&
+                          Catch::Contains("forward only"));
   }
 }

@@ -99,7 +99,9 @@ inline std::vector<double> gemm_int8(matrix_view<const float> a, const int8_chan
 /// (1 + m/8) 2^(e-7), or m 2^-9 for e = 0 (subnormal); 0x7f and 0xff are NaN; no infinity.
 inline double e4m3_value(std::uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
-  const double v = (b & 0x7f) == 0x7f ? NAN : e == 0 ? std::ldexp(m, -9) : std::ldexp(8 + m, e - 10);
+  const double v = (b & 0x7f) == 0x7f ? NAN
+                   : e == 0           ? std::ldexp(m, -9)
+                                      : std::ldexp(8 + m, e - 10);
   return b & 0x80 ? -v : v;
 }
 /// E2M1 (FP4) code -> value: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7), bit 3 the sign.
@@ -182,8 +184,8 @@ struct mxfp4 {
         out.scale[std::size_t(n * out.blocks() + b)] = static_cast<std::uint8_t>(x + 127);
         for (index_t k = 32 * b; k < std::min(w.cols, 32 * b + 32); ++k) {
           const double v = std::ldexp(double{w(n, k)}, -x);
-          out.code[std::size_t(n * w.cols + k)] =
-              static_cast<std::uint8_t>((std::signbit(v) ? 8 : 0) | nearest_code(std::abs(v), mag, 8));
+          out.code[std::size_t(n * w.cols + k)] = static_cast<std::uint8_t>(
+              (std::signbit(v) ? 8 : 0) | nearest_code(std::abs(v), mag, 8));
         }
       }
     return out;

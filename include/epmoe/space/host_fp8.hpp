@@ -78,7 +78,7 @@ constexpr float e4m3_float(std::uint8_t b) {
   const int e = (b >> 3) & 15, m = b & 7;
   const float v = (b & 0x7f) == 0x7f ? std::bit_cast<float>(0x7fc00000u)
                   : e == 0           ? static_cast<float>(m) * 0x1p-9f
-                                     : std::bit_cast<float>(std::uint32_t((e + 120) << 23 | m << 20));
+                           : std::bit_cast<float>(std::uint32_t((e + 120) << 23 | m << 20));
   return b & 0x80 ? -v : v;
 }
 
@@ -88,9 +88,9 @@ inline std::uint8_t e4m3_bits(float v) {
   const auto s = static_cast<std::uint8_t>(std::signbit(v) ? 0x80 : 0);
   const float a = std::abs(v);
   if (a >= 464.f) return s | 0x7e;  // past the midpoint of 448 and (NaN's) 480
-  if (a < 0x1p-6f)  // subnormal: m * 2^-9 (m = 8 is the smallest normal, code 8)
+  if (a < 0x1p-6f)                  // subnormal: m * 2^-9 (m = 8 is the smallest normal, code 8)
     return s | static_cast<std::uint8_t>(std::nearbyint(a * 0x1p9f));
-  const int e = std::ilogb(a);                                      // -6 .. 8
+  const int e = std::ilogb(a);                                            // -6 .. 8
   const auto m = static_cast<int>(std::nearbyint(std::ldexp(a, 3 - e)));  // 8 .. 16
   return s | static_cast<std::uint8_t>(std::min(((e + 7) << 3) + m - 8, 0x7e));
 }
@@ -136,10 +136,10 @@ inline void fp8_check(matrix_view<const std::uint8_t> q, const float* scale_inv)
                            "is an e4m3fn NaN (0x7f or 0xff): the format refuses NaN weights");
   const index_t blocks = (q.rows + 127) / 128 * ((q.cols + 127) / 128);
   for (index_t i = 0; i < blocks; ++i)
-    epmoe::detail::require(std::isfinite(scale_inv[i]) && scale_inv[i] >= 0 &&
-                        scale_inv[i] <= 3.4028234e38f / 448,
-                    "pack_weights(fp8_block).scale_inv", scale_inv[i],
-                    "a block's scale must be finite, >= 0 and at most FLT_MAX / 448");
+    epmoe::detail::require(
+        std::isfinite(scale_inv[i]) && scale_inv[i] >= 0 && scale_inv[i] <= 3.4028234e38f / 448,
+        "pack_weights(fp8_block).scale_inv", scale_inv[i],
+        "a block's scale must be finite, >= 0 and at most FLT_MAX / 448");
 }
 
 namespace detail {
@@ -186,8 +186,7 @@ inline void fp8_panel_portable(matrix_view<const float> a, const std::byte* pane
     for (index_t k = 0; k < K; ++k) {
       const std::uint8_t* pair = q + k / 2 * 64;
       const float v = x[k], scale = s[k / 128];
-      for (index_t j = 0; j < W; ++j)
-        acc[j] += v * (e4m3_values[pair[fp8_lane(j, k % 2)]] * scale);
+      for (index_t j = 0; j < W; ++j) acc[j] += v * (e4m3_values[pair[fp8_lane(j, k % 2)]] * scale);
     }
     for (index_t j = 0; j < cols; ++j) c[i * ldc + j] = acc[j];
   }
@@ -249,9 +248,11 @@ __attribute__((target("avx512f,avx512bw"))) inline void fp8_rows_avx512(
   store_rows_avx512<MR>(c, ldc, m0, m1, lo, hi);
 }
 
-__attribute__((target("avx512f,avx512bw"))) inline void fp8_panel_avx512(
-    matrix_view<const float> a, const std::byte* panel, index_t K, float* c, index_t ldc,
-    index_t cols) {
+__attribute__((target("avx512f,avx512bw"))) inline void fp8_panel_avx512(matrix_view<const float> a,
+                                                                         const std::byte* panel,
+                                                                         index_t K, float* c,
+                                                                         index_t ldc,
+                                                                         index_t cols) {
   const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
   const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
   const auto* s = reinterpret_cast<const float*>(panel + (K + 1) / 2 * 64);
@@ -425,8 +426,8 @@ struct fp8_to_bf16 {
   const float* block_scales;
   __m512i hi0, hi1, lo0, lo1, sign;
 
-  __attribute__((target("avx512f,avx512bw,avx512vbmi"))) fp8_to_bf16(const std::uint8_t* codes,
-                                                                     const float* scales)
+  __attribute__((target("avx512f,avx512bw,avx512vbmi")))
+  fp8_to_bf16(const std::uint8_t* codes, const float* scales)
       : q(codes), block_scales(scales) {
     const std::uint8_t* t = fp8_bf16_bytes.data();
     hi0 = _mm512_loadu_si512(t), hi1 = _mm512_loadu_si512(t + 64);

@@ -53,8 +53,8 @@ inline std::uint8_t e2m1_code(float w, std::uint8_t e) {
   const double a = std::ldexp(std::abs(double{w}), 127 - e);  // exact
   const std::uint8_t s = std::signbit(w) ? 8 : 0;
   if (a < 1) return s | static_cast<std::uint8_t>(std::nearbyint(2 * a));  // 0, 0.5, 1
-  const int x = std::ilogb(a);                                                  // 0 ..
-  const auto m = static_cast<int>(std::nearbyint(std::ldexp(a, 1 - x)));        // 2 .. 4
+  const int x = std::ilogb(a);                                             // 0 ..
+  const auto m = static_cast<int>(std::nearbyint(std::ldexp(a, 1 - x)));   // 2 .. 4
   return s | static_cast<std::uint8_t>(std::min(((x + 1) << 1) + m - 2, 7));
 }
 
@@ -121,8 +121,9 @@ inline void unpack_mxfp4_panel(const std::byte* panel, index_t K, index_t cols, 
   const std::uint8_t* e = q + mxfp4_scale_offset(K);
   for (index_t j = 0; j < cols; ++j)
     for (index_t k = 0; k < K; ++k)
-      out[j * ldo + k] = e2m1_float(static_cast<std::uint8_t>(q[k / 2 * 32 + j] >> (4 * (k % 2)) & 15)) *
-                         e8m0_float(e[k / 32 * 32 + j]);
+      out[j * ldo + k] =
+          e2m1_float(static_cast<std::uint8_t>(q[k / 2 * 32 + j] >> (4 * (k % 2)) & 15)) *
+          e8m0_float(e[k / 32 * 32 + j]);
 }
 
 // Portable: per input, the weight (value * scale, exact) times x, summed in fp32.
@@ -148,10 +149,11 @@ inline void mxfp4_panel_portable(matrix_view<const float> a, const std::byte* pa
 #if defined(EPMOE_HOST_PACKED_X86)
 // 16 E8M0 bytes -> 2^(e - 127) as fp32 (e = 0: 2^-127, a subnormal).
 __attribute__((target("avx512f"), always_inline)) inline __m512 e8m0_avx512(const std::uint8_t* e) {
-  const __m512i v = _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
+  const __m512i v =
+      _mm512_maskz_cvtepu8_epi32(0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
   const __m512i bits = _mm512_maskz_slli_epi32(0xFFFF, v, 23);
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(
-      bits, _mm512_testn_epi32_mask(v, v), _mm512_set1_epi32(0x00400000)));
+  return _mm512_castsi512_ps(
+      _mm512_mask_mov_epi32(bits, _mm512_testn_epi32_mask(v, v), _mm512_set1_epi32(0x00400000)));
 }
 
 // AVX-512: MR rows (<= 12) x 32 columns; per pair 16 bytes -> 16 columns' two inputs by
@@ -183,10 +185,10 @@ __attribute__((target("avx512f"))) inline void mxfp4_rows_avx512(const float* a,
       hi[i] = _mm512_fmadd_ps(x, e1, hi[i]);
     }
     if (2 * p + 1 == K) break;
-    const __m512 o0 =
-        _mm512_mul_ps(_mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, d0, 4), table), s0);
-    const __m512 o1 =
-        _mm512_mul_ps(_mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, d1, 4), table), s1);
+    const __m512 o0 = _mm512_mul_ps(
+        _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, d0, 4), table), s0);
+    const __m512 o1 = _mm512_mul_ps(
+        _mm512_maskz_permutexvar_ps(0xFFFF, _mm512_maskz_srli_epi32(0xFFFF, d1, 4), table), s1);
     EPMOE_PACKED_UNROLL
     for (int i = 0; i < MR; ++i) {
       const __m512 x = _mm512_set1_ps(a[i * lda + 2 * p + 1]);
@@ -198,9 +200,9 @@ __attribute__((target("avx512f"))) inline void mxfp4_rows_avx512(const float* a,
 }
 
 __attribute__((target("avx512f"))) inline void mxfp4_panel_avx512(matrix_view<const float> a,
-                                                                  const std::byte* panel,
-                                                                  index_t K, float* c,
-                                                                  index_t ldc, index_t cols) {
+                                                                  const std::byte* panel, index_t K,
+                                                                  float* c, index_t ldc,
+                                                                  index_t cols) {
   const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
   const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
   row_blocks<12>(a.rows, [&](index_t i, index_t n) {
@@ -221,8 +223,8 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 e2m1_avx2(__m25
 __attribute__((target("avx2,fma"), always_inline)) inline __m256 e8m0_avx2(const std::uint8_t* e) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e)));
   const __m256i zero = _mm256_cmpeq_epi32(v, _mm256_setzero_si256());
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_slli_epi32(v, 23),
-                                                _mm256_set1_epi32(0x00400000), zero));
+  return _mm256_castsi256_ps(
+      _mm256_blendv_epi8(_mm256_slli_epi32(v, 23), _mm256_set1_epi32(0x00400000), zero));
 }
 
 // MR rows (<= 4) x one half (16 columns: bytes [16 h, 16 h + 16) of a pair).
@@ -241,8 +243,8 @@ __attribute__((target("avx2,fma"))) inline void mxfp4_rows_avx2(const float* a, 
     if (p % 16 == 0) s0 = e8m0_avx2(e + p / 16 * 32), s1 = e8m0_avx2(e + p / 16 * 32 + 8);
     const auto* pair = reinterpret_cast<const __m128i*>(q + 32 * p);
     const __m256i d0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(pair));
-    const __m256i d1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(
-        q + 32 * p + 8)));
+    const __m256i d1 =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 32 * p + 8)));
     const __m256 e0 = _mm256_mul_ps(e2m1_avx2(d0), s0), e1 = _mm256_mul_ps(e2m1_avx2(d1), s1);
     EPMOE_PACKED_UNROLL
     for (int i = 0; i < MR; ++i) {
@@ -287,8 +289,8 @@ struct mxfp4_to_bf16 {
   const std::uint8_t *q, *e;
   __m512i values, times;
 
-  __attribute__((target("avx512f,avx512bw"))) mxfp4_to_bf16(const std::uint8_t* codes,
-                                                            const std::uint8_t* scales)
+  __attribute__((target("avx512f,avx512bw")))
+  mxfp4_to_bf16(const std::uint8_t* codes, const std::uint8_t* scales)
       : q(codes), e(scales) {
     const __m512i table = _mm512_set4_epi32(0x40c04080, 0x40404000, 0x3fc03f80, 0x3f000000);
     const __m512i signs = _mm512_set1_epi32(static_cast<int>(0x80008000u));

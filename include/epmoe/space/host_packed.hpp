@@ -139,9 +139,8 @@ class packed_nt {
     if (as_ == weights_format::fp8_block || as_ == weights_format::mxfp4) {
       for (index_t p = 0; p < panels(); ++p) {
         const index_t j0 = p * panel_cols, cols = std::min(panel_cols, n_ - j0);
-        (as_ == weights_format::fp8_block ? detail::unpack_fp8_panel
-                                          : detail::unpack_mxfp4_panel)(panel<std::byte>(p), k_,
-                                                                        cols, out + j0 * k_, k_);
+        (as_ == weights_format::fp8_block ? detail::unpack_fp8_panel : detail::unpack_mxfp4_panel)(
+            panel<std::byte>(p), k_, cols, out + j0 * k_, k_);
       }
       return;
     }
@@ -162,11 +161,11 @@ class packed_nt {
 
  private:
   index_t panel_bytes() const {
-    return as_ == weights_format::fp8_block    ? fp8_panel_bytes(k_)
-           : as_ == weights_format::mxfp4      ? mxfp4_panel_bytes(k_)
+    return as_ == weights_format::fp8_block      ? fp8_panel_bytes(k_)
+           : as_ == weights_format::mxfp4        ? mxfp4_panel_bytes(k_)
            : as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
-           : as_ == weights_format::bf16       ? (k_ + 1) / 2 * 2 * panel_cols * 2
-                                               : k_ * panel_cols * 4;
+           : as_ == weights_format::bf16         ? (k_ + 1) / 2 * 2 * panel_cols * 2
+                                                 : k_ * panel_cols * 4;
   }
   void shape(index_t n, index_t k, weights_format as) {
     epmoe::detail::require(as != weights_format::int8_channel || k <= int8_max_cols,
@@ -390,8 +389,8 @@ inline void gemm_nt_int8(matrix_view<const float> a, const packed_nt& b, matrix_
 
 /// fp8_block or mxfp4 panels on a given kernel (tests and benchmarks), converting a to bf16
 /// pairs for avx512_bf16.
-inline void gemm_nt_minifloat(matrix_view<const float> a, const packed_nt& b,
-                              matrix_view<float> c, minifloat_kernel kernel) {
+inline void gemm_nt_minifloat(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
+                              minifloat_kernel kernel) {
   std::vector<std::uint32_t> words;
   const index_t w = (b.cols() + 1) / 2;
   if (kernel == minifloat_kernel::avx512_bf16) {
