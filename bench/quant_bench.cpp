@@ -11,10 +11,11 @@
 // (a 64 MB read evicts the caches).
 //
 // Then the group-wise formats (int4, int4_asym groups 32 and 128, int8_g32) against bf16 in a
-// table of their own (group_table; --group: that table only).
+// table of their own (group_table; --group: that table only), and bf16 against fp8_block and
+// mxfp4 copies the same way (minifloat_table; --minifloat: that table only).
 //
 //   epmoe_bench_quant [--shapes mixtral,deepseek] [--tokens 1,16,128,1024] [--reps N]
-//                     [--read-gbs X] [--group] [--smoke]
+//                     [--read-gbs X] [--group] [--minifloat] [--smoke]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -176,13 +177,96 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   return true;
 }
 
+// bf16 against fp8_block and mxfp4 copies of the experts w (shape s), back to back in every
+// rep, caches evicted before each pass; the bytes roofline as main's (read: the bandwidth
+// at the start, or beside each point when it is faster, measured the same way).
+void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
+                     const std::vector<index_t>& tokens, int reps, double start_gbs,
+                     double given_gbs, int streams, bool prefetch) {
+  const index_t H = s.H, F = s.F, E = s.E;
+  constexpr int n_formats = 3;
+  const weights_format formats[n_formats] = {weights_format::bf16, weights_format::fp8_block,
+                                             weights_format::mxfp4};
+  const sp::host space0{};
+  const int cpus = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  index_t max_rows = 0;
+  for (index_t T : tokens) max_rows = std::max(max_rows, T * s.k);
+  sp::packed_weights packed[n_formats];
+  sp::host spaces[n_formats] = {space0, space0, space0};
+  double per_expert[n_formats];
+  for (int f = 0; f < n_formats; ++f) {
+    for (auto v : {w.w1, w.w3, w.w2}) packed[f].pack(v, formats[f]);
+    packed[f].reserve_inputs(max_rows, space0.kernel_path());
+    spaces[f].use_packed(&packed[f]);
+    per_expert[f] = double(packed[f].bytes()) / double(E);
+  }
+  std::vector<float> x0(std::size_t(max_rows * H)), x(x0.size()),
+      scratch(std::size_t(max_rows * epmoe::expert::swiglu::scratch_per_row(F)));
+  std::mt19937_64 rng(9);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  for (float& v : x0) v = u(rng);
+  std::vector<float> flush_buffer(std::size_t{16} << 20, 1.f);  // 64 MB
+  volatile float sink = 0;
+  std::printf("%s: bf16 against fp8_block and mxfp4 (kernel %s)\n", s.note,
+              sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())));
+  std::printf("%6s %6s %6s | %9s %9s %9s | %8s %8s | %8s %8s %8s | %6s %6s %6s\n", "T", "active",
+              "GB/s", "bf16 ms", "fp8 ms", "mxfp4 ms", "bf16/fp8", "bf16/mx4", "fp8 MB", "roof8 ms",
+              "roof4 ms", "%roof16", "%roof8", "%roof4");
+  for (index_t T : tokens) {
+    const auto rows = route(T, E, s.k, 11 + T);
+    std::vector<index_t> offsets(std::size_t(E + 1), 0);
+    index_t active = 0;
+    for (index_t e = 0; e < E; ++e) {
+      offsets[std::size_t(e + 1)] = offsets[std::size_t(e)] + rows[std::size_t(e)];
+      active += rows[std::size_t(e)] > 0;
+    }
+    const index_t n = offsets.back();
+    const epmoe::grouped_rows<float> g{x.data(),      H, H, static_cast<int>(E), offsets.data(),
+                                       offsets.data()};
+    std::vector<double> t[n_formats];
+    for (int r = 0; r < reps + 1; ++r)
+      for (int f = 0; f < n_formats; ++f) {
+        std::memcpy(x.data(), x0.data(), std::size_t(n * H) * sizeof(float));
+        float sum = 0;
+        for (std::size_t i = 0; i < flush_buffer.size(); i += 16) sum += flush_buffer[i];
+        sink = sink + sum;
+        const auto start = bench::clock::now();
+        epmoe::expert::swiglu::forward(spaces[f], w, g, scratch.data());
+        if (r > 0) t[f].push_back(bench::seconds_since(start));
+        for (index_t i = 0; i < n * H; ++i)
+          if (!std::isfinite(x[std::size_t(i)])) {
+            std::fprintf(stderr, "%s %s T=%lld: a non-finite output\n", s.name, formats[f].name(),
+                         static_cast<long long>(T));
+            std::exit(1);
+          }
+      }
+    double sec[n_formats], bytes[n_formats];
+    for (int f = 0; f < n_formats; ++f) {
+      std::sort(t[f].begin(), t[f].end());
+      sec[f] = t[f][t[f].size() / 2];
+      bytes[f] = per_expert[f] * double(active);
+    }
+    const double gbs = given_gbs > 0 ? given_gbs
+                                     : bench::read_bandwidth(std::size_t(std::max(bytes[0], 64e6)),
+                                                             cpus, streams, prefetch);
+    const auto roof = [&](int f) { return bytes[f] / (std::max(gbs, start_gbs) * 1e9); };
+    std::printf(
+        "%6lld %6lld %6.1f | %9.3f %9.3f %9.3f | %7.2fx %7.2fx | %8.1f %8.3f %8.3f | %5.0f%% "
+        "%5.0f%% %5.0f%%\n",
+        static_cast<long long>(T), static_cast<long long>(active), gbs, 1e3 * sec[0], 1e3 * sec[1],
+        1e3 * sec[2], sec[0] / sec[1], sec[0] / sec[2], bytes[1] / 1e6, 1e3 * roof(1),
+        1e3 * roof(2), 100 * roof(0) / sec[0], 100 * roof(1) / sec[1], 100 * roof(2) / sec[2]);
+  }
+  std::printf("\n");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string shape_list = "mixtral,deepseek", token_list = "1,16,128,1024";
   int reps = 5;
   double given_gbs = 0;
-  bool smoke = false, group_only = false;
+  bool smoke = false, group_only = false, minifloat_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const auto next = [&]() -> std::string {
@@ -204,10 +288,12 @@ int main(int argc, char** argv) {
       smoke = true;
     else if (a == "--group")
       group_only = true;
+    else if (a == "--minifloat")
+      minifloat_only = true;
     else {
       std::fprintf(stderr,
                    "usage: epmoe_bench_quant [--shapes mixtral,deepseek,tiny] [--tokens 1,16,...] "
-                   "[--reps N] [--read-gbs X] [--group] [--smoke]\n");
+                   "[--reps N] [--read-gbs X] [--group] [--minifloat] [--smoke]\n");
       return a == "--help" ? 0 : 2;
     }
   }
@@ -279,10 +365,12 @@ int main(int argc, char** argv) {
     }
     const epmoe::expert::swiglu::weights w{
         {w13.data(), E, F, H}, {w13.data() + E * F * H, E, F, H}, {w2.data(), E, H, F}};
-    if (group_only) {
-      if (!group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams, probe.prefetch,
-                       given_gbs, cpus))
+    if (group_only || minifloat_only) {
+      if (group_only && !group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams,
+                                     probe.prefetch, given_gbs, cpus))
         return 1;
+      if (minifloat_only)
+        minifloat_table(*s, w, tokens, reps, probe.gbs, given_gbs, probe.streams, probe.prefetch);
       continue;
     }
     std::vector<point> pts;
@@ -373,6 +461,7 @@ int main(int argc, char** argv) {
     if (!group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams, probe.prefetch,
                      given_gbs, cpus))
       return 1;
+    minifloat_table(*s, w, tokens, reps, probe.gbs, given_gbs, probe.streams, probe.prefetch);
   }
   return 0;
 }

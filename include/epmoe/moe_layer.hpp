@@ -261,6 +261,18 @@ class moe_layer {
                   "layer_options::pack_weights or pack_weights()");
     store_.pack(space_, as, input_rows(), cfg_.shared_experts > 0);
   }
+  /// The same, loading weights quantised already (a checkpoint's FP8 and block scales, MXFP4
+  /// blocks and scales): load(t, j, m) refills packed matrix m, slot j of expert tensor t
+  /// (the expert's tensors() order; the shared experts' follow the routed ones), e.g. by
+  /// m.repack_fp8(q, scale_inv), and returns true, or returns false to pack it from the views.
+  /// The views should hold the loaded values dequantised (what an unpacked pass reads); a
+  /// later repack (pack_weights(), set_weights, a live re-placement) quantises the views.
+  template <class Load>
+  void pack_weights(packed_precision as, Load&& load) {
+    static_assert(decltype(store_)::packs,
+                  "epmoe: this space has no packed weight layout (space::host has one)");
+    store_.pack(space_, as, input_rows(), cfg_.shared_experts > 0, load);
+  }
   /// The packed copy of matrix `slot` of expert tensor `tensor` (Expert::tensors order, the
   /// shared experts' after the routed ones), to refill with weights quantised already (a
   /// checkpoint's: space::packed_nt::repack_grouped, repack_int8) in the format packed.

@@ -23,6 +23,7 @@ from typing import Mapping, Optional
 import torch
 
 from . import hf_fused, hf_mechanisms
+from .quantised import Quantised, checkpoint_tensors
 
 __all__ = ["FAMILIES", "family_of", "options", "logical_tensors", "hf_state_dict",
            "module_tensors", "from_hf", "from_hf_state_dict",
@@ -543,7 +544,9 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     """An epmoe.torch.MoE for the `family` block whose weights are state_dict's keys under
     `prefix` (e.g. "model.layers.3.block_sparse_moe."), hf_config the model's config. kw as
     from_hf. Every tensor is checked (KeyError / ValueError naming the key) before the
-    module is built."""
+    module is built. Quantised experts (GPT-OSS's experts.*_blocks / *_scales; FP8 experts
+    with *_scale_inv, DeepSeek-V3's) are packed as they are, pack_weights "mxfp4" / "fp8"
+    unless kw gives another (which then packs their dequantised values)."""
     from .torch import MoE
 
     _check_family(family)
@@ -551,13 +554,24 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     if family == "deepseek_v4" and prefix + "gate.tid2eid" in state_dict and "router" not in kw:
         kw = dict(kw, router="sqrtsoftplus_table")  # a hash_moe layer (mlp_layer_types)
     o = options(family, hf_config, **_nllb_ffn(family, kw, state_dict, prefix))
+    # A quantised checkpoint (GPT-OSS's MXFP4 blocks, FP8 with block scales): the parameters
+    # take the values, the packed copies the codes as they are (MoE.load_quantised).
+    quantised = checkpoint_tensors(family, state_dict, prefix, o)
+    if quantised is not None:
+        state_dict = quantised[1]
+        o.setdefault("pack_weights", quantised[0])
     tensors = logical_tensors(family, state_dict, hf_config, prefix, opts=o)
     if "router_bias" in tensors and "router_bias" not in kw:  # DeepSeek-V3's selection bias
         o["router_bias"] = tensors["router_bias"].tolist()
     if "router_table" in tensors and "router_table" not in kw:  # DeepSeek-V4's tid2eid
         o["router_table"] = tensors["router_table"]
     moe = MoE(**o)
-    moe.load_logical(tensors, source=f"{family} state_dict" + (f" {prefix!r}" if prefix else ""))
+    source = f"{family} state_dict" + (f" {prefix!r}" if prefix else "")
+    moe.load_logical(tensors, source=source)
+    if quantised is not None and o["pack_weights"] == quantised[0]:
+        fmt = quantised[0]
+        moe.load_quantised({n: Quantised(fmt, c, s) for n, (c, s) in quantised[2].items()},
+                           source=source)
     return moe
 
 

@@ -1,25 +1,42 @@
 # SPDX-FileCopyrightText: 2026 The epmoe authors
 # SPDX-License-Identifier: Apache-2.0
-"""Expert weights quantised already, as checkpoints store them, in epmoe's group-wise formats
-(docs/quantisation.md, "Group-wise formats"): GPTQ and AWQ int4 (-> int4_asym), GGUF Q4_K
-(-> int4_asym, group 32) and Q8_0 (-> int8_g32). Give them to a layer with
-MoE.load_quantised; each conversion keeps the checkpoint's values exactly (its
-dequantised weights equal the format's definition: tests/test_quantised.py).
+"""Expert weights quantised already, as checkpoints store them (docs/quantisation.md,
+"Loaders"), given to a layer with MoE.load_quantised({key: Quantised}) as they are (no
+re-quantisation; the parameters take the dequantised values):
+- epmoe's group-wise formats: GPTQ and AWQ int4 (-> int4_asym), GGUF Q4_K (-> int4_asym,
+  group 32) and Q8_0 (-> int8_g32); each conversion keeps the checkpoint's values exactly (its
+  dequantised weights equal the format's definition: tests/test_int4.py);
+- fp8 (fp8_block): FP8 e4m3fn weights with 128 x 128 block scales (DeepSeek-V3's
+  `weight_scale_inv`, transformers' FP8Experts `gate_up_proj` + `gate_up_proj_scale_inv`);
+- mxfp4: MXFP4 blocks with E8M0 scales (GPT-OSS's `*_blocks`, `*_scales`); epmoe.hf's
+  from_hf_state_dict finds fp8 and mxfp4 tensors in a state dict (checkpoint_tensors).
 
-A `Quantised` matrix [N, K] (N outputs, K inputs, as an nn.Linear weight) holds q int8
-[N, K], scales float32 [N, G] and, for int4_asym, offsets float32 [N, G], G = ceil(K / group);
-input k of row n is scales[n, k // group] * q[n, k] + offsets[n, k // group]."""
+A `Quantised` matrix [N, K] (N outputs, K inputs, as an nn.Linear weight; or a stack of them
+[E, N, K], one per expert) holds, by format:
+- group-wise: q int8 [N, K], scales float32 [N, G] and, for int4_asym, offsets float32 [N, G],
+  G = ceil(K / group); input k of row n is scales[n, k // group] * q[n, k] + offsets[n, k //
+  group];
+- "fp8": q float8_e4m3fn (or uint8) [N, K], scales float32 scale_inv [ceil(N / 128), ceil(K /
+  128)]; w = fp8 * scale_inv of its 128 x 128 block;
+- "mxfp4": q uint8 blocks [N, ceil(K / 32) * 16] (two E2M1 codes a byte, low nibble first),
+  scales uint8 E8M0 [N, ceil(K / 32)]; w = e2m1 * 2^(scale - 127) per 32 inputs."""
+from __future__ import annotations
+
 import re
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from . import _epmoe, hf_fused
 from ._ranks import EXPERT_TENSORS
 
-__all__ = ["Quantised", "from_gptq", "from_awq", "from_gguf", "gguf_experts", "format_group"]
+__all__ = ["Quantised", "from_gptq", "from_awq", "from_gguf", "gguf_experts", "format_group",
+           "dequantise", "packed_values", "FORMATS"]
 
 _FORMAT = re.compile(r"^(int4|int4_asym|int8)(?:_g(\d+))?$")
+FORMATS = ("fp8", "mxfp4")  # the minifloat formats (the others: format_group)
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 def format_group(fmt: str):
@@ -32,7 +49,8 @@ def format_group(fmt: str):
 
 
 class Quantised(NamedTuple):
-    """One expert matrix [N, K] in a group-wise format (module docstring)."""
+    """One expert matrix [N, K] (or a stack [E, N, K]) in a quantised format (module
+    docstring): a group-wise one, "fp8" or "mxfp4"."""
     format: str
     q: torch.Tensor
     scales: torch.Tensor
@@ -40,16 +58,23 @@ class Quantised(NamedTuple):
 
     @property
     def group(self) -> int:
+        if self.format in FORMATS:
+            return 128 if self.format == "fp8" else 32
         return format_group(self.format)[1]
 
-    def dequantise(self) -> torch.Tensor:
-        """The weights [N, K] in float32: scales q + offsets rounded once (the values the
-        packed copy holds)."""
+    def dequantise(self, cols: Optional[int] = None) -> torch.Tensor:
+        """The weights [..., N, K] in float32 (the values the packed copy holds): group-wise,
+        scales q + offsets rounded once; fp8 and mxfp4: dequantise() (cols: K, which mxfp4's
+        blocks round up to 32; by default all of them)."""
+        if self.format in FORMATS:
+            K = cols if cols is not None else (self.q.shape[-1] if self.format == "fp8"
+                                               else self.q.shape[-1] * 2)
+            return dequantise(self.format, self.q, self.scales, K)
         g = self.group
-        s = self.scales.double().repeat_interleave(g, dim=1)[:, :self.q.shape[1]]
+        s = self.scales.double().repeat_interleave(g, dim=-1)[..., :self.q.shape[-1]]
         w = s * self.q.double()
         if self.offsets is not None:
-            w = w + self.offsets.double().repeat_interleave(g, dim=1)[:, :self.q.shape[1]]
+            w = w + self.offsets.double().repeat_interleave(g, dim=-1)[..., :self.q.shape[-1]]
         return w.float()
 
 
@@ -163,7 +188,193 @@ def gguf_experts(tensor) -> list:
     return [from_gguf(data[e], tensor.tensor_type, (N, K)) for e in range(E)]
 
 
+def codes_of(t: torch.Tensor) -> torch.Tensor:
+    """An fp8 or mxfp4 code tensor as uint8 (float8_e4m3fn, int8 and uint8 reinterpreted)."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.int8) else t
+
+
+def dequantise(fmt: str, codes: torch.Tensor, scales: torch.Tensor, cols: int) -> torch.Tensor:
+    """The values [..., rows, cols] float32 of fp8 codes [..., rows, cols] with scale_inv
+    [..., ceil(rows / 128), ceil(cols / 128)] (value * scale, one fp32 rounding), or of mxfp4
+    blocks [..., rows, ceil(cols / 32) * 16] with E8M0 scales [..., rows, ceil(cols / 32)]
+    (value * 2^(e - 127), exact): what the packed copies compute with."""
+    codes = codes_of(codes)
+    if fmt == "fp8":
+        v = codes.view(torch.float8_e4m3fn).float()
+        rows = v.shape[-2]
+        s = scales.float().repeat_interleave(128, -2)[..., :rows, :]
+        return v * s.repeat_interleave(128, -1)[..., :cols]
+    lut = torch.tensor(E2M1)
+    *lead, rows, width = codes.shape
+    v = torch.stack([lut[(codes & 15).long()], lut[(codes >> 4).long()]], -1)
+    v = v.reshape(*lead, rows, -1, 32)
+    e = scales.to(torch.int32) - 127
+    return torch.ldexp(v, e[..., None].float()).reshape(*lead, rows, -1)[..., :cols].contiguous()
+
+
+def _check(fmt: str, name: str, codes: torch.Tensor, scales: torch.Tensor, lead: int,
+           rows: int, cols: int, source: str):
+    want_c = (lead, rows, cols if fmt == "fp8" else (cols + 31) // 32 * 16)
+    want_s = ((lead, (rows + 127) // 128, (cols + 127) // 128) if fmt == "fp8"
+              else (lead, rows, (cols + 31) // 32))
+    kinds = (torch.float8_e4m3fn, torch.uint8) if fmt == "fp8" else (torch.uint8, torch.int8)
+    if codes.dtype not in kinds or tuple(codes.shape) != want_c:
+        raise ValueError(f"epmoe: {source}[{name!r}] codes are {codes.dtype} "
+                         f"{tuple(codes.shape)}: {fmt} wants {kinds[0]} {want_c}")
+    s_kind = torch.float32 if fmt == "fp8" else torch.uint8
+    if scales.dtype != s_kind or tuple(scales.shape) != want_s:
+        raise ValueError(f"epmoe: {source}[{name!r}] scales are {scales.dtype} "
+                         f"{tuple(scales.shape)}: {fmt} wants {s_kind} {want_s}")
+
+
+@torch.no_grad()
+def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "tensors"):
+    """load_quantised in fp8 or mxfp4: tensors maps w1, w3, w2 (logical order, every expert:
+    [E, rows, ...]) and shared_w1 ... ([N, ...]) to (codes, scales); the others keep their
+    values."""
+    if fmt not in FORMATS:
+        raise ValueError(f"epmoe: load_quantised format = {fmt!r}: must be one of {FORMATS}")
+    kinds = EXPERT_TENSORS[moe.expert_kind]
+    names = [n for n in kinds] + ["shared_" + n for n in kinds if moe.shared_experts]
+    unknown = sorted(set(tensors) - set(names))
+    if unknown:
+        raise KeyError(f"epmoe: {source}: no quantised parameter {unknown[0]!r} (this MoE's "
+                       f"expert tensors: {', '.join(names)})")
+    plan = {}
+    for name, (codes, scales) in tensors.items():
+        p = getattr(moe, name)
+        routed = not name.startswith("shared_")
+        lead = moe.experts if routed else moe.shared_experts
+        _check(fmt, name, codes, scales, lead, p.shape[1], p.shape[2], source)
+        codes = codes_of(codes)
+        if routed:  # this module's slots, in slot order
+            codes, scales = codes[moe.expert_ids], scales[moe.expert_ids]
+        plan[name] = (codes.contiguous(), scales.contiguous(), p.shape[2])
+    L = moe.experts // moe.ranks
+    per_rank = []
+    for r in range(moe._layer_ranks()):
+        row = []
+        for name in names:
+            if name not in plan:
+                row.append(None)
+                continue
+            c, s, k = plan[name]
+            if not name.startswith("shared_"):
+                c, s = c[r * L:(r + 1) * L].contiguous(), s[r * L:(r + 1) * L].contiguous()
+            row.append((c, s, int(k)))
+        per_rank.append(row)
+    moe._layer.load_quantised(fmt, per_rank)  # checks every code and scale first
+    for name, (c, s, k) in plan.items():
+        getattr(moe, name).copy_(dequantise(fmt, c, s, k))
+    moe._pack = fmt
+    moe._packed_versions = moe._versions()
+    moe._given = None  # (group-wise matrices given before: replaced)
+
+
+def packed_values(fmt: str, w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] float32 as the layer's fp8 / mxfp4 / int8 copies quantise it (pack_weights),
+    dequantised (float32 [N, K])."""
+    return _epmoe.packed_values(fmt, w.detach().float().contiguous())
+
+
+def _fp8_halves(scale: torch.Tensor, F: int, key: str):
+    """transformers' fused gate_up_proj_scale_inv [E, S, ...] split into the gate's and the
+    up's: S = 2 ceil(F / 128) (each projection's own blocks, as checkpoints store them)."""
+    s = scale.shape[1]
+    if s != 2 * ((F + 127) // 128):
+        raise ValueError(f"epmoe: {key} has {s} row blocks: the gate's and up's halves need "
+                         f"2 * ceil({F} / 128) = {2 * ((F + 127) // 128)}")
+    return scale[:, :s // 2], scale[:, s // 2:]
+
+
+def checkpoint_tensors(family: str, state_dict: Mapping[str, torch.Tensor], prefix: str,
+                       opts: dict) -> Optional[tuple]:
+    """A block's quantised expert tensors in a state dict, or None: (format, the state dict
+    with them dequantised under transformers' unquantised names, {name: (codes, scales)}:
+    load_quantised's tensors as Quantised(format, codes, scales)).
+    GPT-OSS: experts.gate_up_proj_blocks [E, 2F, H / 32, 16] and _scales [E, 2F, H / 32]
+    (gate and up rows interleaved), down_proj_blocks / _scales; FP8Experts (DeepSeek-V3 and
+    its clones): experts.gate_up_proj [E, 2F, H] float8_e4m3fn and gate_up_proj_scale_inv,
+    down_proj and down_proj_scale_inv, and the shared MLP's FP8 Linear weights."""
+    H, F, E = opts["hidden"], opts["ffn"], opts["experts"]
+    sd = dict(state_dict)
+    key = prefix + "experts.gate_up_proj"
+    if family == "gpt_oss" and key + "_blocks" in sd:
+        gb, gs = codes_of(sd[key + "_blocks"]), sd[key + "_scales"]
+        db, ds = (codes_of(sd[prefix + "experts.down_proj_blocks"]),
+                  sd[prefix + "experts.down_proj_scales"])
+        q = {"w1": (gb[:, 0::2].reshape(E, F, -1), gs[:, 0::2]),
+             "w3": (gb[:, 1::2].reshape(E, F, -1), gs[:, 1::2]),
+             "w2": (db.reshape(E, H, -1), ds)}
+        sd[key] = dequantise("mxfp4", gb.reshape(E, 2 * F, -1), gs, H).transpose(1, 2)
+        sd[prefix + "experts.down_proj"] = dequantise("mxfp4", db.reshape(E, H, -1), ds,
+                                                      F).transpose(1, 2)
+        return "mxfp4", sd, q
+    if key + "_scale_inv" in sd:
+        gu, gsi = codes_of(sd[key]), sd[key + "_scale_inv"]
+        s1, s3 = _fp8_halves(gsi, F, key + "_scale_inv")
+        down, dsi = codes_of(sd[prefix + "experts.down_proj"]), sd[prefix + "experts.down_proj_scale_inv"]
+        q = {"w1": (gu[:, :F], s1), "w3": (gu[:, F:], s3), "w2": (down, dsi)}
+        sd[key] = torch.cat([dequantise("fp8", gu[:, :F], s1, H),
+                             dequantise("fp8", gu[:, F:], s3, H)], 1)
+        sd[prefix + "experts.down_proj"] = dequantise("fp8", down, dsi, F)
+        spec = hf_fused.SPECS.get(family)
+        if (spec is None or spec.shared in (None, "sibling")
+                or hf_fused._shared_scale(family, opts) != 1.0):
+            return "fp8", sd, q  # (a shared expert stored otherwise: packed from its values)
+        keys = hf_fused._shared_keys(spec, prefix)[:3]
+        for name, k in zip(("shared_w1", "shared_w3", "shared_w2"), keys):
+            if k + "_scale_inv" in sd:
+                c, s = codes_of(sd[k]), sd[k + "_scale_inv"]
+                q[name] = (c[None], s[None])
+                sd[k] = dequantise("fp8", c, s, c.shape[1])
+        return "fp8", sd, q
+    return None
+
+
 # --- MoE.load_quantised's parts (epmoe/torch.py) ----------------------------------------------
+
+@torch.no_grad()
+def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
+    """MoE.load_quantised: tensors maps (name, expert) to one Quantised matrix, or name to a
+    stack of them [E, ...] (every expert, logical order; shared_...: [S, ...]), all in one
+    format. Group-wise stacks are split into the experts held here; fp8 and mxfp4 take stacks
+    only (the layer packs every matrix of a tensor from them at once)."""
+    if not tensors:
+        return
+    for key, t in tensors.items():
+        if not isinstance(t, Quantised):
+            raise TypeError(f"epmoe: {source}[{key!r}] is {type(t).__name__}: must be an "
+                            "epmoe.quantised.Quantised (format, q, scales[, offsets])")
+    formats = sorted({t.format for t in tensors.values()})
+    if len(formats) != 1:
+        raise ValueError(f"epmoe: {source} mixes formats {formats}: one format per call")
+    fmt = formats[0]
+    if fmt in FORMATS:
+        pairs = [k for k in tensors if not isinstance(k, str)]
+        if pairs:
+            raise ValueError(f"epmoe: {source}[{pairs[0]!r}]: {fmt} tensors are given whole, "
+                             "every expert stacked, under the parameter's name ('w1', ...)")
+        return _load_minifloat(moe, fmt, {n: (t.q, t.scales) for n, t in tensors.items()},
+                               source)
+    if format_group(fmt) is None:
+        raise ValueError(f"epmoe: {source}: format {fmt!r}: must be fp8, mxfp4 or a group-wise "
+                         "format (int4[_asym][_g<group>], int8_g<group>)")
+    given = {}
+    for key, t in tensors.items():
+        if not isinstance(key, str):
+            given[key] = t
+            continue
+        shared = key.startswith("shared_")
+        count = moe.shared_experts if shared else moe.experts
+        if t.q.dim() != 3 or t.q.shape[0] != count:
+            raise ValueError(f"epmoe: {source}[{key!r}] has shape {tuple(t.q.shape)}: a stack "
+                             f"of {count} matrices [{count}, N, K]")
+        for e in range(count) if shared else moe.expert_ids.tolist():
+            given[(key, e)] = Quantised(fmt, t.q[e], t.scales[e],
+                                        None if t.offsets is None else t.offsets[e])
+    moe._load_grouped(given)
+
 
 def plan_given(moe, tensors: dict) -> list:
     """[(parameter name, slot, Quantised)] for load_quantised's {(name, expert): Quantised},

@@ -88,8 +88,11 @@ def _viewable(t: torch.Tensor) -> bool:
 
 
 
-PACK_WEIGHTS = ("auto", True, False, "bf16", "int8")  # and the group-wise formats:
-# "int4" (group 32), "int4_g128", "int4_asym", "int4_asym_g128", "int8_g32" (epmoe.quantised)
+# And the group-wise formats: "int4" (group 32), "int4_g128", "int4_asym", "int4_asym_g128",
+# "int8_g32" (epmoe.quantised.format_group).
+PACK_WEIGHTS = ("auto", True, False, "bf16", "int8", "fp8", "mxfp4")
+# Packed copies that compute the forward only (and the group-wise formats).
+INFERENCE_FORMATS = ("int8", "fp8", "mxfp4")
 
 
 def _pack_option(pack_weights):
@@ -97,8 +100,8 @@ def _pack_option(pack_weights):
     if not (any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
                 for v in PACK_WEIGHTS) or format_group(pack_weights)):
         raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
-                         "False, 'bf16', 'int8' or a group-wise format ('int4', 'int4_g128', "
-                         "'int4_asym', 'int4_asym_g128', 'int8_g32')")
+                         "False, 'bf16', 'int8', 'fp8', 'mxfp4' or a group-wise format ('int4', "
+                         "'int4_g128', 'int4_asym', 'int4_asym_g128', 'int8_g32')")
     return pack_weights
 
 
@@ -117,8 +120,9 @@ DISPATCH_ROWS = ("activations", "int8")
 
 
 def _refuse_training(pack_weights, training: bool):
-    """int8 and group-wise copies compute the forward only: training mode is an error."""
-    if (pack_weights == "int8" or format_group(pack_weights)) and training:
+    """int8, group-wise, fp8 and mxfp4 copies compute the forward only: a pass in training mode
+    is an error."""
+    if (pack_weights in INFERENCE_FORMATS or format_group(pack_weights)) and training:
         raise RuntimeError(f"epmoe: pack_weights = {pack_weights!r} is for inference (forward "
                            "only) and the module is in training mode: call .eval(), or pack as "
                            "True or 'bf16' to train")
@@ -171,7 +175,10 @@ class MoE(nn.Module):
     per token on AVX512-VNNI; docs/quantisation.md), inference only: a forward in training
     mode raises (call .eval()); group-wise, inference only too: "int4", "int4_g128" (a scale
     per 32 / 128 inputs), "int4_asym", "int4_asym_g128" (and an offset: GPTQ, AWQ, Q4_K),
-    "int8_g32" (Q8_0), "..._g<group>" (load_quantised takes checkpoints); False: never. Packed
+    "int8_g32" (Q8_0), "..._g<group>"; "fp8": FP8 e4m3fn with an fp32 scale per 128 x 128
+    block, and "mxfp4": E2M1 with an E8M0 scale per 32 inputs (both computed as bf16 on
+    AVX512-BF16), inference only; all quantised at pack time, or loaded as a checkpoint stores
+    them (load_quantised); False: never. Packed
     copies are made again before a forward whenever an expert parameter changed in place (an
     optimizer step, load_state_dict: torch's version counter) or was replaced; a change that
     bypasses the version counter (writing through `p.data`) needs `pack_weights()`.
@@ -313,12 +320,26 @@ class MoE(nn.Module):
             else:
                 self._given = None  # the parameters changed since: their values now
 
+    def load_quantised(self, tensors: dict, *, source: str = "tensors"):
+        """The packed copies hold a checkpoint's quantised expert weights as they are (no
+        re-quantisation; docs/quantisation.md, "Loaders"); the parameters take them
+        dequantised. tensors maps keys to epmoe.quantised.Quantised values, all in one format:
+        (name, expert): one matrix [N, K] of a logical expert held here; name: every expert's
+        matrices stacked [E, N, K] in logical order (shared_...: [N_shared, ...]). name: "w1",
+        "w3", "w2" (the expert's tensors) or "shared_w1" .... Group-wise formats (from_gptq,
+        from_awq, from_gguf): either key, in the format pack_weights names. "fp8"
+        (Quantised("fp8", float8_e4m3fn or uint8 codes, float32 scale_inv)) and "mxfp4"
+        (Quantised("mxfp4", uint8 blocks, uint8 E8M0 scales)): stacks only; the module then
+        packs as that format. A wrong name, shape, dtype or format raises ValueError (KeyError:
+        an fp8 / mxfp4 name that is no expert tensor); a NaN code or scale, ValueError from the
+        layer. A later change of the parameters packs their values again (quantising them)."""
+        from .quantised import load_quantised
+
+        load_quantised(self, tensors, source)
+
     @torch.no_grad()
-    def load_quantised(self, tensors: dict):
-        """The packed copies hold these checkpoint values (epmoe.quantised: {(name, expert):
-        Quantised}, name "w1" ... or "shared_w1" ..., expert logical and held here, in the
-        format pack_weights names); the parameters take them dequantised. A later change of
-        the parameters packs their values again (docs/quantisation.md, "Loaders")."""
+    def _load_grouped(self, tensors: dict):
+        """load_quantised in a group-wise format: {(name, expert): Quantised [N, K]}."""
         given = dict(self._given[0]) if self._given and self._versions() == self._given[1] else {}
         for name, slot, t in plan_given(self, tensors):  # (every entry checked first)
             getattr(self, name)[slot].copy_(t.dequantise())
@@ -387,6 +408,7 @@ class MoE(nn.Module):
         for p, t in planned:
             p.copy_(t)
 
+    @torch.no_grad()
     def _experts(self, prefix: str, first: int, n: int):
         return [getattr(self, prefix + name)[first:first + n] for name in EXPERT_TENSORS[self.expert_kind]]
 

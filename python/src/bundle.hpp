@@ -123,6 +123,28 @@ class layer_of final : public any_layer {
     m.unpack(out.data());
     return out;
   }
+  void load_quantised(const std::string& format, const std::vector<quantised_tensor>& q) override {
+    detail::require(format == "fp8" || format == "mxfp4", "load_quantised", format,
+                    "must be fp8 or mxfp4");
+    const bool fp8 = format == "fp8";
+    const auto load = [&](std::size_t t, index_t j, space::packed_nt& m) {
+      if (t >= q.size() || !q[t].codes) return false;
+      const quantised_tensor& s = q[t];
+      detail::require(j < s.count, "load_quantised.count", s.count,
+                      "must hold every slot of the tensor");
+      const index_t R = s.rows, K = s.cols;
+      if (fp8) {
+        const index_t blocks = (R + 127) / 128 * ((K + 127) / 128);
+        m.repack_fp8({s.codes + j * R * K, R, K}, static_cast<const float*>(s.scales) + j * blocks);
+      } else {
+        const index_t nb = (K + 31) / 32;
+        m.repack_mxfp4(K, {s.codes + j * R * nb * 16, R, nb * 16},
+                       {static_cast<const std::uint8_t*>(s.scales) + j * R * nb, R, nb});
+      }
+      return true;
+    };
+    layer_.pack_weights(fp8 ? weights_format::fp8_block : weights_format::mxfp4, load);
+  }
   moe_load global_load() override {
     auto g = layer_.gather_load();
     return {std::move(g.per_expert), std::move(g.per_rank)};

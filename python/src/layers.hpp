@@ -50,10 +50,12 @@ struct router_args {
 /// group-wise int4[_asym][_g<group>] and int8_g<group> (int4: group 32). config_error else.
 inline weights_format format_named(const std::string& s) {
   using k = weights_format::kind;
-  if (s == "fp32" || s == "bf16" || s == "int8")
-    return s == "int8"   ? weights_format::int8_channel
-           : s == "bf16" ? weights_format::bf16
-                         : weights_format::fp32;
+  if (s == "fp32" || s == "bf16" || s == "int8" || s == "fp8" || s == "mxfp4")
+    return s == "int8"    ? weights_format::int8_channel
+           : s == "bf16"  ? weights_format::bf16
+           : s == "fp8"   ? weights_format::fp8_block
+           : s == "mxfp4" ? weights_format::mxfp4
+                          : weights_format::fp32;
   const auto group = [&](std::size_t at) {  // "" or "_g<digits>" from `at`
     if (at == s.size()) return 32;
     const bool digits = s.compare(at, 2, "_g") == 0 && at + 2 < s.size() && at + 6 >= s.size() &&
@@ -69,7 +71,7 @@ inline weights_format format_named(const std::string& s) {
   else if (s.rfind("int8_g", 0) == 0)
     f = {k::int8_group, group(4)};
   detail::require(f.group > 0, "pack_weights", s,
-                  "must be fp32, bf16, int8, int4[_asym][_g<group>] or int8_g<group>");
+                  "must be fp32, bf16, int8, int4[_asym][_g<group>], int8_g<group>, fp8 or mxfp4");
   return f;
 }
 
@@ -96,6 +98,17 @@ struct rank_tensors {
 };
 using rank_weights = rank_tensors<const float>;
 using rank_grads = rank_tensors<float>;
+
+/// A stacked tensor of expert weights quantised already, as a checkpoint stores it
+/// (load_quantised): codes [count, rows, bytes per row] (fp8: one e4m3fn byte a weight;
+/// mxfp4: GPT-OSS's blocks, ceil(cols / 32) * 16 bytes, two E2M1 codes a byte) and scales
+/// [count, ...] (fp8: fp32 [ceil(rows / 128), ceil(cols / 128)]; mxfp4: E8M0 bytes [rows,
+/// ceil(cols / 32)]), both contiguous; cols: the weights' inputs K.
+struct quantised_tensor {
+  const std::uint8_t* codes = nullptr;  // nullptr: packed from the weights' values instead
+  const void* scales = nullptr;
+  index_t count = 0, rows = 0, cols = 0;
+};
 
 /// What gather_load returns, without the layer's type.
 struct moe_load {
@@ -124,8 +137,9 @@ class any_layer {
   /// Packs the expert weights into the layer's own copies (again: their values now), or
   /// frees those and reads the tensors (moe_layer::pack_weights / unpack_weights), in
   /// `format`: "fp32", "bf16" (copies rounded to bf16: half the bytes a pass reads), "int8"
-  /// (weights_format::int8_channel: a quarter, forward only) or a group-wise format
-  /// (format_named: "int4", "int4_asym_g128", "int8_g32", ...; forward only).
+  /// (weights_format::int8_channel: a quarter, forward only), a group-wise format
+  /// (format_named: "int4", "int4_asym_g128", "int8_g32", ...; forward only), "fp8"
+  /// (fp8_block) or "mxfp4" (forward only).
   virtual void pack(bool on, const std::string& format) = 0;
   /// Replaces the packed copy of matrix `slot` of expert tensor `tensor` (rank_tensors'
   /// experts order, then the shared ones) with weights quantised already in group-wise
@@ -138,6 +152,11 @@ class any_layer {
   /// and K.
   virtual std::vector<float> packed_values(int tensor, index_t slot, index_t& rows,
                                            index_t& cols) = 0;
+  /// Packs the expert weights in `format` ("fp8" or "mxfp4") from a checkpoint's tensors as
+  /// they are (moe_layer::pack_weights with a loader): one per expert tensor, routed then
+  /// shared, in the expert's tensors() order (a missing one packed from the weights).
+  virtual void load_quantised(const std::string& format,
+                              const std::vector<quantised_tensor>& tensors) = 0;
   /// Collective: the last pass's rows per logical expert [E] and rows computed per rank [R],
   /// summed over the ranks (moe_layer::gather_load).
   virtual moe_load global_load() = 0;

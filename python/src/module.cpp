@@ -93,6 +93,35 @@ rank_grads grads_of(const ::py::dict& d, const std::string& who) {
   return tensors_of<float>(d, who);
 }
 
+/// A checkpoint's quantised tensor (codes, scales, cols) as a view; `name` for errors.
+quantised_tensor quantised_of(const ::py::handle& h, const std::string& format,
+                              const std::string& name) {
+  if (h.is_none()) return {};
+  const auto [codes, scales, cols] = h.cast<std::tuple<at::Tensor, at::Tensor, index_t>>();
+  const auto bad = [&](const std::string& what, const at::Tensor& t, at::ScalarType type) {
+    if (t.scalar_type() != type || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != 3)
+      type_error(name + "." + what + " is " + c10::toString(t.scalar_type()) + " " +
+                 std::to_string(t.dim()) + "-d: must be a contiguous CPU " + c10::toString(type) +
+                 " tensor [count, ...]");
+  };
+  bad("codes", codes, at::kByte);
+  const bool fp8 = format == "fp8";
+  bad("scales", scales, fp8 ? at::kFloat : at::kByte);
+  const index_t n = codes.size(0), rows = codes.size(1);
+  const index_t want_codes = fp8 ? cols : (cols + 31) / 32 * 16;
+  const std::vector<index_t> want_scales =
+      fp8 ? std::vector<index_t>{n, (rows + 127) / 128, (cols + 127) / 128}
+          : std::vector<index_t>{n, rows, (cols + 31) / 32};
+  if (codes.size(2) != want_codes || scales.sizes().vec() != want_scales)
+    value_error(name + ": codes " + c10::str(codes.sizes()) + " and scales " +
+                c10::str(scales.sizes()) + " do not fit " + std::to_string(cols) + " inputs: " +
+                (fp8 ? "fp8 wants codes [n, rows, K] and scales [n, ceil(rows / "
+                       "128), ceil(K / 128)]"
+                     : "mxfp4 wants codes [n, rows, ceil(K / 32) * 16] and scales "
+                       "[n, rows, ceil(K / 32)]"));
+  return {codes.data_ptr<std::uint8_t>(), scales.data_ptr(), n, rows, cols};
+}
+
 ::py::dict stats_dict(const pass_stats& s) {
   ::py::dict d;
   d["tokens"] = s.tokens;
@@ -385,6 +414,25 @@ class layer {
     return out;
   }
 
+  /// Local: every local rank packs its experts from a checkpoint's tensors (per rank, a list
+  /// in the expert tensors' order, routed then shared: (codes, scales, cols) or None).
+  void load_quantised(const std::string& format, const ::py::list& per_rank) {
+    if (format != "fp8" && format != "mxfp4")
+      value_error("load_quantised: format = '" + format + "': must be 'fp8' or 'mxfp4'");
+    if (static_cast<int>(per_rank.size()) != local_ranks())
+      value_error("load_quantised: one list per local rank (" + std::to_string(local_ranks()) +
+                  ")");
+    std::vector<std::vector<quantised_tensor>> q(per_rank.size());
+    for (std::size_t r = 0; r < q.size(); ++r) {
+      int i = 0;
+      for (const ::py::handle h : per_rank[r].cast<::py::list>())
+        q[r].push_back(quantised_of(
+            h, format, "tensors[" + std::to_string(r) + "][" + std::to_string(i++) + "]"));
+    }
+    ::py::gil_scoped_release free;
+    for (std::size_t r = 0; r < q.size(); ++r) layers_[r]->load_quantised(format, q[r]);
+  }
+
   /// Each local rank's (rows per logical expert, rows computed per rank) of the last pass,
   /// summed over all ranks (collective; every rank gets the same).
   std::pair<std::vector<index_t>, std::vector<index_t>> global_load() {
@@ -605,6 +653,42 @@ PYBIND11_MODULE(_epmoe, m) {
       [] { return std::string(epmoe::space::name_of(epmoe::space::best_cpu_path())); },
       "The packed kernel this CPU runs: AVX512-BF16 (bf16 copies multiply bf16 inputs), "
       "AVX-512, AVX2+FMA or portable");
+  // The formats' values as the packed copies hold them (tests: against torch's conversions).
+  m.def(
+      "packed_values",
+      [](const std::string& format, const at::Tensor& w) {
+        const epmoe::weights_format as = ep::format_named(format);
+        const at::Tensor c = w.contiguous();
+        if (const std::string why = ep::unviewable(c, 2); !why.empty())
+          ep::type_error("packed_values: w " + why);
+        const epmoe::space::packed_nt p({c.data_ptr<float>(), c.size(0), c.size(1)}, as);
+        at::Tensor out = at::empty_like(c);
+        p.unpack(out.data_ptr<float>());
+        return out;
+      },
+      "w [N, K] float32 packed in format (fp8, mxfp4, int8, bf16, fp32, a group-wise one: "
+      "int4_g128, ...), unpacked: its quantised values",
+      ::py::arg("format"), ::py::arg("w"));
+  m.def(
+      "dequantised",
+      [](const std::string& format, const at::Tensor& codes, const at::Tensor& scales,
+         epmoe::index_t cols) {
+        const ep::quantised_tensor q = ep::quantised_of(
+            ::py::make_tuple(codes.unsqueeze(0), scales.unsqueeze(0), cols), format, "dequantised");
+        epmoe::space::packed_nt p;
+        if (format == "fp8")
+          p.repack_fp8({q.codes, q.rows, cols}, static_cast<const float*>(q.scales));
+        else
+          p.repack_mxfp4(cols, {q.codes, q.rows, (cols + 31) / 32 * 16},
+                         {static_cast<const std::uint8_t*>(q.scales), q.rows, (cols + 31) / 32});
+        at::Tensor out = at::empty({q.rows, cols}, at::kFloat);
+        p.unpack(out.data_ptr<float>());
+        return out;
+      },
+      "A checkpoint's fp8 (codes [N, K] uint8, scale_inv [ceil(N/128), ceil(K/128)]) or mxfp4 "
+      "(blocks [N, ceil(K/32) * 16] uint8, scales [N, ceil(K/32)] uint8) tensor loaded as the "
+      "packed copies load it, unpacked to float32 [N, K]",
+      ::py::arg("format"), ::py::arg("codes"), ::py::arg("scales"), ::py::arg("cols"));
   m.def("reference", &ep::run_reference, "The float64 reference of a menu entry (tests)",
         ::py::arg("bundle"), ::py::arg("config"), ::py::arg("phy_to_log"), ::py::arg("router"),
         ::py::arg("ranks"), ::py::arg("weights"), ::py::arg("x"), ::py::arg("tokens_per_rank"),
@@ -635,6 +719,7 @@ PYBIND11_MODULE(_epmoe, m) {
            ::py::arg("offsets") = ::py::none())
       .def("packed_values", &ep::layer::packed_values, ::py::arg("rank"), ::py::arg("tensor"),
            ::py::arg("slot"))
+      .def("load_quantised", &ep::layer::load_quantised, ::py::arg("format"), ::py::arg("tensors"))
       .def("stats", &ep::layer::stats)
       .def("exchange_copies", &ep::layer::exchange_copies)
       .def("global_load", &ep::layer::global_load)

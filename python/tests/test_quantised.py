@@ -39,5 +39,6 @@ def test_int8_is_refused_in_training_mode_and_for_backward():
     with pytest.raises(Exception, match="int8_channel.*forward only"):
         y.sum().backward()
     with pytest.raises(ValueError, match="pack_weights = 'int3': must be 'auto', True, False, "
-                                         "'bf16', 'int8' or a group-wise format"):
+                                         "'bf16', 'int8', 'fp8', 'mxfp4' or a group-wise "
+                                         "format"):
         MoE(16, 8, 4, 2, pack_weights="int3", ranks=1)

@@ -22,19 +22,35 @@ namespace epmoe {
 ///   q in [0, 15] and an fp32 offset per group, w = scale q + offset (GPTQ/AWQ's zero points,
 ///   GGUF Q4_K); int8_group q in [-127, 127] (GGUF Q8_0 at group 32); forward only. W4A8 /
 ///   W8A8 on AVX512-VNNI, else fp32 (space/host_int4.hpp).
+/// - fp8_block: about a quarter; FP8 e4m3fn times one fp32 scale per 128 x 128 block (as
+///   DeepSeek-V3's checkpoints: w = fp8 * scale_inv); forward only; computed as bf16.
+/// - mxfp4: about an eighth; E2M1 in blocks of 32 inputs with one E8M0 scale each (OCP MX,
+///   GPT-OSS's checkpoints); forward only; computed as bf16.
 /// A format is a kind plus its parameters (a group size, zero points: the later int4 kinds),
 /// a plain value: the layer passes it to the store, which the space's kernels read.
 struct weights_format {
-  enum class kind : unsigned char { fp32, bf16, int8_channel, int4, int4_asym, int8_group };
+  enum class kind : unsigned char {
+    fp32,
+    bf16,
+    int8_channel,
+    int4,
+    int4_asym,
+    int8_group,
+    fp8_block,
+    mxfp4
+  };
   kind id = kind::fp32;
   int group = 0;  // input elements per scale; 0: one scale per output channel (or none)
 
   static const weights_format fp32, bf16, int8_channel;
   static const weights_format int4_g32, int4_g128, int4_asym_g32, int4_asym_g128, int8_g32;
+  static const weights_format fp8_block, mxfp4;  // group: 128, 32
 
   friend constexpr bool operator==(const weights_format&, const weights_format&) = default;
   /// Whether the packed copies compute the forward only (no backward reads them).
-  constexpr bool inference_only() const { return id == kind::int8_channel || grouped(); }
+  constexpr bool inference_only() const {
+    return id == kind::int8_channel || grouped() || id == kind::fp8_block || id == kind::mxfp4;
+  }
   /// Whether a scale (and offset) per group of inputs (space/host_int4.hpp's panels).
   constexpr bool grouped() const {
     return id == kind::int4 || id == kind::int4_asym || id == kind::int8_group;
@@ -45,6 +61,8 @@ struct weights_format {
            : id == kind::int4         ? "int4"
            : id == kind::int4_asym    ? "int4_asym"
            : id == kind::int8_group   ? "int8_group"
+           : id == kind::fp8_block    ? "fp8_block"
+           : id == kind::mxfp4        ? "mxfp4"
                                       : "fp32";
   }
 };
@@ -57,6 +75,8 @@ inline constexpr weights_format weights_format::int4_asym_g32{weights_format::ki
 inline constexpr weights_format weights_format::int4_asym_g128{weights_format::kind::int4_asym,
                                                                128};
 inline constexpr weights_format weights_format::int8_g32{weights_format::kind::int8_group, 32};
+inline constexpr weights_format weights_format::fp8_block{weights_format::kind::fp8_block, 128};
+inline constexpr weights_format weights_format::mxfp4{weights_format::kind::mxfp4, 32};
 
 /// The name of weights_format from before formats beyond floats (fp32, bf16).
 using packed_precision = weights_format;

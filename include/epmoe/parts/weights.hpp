@@ -92,13 +92,19 @@ class weights_store {
   /// rows of converted inputs (the AVX512-BF16 path). Repacking the same tensors allocates
   /// nothing.
   void pack(const Space& s, packed_precision as, index_t input_rows, bool shared) {
+    pack(s, as, input_rows, shared, [](std::size_t, index_t, auto&) { return false; });
+  }
+  /// The same, matrix j of tensor t (Expert::tensors order, routed then shared) filled by
+  /// load(t, j, m) where it returns true (weights quantised already: moe_layer::pack_weights).
+  template <class Load>
+  void pack(const Space& s, packed_precision as, index_t input_rows, bool shared, Load&& load) {
     if constexpr (packs) {
       std::array<stacked_view<const value_type>, 8> all{};
       std::size_t n = 0;
       for (auto* v : Expert::tensors(w_.experts)) all.at(n++) = *v;
       if (shared)
         for (auto* v : Expert::tensors(w_.shared)) all.at(n++) = *v;
-      packed_.pack_only(std::span(all.data(), n), as);
+      packed_.pack_only(std::span(all.data(), n), as, load);
       packed_.reserve_inputs(input_rows, s.kernel_path());
       if (as == packed_precision::bf16) packed_.reserve_unpacked();
       pack_as_ = as;

@@ -4,11 +4,14 @@
 
 // The quantised weight formats' definitions, written once as plain scalar code (issue 37):
 // quantise, dequantise, then a double-precision loop. Every kernel path of a format is tested
-// against these (tests/expert/test_int8.cpp); docs/quantisation.md states them in prose.
+// against these (tests/expert/test_int8.cpp, test_minifloat.cpp); docs/quantisation.md
+// states them in prose.
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "epmoe/core/options.hpp"
@@ -194,6 +197,153 @@ inline std::vector<double> gemm_grouped(matrix_view<const float> a, const group_
       if (mag) (*mag)[std::size_t(i * N + n)] = w.magnitude(x.data(), n);
     }
   }
+  return c;
+}
+
+/// e4m3fn (FP8) bits -> value: sign, exponent e (4 bits, bias 7), mantissa m (3 bits);
+/// (1 + m/8) 2^(e-7), or m 2^-9 for e = 0 (subnormal); 0x7f and 0xff are NaN; no infinity.
+inline double e4m3_value(std::uint8_t b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  const double v = (b & 0x7f) == 0x7f ? NAN
+                   : e == 0           ? std::ldexp(m, -9)
+                                      : std::ldexp(8 + m, e - 10);
+  return b & 0x80 ? -v : v;
+}
+/// E2M1 (FP4) code -> value: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6 (codes 0..7), bit 3 the sign.
+inline double e2m1_value(std::uint8_t c) {
+  constexpr double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  return c & 8 ? -mag[c & 7] : mag[c & 7];
+}
+/// E8M0 -> 2^(e - 127); 0xff is NaN.
+inline double e8m0_value(std::uint8_t e) { return e == 0xff ? NAN : std::ldexp(1.0, e - 127); }
+
+/// The code (0 .. n - 1) of the nearest of n increasing magnitudes to a >= 0, ties to the even
+/// code, past the last: the last (saturation).
+inline int nearest_code(double a, const double* mag, int n) {
+  int best = 0;
+  for (int c = 1; c < n; ++c) {
+    const double d = std::abs(a - mag[c]), db = std::abs(a - mag[best]);
+    if (d < db || (d == db && c % 2 == 0)) best = c;
+  }
+  return best;
+}
+
+/// fp8_block weights [N, K]: e4m3fn codes and one scale per 128 x 128 block,
+/// w[n, k] = e4m3(q[n, k]) * scale[n / 128, k / 128] (DeepSeek-V3's weight_scale_inv).
+struct fp8_block {
+  index_t rows = 0, cols = 0;
+  std::vector<std::uint8_t> q;  // [N, K] row-major
+  std::vector<float> scale;     // [ceil(N / 128), ceil(K / 128)]
+
+  index_t scale_cols() const { return (cols + 127) / 128; }
+  /// The format's quantisation of fp32 weights: per block, scale = max |w| / 448 (fp32
+  /// division; a zero block: scale 0, codes ±0 by sign), q = the e4m3fn value nearest to
+  /// w / scale (fp32 division), ties to the even code, the sign kept. (NaN and Inf: refused.)
+  static fp8_block quantise(matrix_view<const float> w) {
+    fp8_block out{w.rows, w.cols, std::vector<std::uint8_t>(std::size_t(w.rows * w.cols)), {}};
+    out.scale.assign(std::size_t((w.rows + 127) / 128 * out.scale_cols()), 0.f);
+    for (index_t n = 0; n < w.rows; ++n)
+      for (index_t k = 0; k < w.cols; ++k) {
+        float& s = out.scale[std::size_t(n / 128 * out.scale_cols() + k / 128)];
+        s = std::max(s, std::abs(w(n, k)));
+      }
+    for (float& s : out.scale) s = s / 448.f;
+    std::array<double, 127> mag{};  // codes 0 .. 0x7e: increasing
+    for (int c = 0; c < 127; ++c) mag[std::size_t(c)] = e4m3_value(static_cast<std::uint8_t>(c));
+    for (index_t n = 0; n < w.rows; ++n)
+      for (index_t k = 0; k < w.cols; ++k) {
+        const float s = out.scale[std::size_t(n / 128 * out.scale_cols() + k / 128)];
+        const float v = s > 0 ? w(n, k) / s : w(n, k);
+        out.q[std::size_t(n * w.cols + k)] = static_cast<std::uint8_t>(
+            (std::signbit(v) ? 0x80 : 0) | nearest_code(std::abs(double{v}), mag.data(), 127));
+      }
+    return out;
+  }
+  double value(index_t n, index_t k) const {
+    return e4m3_value(q[std::size_t(n * cols + k)]) *
+           double{scale[std::size_t(n / 128 * scale_cols() + k / 128)]};
+  }
+};
+
+/// mxfp4 weights [N, K]: E2M1 codes (one per byte here) and one E8M0 scale per row and block
+/// of 32 inputs, w[n, k] = e2m1(code[n, k]) * 2^(scale[n, k / 32] - 127).
+struct mxfp4 {
+  index_t rows = 0, cols = 0;
+  std::vector<std::uint8_t> code;   // [N, K] row-major, 0..15
+  std::vector<std::uint8_t> scale;  // [N, ceil(K / 32)]
+
+  index_t blocks() const { return (cols + 31) / 32; }
+  /// The OCP MX rule: per block, X = floor(log2 max |w|) - 2 clamped to [-127, 127] (-127 for
+  /// a zero block), scale = X + 127, code = the E2M1 value nearest to w / 2^X, ties to the even
+  /// code, saturating at ±6, the sign kept. (NaN and Inf: refused.)
+  static mxfp4 quantise(matrix_view<const float> w) {
+    mxfp4 out{w.rows, w.cols, std::vector<std::uint8_t>(std::size_t(w.rows * w.cols)), {}};
+    out.scale.resize(std::size_t(w.rows * out.blocks()));
+    constexpr double mag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+    for (index_t n = 0; n < w.rows; ++n)
+      for (index_t b = 0; b < out.blocks(); ++b) {
+        double amax = 0;
+        for (index_t k = 32 * b; k < std::min(w.cols, 32 * b + 32); ++k)
+          amax = std::max(amax, std::abs(double{w(n, k)}));
+        const int x = amax > 0 ? std::clamp(int(std::floor(std::log2(amax))) - 2, -127, 127) : -127;
+        out.scale[std::size_t(n * out.blocks() + b)] = static_cast<std::uint8_t>(x + 127);
+        for (index_t k = 32 * b; k < std::min(w.cols, 32 * b + 32); ++k) {
+          const double v = std::ldexp(double{w(n, k)}, -x);
+          out.code[std::size_t(n * w.cols + k)] = static_cast<std::uint8_t>(
+              (std::signbit(v) ? 8 : 0) | nearest_code(std::abs(v), mag, 8));
+        }
+      }
+    return out;
+  }
+  /// As GPT-OSS's checkpoints store it: blocks [N, ceil(K / 32), 16] bytes (input 2i of a
+  /// block in byte i's low nibble, 2i + 1 in its high one; past K zero).
+  std::vector<std::uint8_t> packed_blocks() const {
+    std::vector<std::uint8_t> out(std::size_t(rows * blocks() * 16), 0);
+    for (index_t n = 0; n < rows; ++n)
+      for (index_t k = 0; k < cols; ++k)
+        out[std::size_t(n * blocks() * 16 + k / 2)] |=
+            static_cast<std::uint8_t>(code[std::size_t(n * cols + k)] << (4 * (k % 2)));
+    return out;
+  }
+  double value(index_t n, index_t k) const {
+    return e2m1_value(code[std::size_t(n * cols + k)]) *
+           e8m0_value(scale[std::size_t(n * blocks() + k / 32)]);
+  }
+};
+
+/// x rounded to bf16, nearest even (NaN stays NaN): the tokens of a bf16 dot product.
+inline float bf16_round(float x) {
+  if (std::isnan(x)) return x;
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof u);
+  return x;
+}
+
+/// c[M, N] = a[M, K] wᵀ in double over weights W with rows, cols and value(n, k) (fp8_block,
+/// mxfp4), the tokens as they are or (bf16_tokens: the AVX512-BF16 kernels) rounded to bf16.
+/// Also returns, per element, Σ_k |a w| in `mag`.
+template <class W>
+inline std::vector<double> gemm_dequantised(matrix_view<const float> a, const W& w,
+                                            bool bf16_tokens, std::vector<double>* mag = nullptr) {
+  const index_t M = a.rows, N = w.rows, K = w.cols;
+  std::vector<double> c(std::size_t(M * N)), wd(std::size_t(N * K));
+  for (index_t n = 0; n < N; ++n)
+    for (index_t k = 0; k < K; ++k) wd[std::size_t(n * K + k)] = w.value(n, k);
+  if (mag) mag->assign(c.size(), 0.0);
+  for (index_t i = 0; i < M; ++i)
+    for (index_t n = 0; n < N; ++n) {
+      double s = 0, m = 0;
+      for (index_t k = 0; k < K; ++k) {
+        const double x = bf16_tokens ? bf16_round(a(i, k)) : a(i, k);
+        const double p = x * wd[std::size_t(n * K + k)];
+        s += p;
+        m += std::abs(p);
+      }
+      c[std::size_t(i * N + n)] = s;
+      if (mag) (*mag)[std::size_t(i * N + n)] = m;
+    }
   return c;
 }
 

@@ -24,8 +24,10 @@
 
 #include "epmoe/core/options.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/space/host_fp8.hpp"
 #include "epmoe/space/host_int4.hpp"
 #include "epmoe/space/host_int8.hpp"
+#include "epmoe/space/host_mxfp4.hpp"
 #include "epmoe/space/host_packed_kernels.hpp"
 
 namespace epmoe::space {
@@ -36,7 +38,8 @@ namespace epmoe::space {
 /// elements k and k + 1 side by side (k even; past K zero), the layout of AVX512-BF16's pair
 /// dot products, which the other paths widen with a shift and a mask. int8_channel: int8 quads
 /// and each column's scale and compensation (host_int8.hpp); int4, int4_asym, int8_group: a
-/// block per group of inputs (host_int4.hpp). Built once; repack() refills it
+/// block per group of inputs (host_int4.hpp); fp8_block and mxfp4: their codes and block
+/// scales (host_fp8.hpp, host_mxfp4.hpp). Built once; repack() refills it
 /// in place (new values of the same shape and format: a training step) without allocating.
 class packed_nt {
  public:
@@ -52,12 +55,28 @@ class packed_nt {
   /// or Inf, or K past int8_max_cols.
   void repack(matrix_view<const float> b, weights_format as = weights_format::fp32) {
     shape(b.rows, b.cols, as);
-    if (as_.grouped())
+    if (as_.grouped()) {
       for (index_t p = 0; p < panels(); ++p) {
         const index_t j0 = p * panel_cols;
         detail::pack_group_panel(data_.get() + p * panel_bytes(), as_, k_,
                                  std::min(panel_cols, n_ - j0), j0, b, {}, nullptr, nullptr);
       }
+      return;
+    }
+    if (as_ == weights_format::fp8_block) {
+      std::vector<float> scales;
+      fp8_block_scales(b, scales);
+      return fill_fp8(
+          [&](index_t n, index_t k) {
+            const float s = scales[std::size_t(n / 128 * ((k_ + 127) / 128) + k / 128)];
+            return s > 0 ? e4m3_bits(b(n, k) / s) : e4m3_bits(b(n, k));  // (a zero block)
+          },
+          scales.data());
+    }
+    if (as_ == weights_format::mxfp4)
+      for (index_t p = 0; p < panels(); ++p)
+        detail::quantise_mxfp4_panel(data_.get() + p * panel_bytes(), b, p * panel_cols,
+                                     std::min(panel_cols, n_ - p * panel_cols));
     else if (as_ == weights_format::int8_channel)
       for (index_t p = 0; p < panels(); ++p) {
         const index_t j0 = p * panel_cols;
@@ -120,6 +139,35 @@ class packed_nt {
                                asym ? offsets : nullptr);
     }
   }
+  /// Packs FP8 weights as a checkpoint stores them (fp8_block; no re-quantisation): q [N, K]
+  /// e4m3fn bytes (no NaN) and scale_inv [ceil(N / 128), ceil(K / 128)] row-major (finite,
+  /// >= 0): w = e4m3(q) * scale_inv of its 128 x 128 block (DeepSeek-V3's weight_scale_inv).
+  void repack_fp8(matrix_view<const std::uint8_t> q, const float* scale_inv) {
+    fp8_check(q, scale_inv);
+    shape(q.rows, q.cols, weights_format::fp8_block);
+    fill_fp8([&](index_t n, index_t k) { return q(n, k); }, scale_inv);
+  }
+  /// Packs MXFP4 weights as a checkpoint stores them (GPT-OSS's *_blocks, *_scales): blocks
+  /// [N, ceil(K / 32) * 16] bytes, two E2M1 codes each (input 2i in the low nibble, 2i + 1 in
+  /// the high one; codes past K ignored), scales [N, ceil(K / 32)] E8M0 (at most 252): w =
+  /// e2m1 * 2^(scale - 127) per block of 32 inputs.
+  void repack_mxfp4(index_t K, matrix_view<const std::uint8_t> blocks,
+                    matrix_view<const std::uint8_t> scales) {
+    epmoe::detail::require(blocks.rows == scales.rows && blocks.cols == (K + 31) / 32 * 16 &&
+                               scales.cols == (K + 31) / 32,
+                           "pack_weights(mxfp4).blocks", blocks.cols,
+                           "must be [N, ceil(K / 32) * 16] bytes beside scales [N, ceil(K / 32)]");
+    mxfp4_check(scales);
+    shape(blocks.rows, K, weights_format::mxfp4);
+    for (index_t p = 0; p < panels(); ++p)
+      detail::pack_mxfp4_panel(data_.get() + p * panel_bytes(), k_,
+                               std::min(panel_cols, n_ - p * panel_cols), p * panel_cols,
+                               [&](index_t n, index_t b, std::uint8_t* codes) {
+                                 for (index_t i = 0; i < 32; ++i)
+                                   codes[i] = blocks(n, 16 * b + i / 2) >> (4 * (i % 2)) & 15;
+                                 return scales(n, b);
+                               });
+  }
 
   index_t rows() const { return n_; }  // N: output columns of c
   index_t cols() const { return k_; }  // K
@@ -134,6 +182,14 @@ class packed_nt {
   /// times its channel's scale): what a backward multiplies by so that it differentiates the
   /// forward it follows, and the format's definition the tests compare the kernels with.
   void unpack(float* out) const {
+    if (as_ == weights_format::fp8_block || as_ == weights_format::mxfp4) {
+      for (index_t p = 0; p < panels(); ++p) {
+        const index_t j0 = p * panel_cols, cols = std::min(panel_cols, n_ - j0);
+        (as_ == weights_format::fp8_block ? detail::unpack_fp8_panel : detail::unpack_mxfp4_panel)(
+            panel<std::byte>(p), k_, cols, out + j0 * k_, k_);
+      }
+      return;
+    }
     const bool pairs = as_ == weights_format::bf16;
     for (index_t p = 0; p < panels(); ++p) {
       const index_t j0 = p * panel_cols, cols = std::min(panel_cols, n_ - j0);
@@ -153,9 +209,11 @@ class packed_nt {
  private:
   index_t panel_bytes() const {
     if (as_.grouped()) return group_panel_bytes(as_, k_);
-    return as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
-           : as_ == weights_format::bf16       ? (k_ + 1) / 2 * 2 * panel_cols * 2
-                                               : k_ * panel_cols * 4;
+    return as_ == weights_format::fp8_block      ? fp8_panel_bytes(k_)
+           : as_ == weights_format::mxfp4        ? mxfp4_panel_bytes(k_)
+           : as_ == weights_format::int8_channel ? int8_panel_bytes(k_)
+           : as_ == weights_format::bf16         ? (k_ + 1) / 2 * 2 * panel_cols * 2
+                                                 : k_ * panel_cols * 4;
   }
   void shape(index_t n, index_t k, weights_format as) {
     epmoe::detail::require(as != weights_format::int8_channel || k <= int8_max_cols,
@@ -168,6 +226,14 @@ class packed_nt {
           ::operator new[](std::max<std::size_t>(static_cast<std::size_t>(packed_bytes()), 1),
                            std::align_val_t{64})));
     }
+  }
+  // fp8_block panels from code(n, k) and block scales [ceil(N / 128), ceil(K / 128)].
+  template <class Code>
+  void fill_fp8(Code&& code, const float* scales) {
+    for (index_t p = 0; p < panels(); ++p)
+      detail::pack_fp8_panel(data_.get() + p * panel_bytes(), k_,
+                             std::min(panel_cols, n_ - p * panel_cols), p * panel_cols, code,
+                             scales + p * panel_cols / 128 * ((k_ + 127) / 128));
   }
   template <class E, class Convert>
   void fill(matrix_view<const float> b, Convert convert) {
@@ -276,7 +342,28 @@ inline void gemm_nt_group_panels(matrix_view<const float> a, converted_rows a8, 
     }
   }
 }
+
+// The same for fp8_block and mxfp4 panels with `kernel` (a16: a as bf16 pairs, avx512_bf16).
+inline void gemm_nt_minifloat_panels(matrix_view<const float> a, converted_rows a16,
+                                     const packed_nt& b, matrix_view<float> c, index_t p0,
+                                     index_t p1, minifloat_kernel kernel) {
+  const index_t K = b.cols(), N = b.rows(), chunk = packed_row_chunk(K);
+  const auto panel = b.precision() == weights_format::fp8_block ? fp8_panel : mxfp4_panel;
+  for (index_t i0 = 0; i0 < a.rows; i0 += chunk) {
+    const matrix_view<const float> ai = a.rows_slice(i0, std::min(chunk, a.rows - i0));
+    const converted_rows ai16{a16.data ? a16.data + i0 * a16.stride : nullptr, a16.stride};
+    for (index_t p = p0; p < p1; ++p) {
+      const index_t j0 = p * packed_nt::panel_cols;
+      panel(ai, ai16, b.panel<std::byte>(p), K, c.row(i0) + j0, c.stride,
+            std::min(packed_nt::panel_cols, N - j0), kernel);
+    }
+  }
+}
 }  // namespace detail
+
+inline bool is_minifloat(weights_format f) {
+  return f == weights_format::fp8_block || f == weights_format::mxfp4;
+}
 
 /// Whether gemm_nt_packed over b on `path` reads a as bf16 pairs (to_bf16_pairs): bf16
 /// panels on AVX512-BF16, whose dot products take bf16 on both sides.
@@ -288,6 +375,8 @@ inline bool packed_reads_bf16_pairs(const packed_nt& b, cpu_path path) {
 /// converted on `path` (converted_rows: bf16 pairs, u8 quads); 0 when it reads a itself.
 inline index_t packed_input_words(weights_format as, index_t K, cpu_path path) {
   if (as == weights_format::bf16 && path == cpu_path::avx512_bf16) return (K + 1) / 2;
+  if (is_minifloat(as) && minifloat_kernel_for(path) == minifloat_kernel::avx512_bf16)
+    return (K + 1) / 2;
   if (as == weights_format::int8_channel && int8_kernel_for(path) == int8_kernel::avx512_vnni)
     return (K + 3) / 4;
   if (as.grouped() && int8_kernel_for(path) == int8_kernel::avx512_vnni)
@@ -322,6 +411,8 @@ inline void gemm_nt_packed(matrix_view<const float> a, converted_rows a16, const
     detail::gemm_nt_group_panels(a, a16, b, c, p0, p1, int8_kernel_for(path));
   else if (b.precision() == weights_format::int8_channel)
     detail::gemm_nt_int8_panels(a, a16, b, c, p0, p1, int8_kernel_for(path));
+  else if (is_minifloat(b.precision()))
+    detail::gemm_nt_minifloat_panels(a, a16, b, c, p0, p1, minifloat_kernel_for(path));
   else if (b.precision() == weights_format::bf16)
     detail::gemm_nt_panels<std::uint16_t>(a, a16, b, c, p0, p1, path);
   else
@@ -384,6 +475,19 @@ inline void gemm_nt_grouped(matrix_view<const float> a, const packed_nt& b, matr
   detail::gemm_nt_group_panels(a, a8, b, c, 0, b.panels(), kernel);
 }
 
+/// fp8_block or mxfp4 panels on a given kernel (tests and benchmarks), converting a to bf16
+/// pairs for avx512_bf16.
+inline void gemm_nt_minifloat(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
+                              minifloat_kernel kernel) {
+  std::vector<std::uint32_t> words;
+  const index_t w = (b.cols() + 1) / 2;
+  if (kernel == minifloat_kernel::avx512_bf16) {
+    words.resize(static_cast<std::size_t>(a.rows * w));
+    to_bf16_pairs(a, words.data(), w, cpu_path::avx512_bf16);
+  }
+  detail::gemm_nt_minifloat_panels(a, {words.data(), w}, b, c, 0, b.panels(), kernel);
+}
+
 /// Packed copies of stacked weights (an expert tensor [L, N, K]), found again by the tensor
 /// they copy: the storage a layer owns when it packs its experts (moe_layer::pack_weights).
 /// The copies are of the values at pack() time: weights changed in place need pack() again.
@@ -392,11 +496,25 @@ class packed_weights {
   /// Packs every matrix of w; a tensor held already (same memory and shape) is refilled in
   /// place, without allocating.
   void pack(stacked_view<const float> w, weights_format as = weights_format::fp32) {
+    pack(w, as, [](index_t, packed_nt&) { return false; });
+  }
+  /// The same, matrix j filled by fill(j, m) where it returns true (a loader of weights
+  /// quantised already: m.repack_fp8(...) in format `as`, w[j]'s shape), else from w[j].
+  template <class Fill>
+  void pack(stacked_view<const float> w, weights_format as, Fill&& fill) {
     entry* e = nullptr;
     for (entry& x : entries_)
       if (same(x.source, w)) e = &x;
     if (!e) e = &entries_.emplace_back(entry{w, std::vector<packed_nt>(std::size_t(w.count))});
-    for (index_t j = 0; j < w.count; ++j) e->mats[std::size_t(j)].repack(w[j], as);
+    for (index_t j = 0; j < w.count; ++j) {
+      packed_nt& m = e->mats[std::size_t(j)];
+      if (!fill(j, m))
+        m.repack(w[j], as);
+      else
+        epmoe::detail::require(m.precision() == as && m.rows() == w.rows && m.cols() == w.cols,
+                               "pack_weights(loaded)", m.precision().name(),
+                               "a loaded matrix must have the tensor's shape and the format");
+    }
   }
   /// The packed matrices of w (w may be a slice of a packed tensor: experts [j, j + n)), or
   /// nullptr when w is not packed here.
@@ -422,10 +540,16 @@ class packed_weights {
   /// the others dropped (a layer that rebound its weights).
   void pack_only(std::span<const stacked_view<const float>> all,
                  weights_format as = weights_format::fp32) {
+    pack_only(all, as, [](std::size_t, index_t, packed_nt&) { return false; });
+  }
+  /// The same, matrix j of all[t] filled by fill(t, j, m) where it returns true (as pack's).
+  template <class Fill>
+  void pack_only(std::span<const stacked_view<const float>> all, weights_format as, Fill&& fill) {
     std::erase_if(entries_, [&](const entry& x) {
       return std::none_of(all.begin(), all.end(), [&](const auto& w) { return same(x.source, w); });
     });
-    for (const auto& w : all) pack(w, as);
+    for (std::size_t t = 0; t < all.size(); ++t)
+      pack(all[t], as, [&](index_t j, packed_nt& m) { return fill(t, j, m); });
   }
   void clear() {
     entries_.clear();
