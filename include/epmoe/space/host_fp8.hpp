@@ -453,10 +453,12 @@ struct fp8_to_bf16 {
 // One block of np pairs already in bf16 (w: pair p's 32 columns at w + 64 p) times MR rows
 // (<= 12) of bf16 pairs: the sums times the block's scales, added to the rows' totals (tot:
 // 32 floats a row, on the stack: plain stores, which the next block's loads take at once).
+// The scales by reference: the caller is a lambda, compiled without AVX-512, and a __m512 by
+// value would cross two calling conventions where the call is not inlined (-Og).
 template <int MR>
 __attribute__((target("avx512f,avx512bf16"))) inline void minifloat_block_bf16(
-    const std::uint32_t* a, index_t lda, const std::uint16_t* w, index_t np, __m512 s0, __m512 s1,
-    float* tot) {
+    const std::uint32_t* a, index_t lda, const std::uint16_t* w, index_t np, const __m512& s0,
+    const __m512& s1, float* tot) {
   __m512 lo[MR], hi[MR];
   EPMOE_PACKED_UNROLL
   for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
