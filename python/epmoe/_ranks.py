@@ -1,11 +1,14 @@
 # SPDX-FileCopyrightText: 2026 The epmoe authors
 # SPDX-License-Identifier: Apache-2.0
 """What epmoe.torch.MoE and Experts share at construction: the placement table, the group the
-layer exchanges on (and where a failing rank tells its peers), the common size checks."""
+layer exchanges on (and where a failing rank tells its peers), the common size checks, the
+experts' tensor shapes and a table router's arguments."""
 from __future__ import annotations
 
 import datetime
 import inspect
+
+import torch
 
 # Each expert kind's tensors, in the layer's order, and their shapes ([slots, rows, cols]).
 EXPERT_TENSORS = {
@@ -99,3 +102,20 @@ def _exchange_group(group, exchange_group, exchange_timeout: float):
     where = ",".join(map(str, ranks)) if ranks is not None else f"size {group.size()}"
     n = _abort_keys[where] = _abort_keys.get(where, 0) + 1
     return exchange_group, store, f"epmoe/abort/{where}/{n}"
+
+
+def _shape(name: str, n: int, hidden: int, ffn: int):
+    return {"w1": (n, ffn, hidden), "w3": (n, ffn, hidden), "w2": (n, hidden, ffn),
+            "b1": (n, 1, ffn), "b3": (n, 1, ffn), "b2": (n, 1, hidden)}[name]
+
+
+def _table_args(table, top_k: int) -> dict:
+    """A table router's [vocab, top_k] expert ids (DeepSeek-V4's tid2eid) as the layer's
+    arguments; the layer checks every entry and keeps its own copy."""
+    if table is None:
+        return {}
+    t = torch.as_tensor(table)
+    if t.dim() != 2 or t.shape[1] != top_k or t.is_floating_point():
+        raise ValueError(f"epmoe: router_table has shape {tuple(t.shape)} ({t.dtype}): must be "
+                         f"integer [vocab, top_k = {top_k}]")
+    return dict(table=t.to(torch.int32).reshape(-1).tolist(), vocab=int(t.shape[0]))

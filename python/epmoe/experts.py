@@ -18,7 +18,7 @@ from torch import nn
 
 from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
-from .torch import _pack_format, _pack_option, _packs, _refuse_training, _viewable
+from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
 
 __all__ = ["Experts"]
 

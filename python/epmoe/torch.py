@@ -17,20 +17,17 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import _epmoe, _ops
-from .quantised import format_group, give, plan_given
+from ._packing import (DISPATCH_ROWS, _pack_format, _pack_option, _packs, _refuse_training,
+                       _viewable)
+from .quantised import give, plan_given
 from ._ranks import (EXPERT_TENSORS, GATE_BIAS_ROUTERS, _check_sizes, _exchange_group,
-                     _placement_table)
+                     _placement_table, _shape, _table_args)
 
 __all__ = ["MoE", "Experts", "RouterLosses", "menu", "CommError", "CommTimeout", "CommAborted"]
 
 # A failed exchange (RuntimeErrors): CommTimeout past exchange_timeout, CommAborted when a
 # peer failed (or this module failed earlier: it refuses every later call).
 CommError, CommTimeout, CommAborted = _epmoe.CommError, _epmoe.CommTimeout, _epmoe.CommAborted
-
-
-def _shape(name: str, n: int, hidden: int, ffn: int):
-    return {"w1": (n, ffn, hidden), "w3": (n, ffn, hidden), "w2": (n, hidden, ffn),
-            "b1": (n, 1, ffn), "b3": (n, 1, ffn), "b2": (n, 1, hidden)}[name]
 
 
 class RouterLosses(NamedTuple):
@@ -69,63 +66,6 @@ class _FusedMoEFunction(torch.autograd.Function):
         dx = module._run_backward(dy, (float(daux), float(dseq), float(dz)), grads, accumulate,
                                   None)
         return (None, dx, None) + (None,) * len(module._param_names)  # in p.grad already
-
-
-def _table_args(table, top_k: int) -> dict:
-    """A table router's [vocab, top_k] expert ids (DeepSeek-V4's tid2eid) as the layer's
-    arguments; the layer checks every entry and keeps its own copy."""
-    if table is None:
-        return {}
-    t = torch.as_tensor(table)
-    if t.dim() != 2 or t.shape[1] != top_k or t.is_floating_point():
-        raise ValueError(f"epmoe: router_table has shape {tuple(t.shape)} ({t.dtype}): must be "
-                         f"integer [vocab, top_k = {top_k}]")
-    return dict(table=t.to(torch.int32).reshape(-1).tolist(), vocab=int(t.shape[0]))
-
-
-def _viewable(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.is_contiguous()
-
-
-
-# And the group-wise formats: "int4" (group 32), "int4_g128", "int4_asym", "int4_asym_g128",
-# "int8_g32" (epmoe.quantised.format_group).
-PACK_WEIGHTS = ("auto", True, False, "bf16", "int8", "fp8", "mxfp4")
-# Packed copies that compute the forward only (and the group-wise formats).
-INFERENCE_FORMATS = ("int8", "fp8", "mxfp4")
-
-
-def _pack_option(pack_weights):
-    """pack_weights checked: PACK_WEIGHTS or a group-wise format (else ValueError)."""
-    if not (any(pack_weights is v or (isinstance(v, str) and pack_weights == v)
-                for v in PACK_WEIGHTS) or format_group(pack_weights)):
-        raise ValueError(f"epmoe: pack_weights = {pack_weights!r}: must be 'auto', True, "
-                         "False, 'bf16', 'int8', 'fp8', 'mxfp4' or a group-wise format ('int4', "
-                         "'int4_g128', 'int4_asym', 'int4_asym_g128', 'int8_g32')")
-    return pack_weights
-
-
-def _pack_format(pack_weights) -> str:
-    """The layer's packed format for a pack_weights option that packs."""
-    return pack_weights if isinstance(pack_weights, str) and pack_weights != "auto" else "fp32"
-
-
-def _packs(pack_weights, training: bool) -> bool:
-    """Whether a module with this option reads packed copies in this mode."""
-    return (pack_weights is True or (isinstance(pack_weights, str) and pack_weights != "auto")
-            or (pack_weights == "auto" and not training))
-
-
-DISPATCH_ROWS = ("activations", "int8")
-
-
-def _refuse_training(pack_weights, training: bool):
-    """int8, group-wise, fp8 and mxfp4 copies compute the forward only: a pass in training mode
-    is an error."""
-    if (pack_weights in INFERENCE_FORMATS or format_group(pack_weights)) and training:
-        raise RuntimeError(f"epmoe: pack_weights = {pack_weights!r} is for inference (forward "
-                           "only) and the module is in training mode: call .eval(), or pack as "
-                           "True or 'bf16' to train")
 
 
 class MoE(nn.Module):

@@ -55,7 +55,9 @@ index_t check(int8_kernel kernel, const std::vector<float>& a, const std::vector
         continue;
       }
       const double w = want[std::size_t(i * N + j)], m = mag[std::size_t(i * N + j)];
-      const double tol = a8 ? 4 * u * std::abs(w) + 1e-12 * m : (K + 2) * u * m;
+      // (+ a denormal per rounding: the absolute unit of fp32 results below FLT_MIN)
+      const double tiny = (K + 2) * double{std::numeric_limits<float>::denorm_min()};
+      const double tol = (a8 ? 4 * u * std::abs(w) + 1e-12 * m : (K + 2) * u * m) + tiny;
       CAPTURE(i, j, got, w, tol);
       CHECK(std::abs(got - w) <= tol);  // false for NaN
       ++checked;
@@ -143,6 +145,34 @@ TEST_CASE("int8 gemm: zero and ±max channels, zero rows, long sums") {
     CHECK(c[1] == Approx(-2.5 * 3e4 * K).epsilon(1e-6));                // -max x +max
   }
   CHECK(cells == index_t(kernels_here().size()) * M * N);
+}
+
+TEST_CASE("int8 W8A8: a row too small for 127 / max |x| in fp32 quantises to zeros") {
+  // max |x| = 1e-38 and a row of subnormals: 127 / max |x| overflows (an int conversion of
+  // ±Inf or NaN before the fix); a normal row beside them keeps its values.
+  const index_t M = 3, N = 33, K = 37;
+  auto a = test::uniform(std::size_t(M * K), 41), b = test::uniform(std::size_t(N * K), 42);
+  for (index_t k = 0; k < K; ++k) {
+    b[std::size_t(5 * K + k)] = k % 4 ? 0.f : 1e-44f;  // a channel whose scale underflows to 0
+    a[std::size_t(k)] = k % 2 ? 1e-38f : -5e-39f;
+    a[std::size_t(K + k)] = k == 3 ? 2e-39f : (k % 3 ? 1e-42f : 0.f);
+  }
+  const epmoe::space::packed_nt packed(matrix_view<const float>(b.data(), N, K),
+                                       weights_format::int8_channel);
+  index_t rows = 0;
+  for (int8_kernel kernel : kernels_here()) {
+    CAPTURE(epmoe::space::name_of(kernel));
+    CHECK(check(kernel, a, b, M, N, K) == M * N);
+    std::vector<float> c(std::size_t(M * N), std::numeric_limits<float>::quiet_NaN());
+    epmoe::space::gemm_nt_int8({a.data(), M, K}, packed, {c.data(), M, N}, kernel);
+    for (index_t i = 0; i < 2; ++i, ++rows)
+      for (index_t j = 0; j < N; ++j) {
+        const float got = c[std::size_t(i * N + j)];
+        CHECK(std::isfinite(got));
+        CHECK(std::abs(got) < 1e-30f);  // 0 on W8A8; the tiny products on W8A16
+      }
+  }
+  CHECK(rows == 2 * index_t(kernels_here().size()));
 }
 
 TEST_CASE("int8: NaN and Inf (weights refused at pack time, activations spread per row)") {

@@ -13,7 +13,7 @@
 #include "epmoe/core/error.hpp"
 #include "epmoe/core/options.hpp"
 #include "epmoe/core/view.hpp"
-#include "epmoe/space/host_packed.hpp"
+#include "epmoe/space/host_packed_weights.hpp"
 
 namespace epmoe {
 

@@ -28,8 +28,8 @@ struct int8_channel {
 
   /// The format's quantisation of fp32 weights: per output channel n, scale = max_k |w| / 127
   /// (fp32 division), q = w / scale (fp32 division) rounded half to even, clamped to
-  /// [-127, 127] (a scale that underflows to 0 gives q = ±127, values 0); a zero channel has
-  /// scale 0 and q 0. (NaN and Inf are refused by the packer; not defined here.)
+  /// [-127, 127]; a channel whose scale is 0 (zeros, or a max below 127 denormals: the scale
+  /// underflows) has q 0. (NaN and Inf are refused by the packer; not defined here.)
   static int8_channel quantise(matrix_view<const float> w) {
     int8_channel out{w.rows, w.cols, std::vector<std::int8_t>(std::size_t(w.rows * w.cols)),
                      std::vector<float>(std::size_t(w.rows))};
@@ -40,7 +40,7 @@ struct int8_channel {
       out.scale[std::size_t(n)] = s;
       for (index_t k = 0; k < w.cols; ++k)
         out.q[std::size_t(n * w.cols + k)] =
-            amax > 0
+            s > 0
                 ? static_cast<std::int8_t>(std::clamp(std::nearbyint(w(n, k) / s), -127.f, 127.f))
                 : 0;
     }
@@ -53,7 +53,9 @@ struct int8_channel {
 
 /// One activation row quantised per token (W8A8): scale = max |x| / 127, q = x * (127 /
 /// max |x|) (both fp32) rounded half to even; the row's values are scale * q. A zero row stays
-/// zero; a row holding NaN or ±Inf is all NaN.
+/// zero, and so does a row whose 127 / max |x| overflows fp32 (max |x| < 127 / FLT_MAX, about
+/// 3.7e-37: its products are below any output's rounding); a row holding NaN or ±Inf is all
+/// NaN.
 inline std::vector<double> int8_token(const float* x, index_t K) {
   float amax = 0;
   bool finite = true;
@@ -62,8 +64,8 @@ inline std::vector<double> int8_token(const float* x, index_t K) {
     amax = std::max(amax, std::abs(x[k]));
   }
   std::vector<double> out(std::size_t(K), finite ? 0.0 : NAN);
-  if (!finite || amax == 0) return out;
-  const float inv = 127.f / amax, s = amax / 127.f;
+  const float inv = amax > 0 ? 127.f / amax : 0.f, s = amax / 127.f;
+  if (!finite || !std::isfinite(inv) || inv == 0) return out;
   for (index_t k = 0; k < K; ++k) out[std::size_t(k)] = double{s} * std::nearbyint(x[k] * inv);
   return out;
 }
@@ -120,7 +122,8 @@ struct group_weights {
   ///   s) clamped to [0, 15] (both in double, s then rounded to fp32), m = lo (a group of
   ///   equal values: s = 0, q = 0, m = that value);
   /// int8_group: s = max |w| / 127, q = round-half-even(w / s) clamped to [-127, 127] (fp32);
-  /// a group of zeros has s = 0 and q = 0. (NaN and Inf are refused by the packer.)
+  /// a group whose s is 0 (zeros, or a max so small that s underflows) has q = 0. (NaN and Inf
+  /// are refused by the packer.)
   static group_weights quantise(matrix_view<const float> w, weights_format f) {
     group_weights out{f, w.rows, w.cols, {}, {}, {}};
     const index_t K = w.cols, g = f.group, G = out.groups();
@@ -146,7 +149,7 @@ struct group_weights {
           } else {
             const bool four = f.id == weights_format::kind::int4;
             s = amax / (four ? 7.5f : 127.f);
-            if (amax > 0)
+            if (s > 0)
               q = std::clamp(std::nearbyint(w(n, k) / s), four ? -8.f : -127.f, four ? 7.f : 127.f);
           }
           out.q[std::size_t(n * K + k)] = static_cast<std::int8_t>(q);

@@ -106,7 +106,7 @@ inline std::pair<float, float> quantise_group(weights_format f, const float* w, 
   for (index_t k = 0; k < n; ++k)
     put(k,
         static_cast<std::int8_t>(
-            amax > 0 ? std::clamp(std::nearbyint(w[k] / scale), four ? -8.f : -127.f, top) : 0.f));
+            scale > 0 ? std::clamp(std::nearbyint(w[k] / scale), four ? -8.f : -127.f, top) : 0.f));
   return {scale, 0.f};
 }
 

@@ -84,14 +84,22 @@ inline float quantise_int8_channel(const float* w, index_t K, index_t row, Put&&
   const float scale = amax / 127.f;
   for (index_t k = 0; k < K; ++k)
     put(k, static_cast<std::int8_t>(
-               amax > 0 ? std::clamp(std::nearbyint(w[k] / scale), -127.f, 127.f) : 0.f));
+               scale > 0 ? std::clamp(std::nearbyint(w[k] / scale), -127.f, 127.f) : 0.f));
   return scale;
+}
+
+/// 127 / max |x| of a row, or 0 where that is not a finite number: a zero row, and one so
+/// small that the inverse overflows (max |x| < 127 / FLT_MAX): both quantise to zeros.
+inline float u8_inverse_scale(float amax) {
+  const float inv = amax > 0 ? 127.f / amax : 0.f;
+  return std::isfinite(inv) ? inv : 0.f;
 }
 
 /// The format's per-token activation quantisation, one row of K values: scale = max |x| /
 /// 127, q = round-half-even(x * (127 / max |x|)) (fp32 product) in [-127, 127]; a row of
-/// zeros gives scale 0. A row holding NaN or ±Inf gets scale NaN (its outputs are NaN) and
-/// q = 0. Stored as u8 = q + 128, four per word (past K: 128, a zero). Returns the scale.
+/// zeros (or below 127 / FLT_MAX: u8_inverse_scale) gives scale 0. A row holding NaN or ±Inf
+/// gets scale NaN (its outputs are NaN) and q = 0. Stored as u8 = q + 128, four per word (past
+/// K: 128, a zero). Returns the scale.
 inline float quantise_u8_row(const float* x, index_t K, std::uint8_t* out, index_t padded) {
   float amax = 0, poison = 0;  // poison: x * 0 is NaN for NaN and ±Inf
   for (index_t k = 0; k < K; ++k) {
@@ -99,13 +107,13 @@ inline float quantise_u8_row(const float* x, index_t K, std::uint8_t* out, index
     poison += x[k] * 0.f;
   }
   const bool bad = std::isnan(poison);
-  const float inv = amax > 0 && !bad ? 127.f / amax : 0.f;
+  const float inv = bad ? 0.f : u8_inverse_scale(amax);
   for (index_t k = 0; k < padded; ++k)
     out[k] = static_cast<std::uint8_t>(
         128 + (k < K && !bad
                    ? static_cast<int>(std::clamp(std::nearbyint(x[k] * inv), -127.f, 127.f))
                    : 0));
-  return bad ? poison : amax / 127.f;
+  return bad ? poison : inv > 0 ? amax / 127.f : 0.f;
 }
 
 namespace detail {
@@ -337,7 +345,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_u8_ro
     std::fill_n(out, padded, std::uint8_t{128});
     return bad;
   }
-  const __m512 inv = _mm512_set1_ps(big > 0 ? 127.f / big : 0.f);
+  const float scalar_inv = u8_inverse_scale(big);
+  const __m512 inv = _mm512_set1_ps(scalar_inv);
   const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
   const __m512i bias = _mm512_set1_epi32(128);
   for (index_t k = 0; k < padded; k += 16) {
@@ -346,7 +355,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline float quantise_u8_ro
     q = _mm512_add_epi32(_mm512_maskz_min_epi32(all, _mm512_maskz_max_epi32(all, q, lo), hi), bias);
     _mm_mask_storeu_epi8(out + k, column_mask(padded - k), _mm512_maskz_cvtepi32_epi8(all, q));
   }
-  return big / 127.f;
+  return scalar_inv > 0 ? big / 127.f : 0.f;
 }
 #endif
 
