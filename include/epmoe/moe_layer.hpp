@@ -192,7 +192,7 @@ class moe_layer {
   /// Split phase (docs/decode.md): the forward above in two calls, for two-batch overlap.
   /// start posts the dispatch of y = MoE(x) and returns (x and y must stay valid until
   /// finish); the caller computes meanwhile; finish(h) runs the experts and the combine and
-  /// writes y. Collective like forward, with the same input checks (a rejected input: every
+  /// writes y (or experts(h) first). Collective like forward, with the same input checks (a rejected input: every
   /// rank throws at start, nothing is written); forward only (the pass keeps nothing for a
   /// backward). One split pass per layer; epmoe::split_layer keeps several in flight.
   split_handle start(matrix_view<const value_type> x, matrix_view<value_type> y,
@@ -204,6 +204,9 @@ class moe_layer {
       router_.check(space_, store_.views().noise_gate);
     });
   }
+  /// Optional, between start and finish: runs the experts and posts the combine (finish then
+  /// waits for it); the caller computes meanwhile (two-batch overlap: the other batch's experts).
+  void experts(split_handle h) { parts::split_stages<moe_layer>::experts_pass(*this, h); }
   void finish(split_handle h) { parts::split_stages<moe_layer>::finish_pass(*this, h); }
 
   // --- training (docs/training.md) ------------------------------------------------------

@@ -59,8 +59,17 @@ class split_layer {
     return {next_++, lane};
   }
 
-  /// Waits for h's dispatch, runs its experts and combine, writes its y. h: the oldest pass
-  /// in flight, once.
+  /// Optional, between start and finish: waits for h's dispatch, runs its experts and posts
+  /// its combine (any pass in flight, once; every rank in the same order).
+  void experts(split_handle h) {
+    detail::require(h.id >= oldest_ && h.id < next_, "experts(handle)", h.id,
+                    "must name a pass in flight (started, not finished)");
+    const std::size_t lane = static_cast<std::size_t>(h.id % lanes_.size());
+    lanes_[lane]->experts(held_[lane]);
+  }
+
+  /// Waits for h's combine (running its experts first unless experts(h) did), writes its y.
+  /// h: the oldest pass in flight, once.
   void finish(split_handle h) {
     if (h.id < oldest_ || h.id >= next_)
       throw config_error("finish(handle)", "pass " + std::to_string(h.id),

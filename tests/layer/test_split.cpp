@@ -84,8 +84,8 @@ Comm lane_comm(const comm::threads& c) {
 constexpr int batches = 5;
 
 // Every batch's y on every rank: plain passes of a moe_layer, or split passes in the order
-// start 0, start 1, finish 0, start 2, finish 1, start 3, finish 2, start 4, finish 3, finish 4
-// (two in flight from the second start on).
+// start 0, start 1, experts 1, finish 0, start 2, finish 1, start 3, experts 3, finish 2,
+// start 4, finish 3, finish 4 (two in flight from the second start on).
 template <class P>
 std::vector<std::vector<std::vector<float>>> run(const layer_config& cfg, bool split) {
   const auto w = reference::full_weights::random(cfg, 7);
@@ -105,6 +105,7 @@ std::vector<std::vector<std::vector<float>>> run(const layer_config& cfg, bool s
       for (int m = 1; m < batches; ++m) {
         h[m] = layer.start(d.xv(m, H), d.yv(m, H));
         if (layer.in_flight() != 2) throw std::logic_error("two passes should be in flight");
+        if (m % 2) layer.experts(h[m]);  // the newer's experts before the older's finish
         layer.finish(h[m - 1]);
       }
       layer.finish(h[batches - 1]);
@@ -236,8 +237,11 @@ TEST_CASE("split: handles finish once, in order; a busy layer refuses another pa
                                          Catch::Contains("pass 0 first"));
   CHECK_THROWS_WITH(layer.lane(0).forward(d.xv(2, H), d.yv(2, H)),
                     Catch::Contains("split pass 0 is in flight"));
+  layer.experts(b);
+  CHECK_THROWS_WITH(layer.experts(b), Catch::Contains("ran its experts already"));
   layer.finish(a);
   CHECK_THROWS_WITH(layer.finish(a), Catch::Contains("finished already"));
+  CHECK_THROWS_WITH(layer.experts(a), Catch::Contains("must name a pass in flight"));
   layer.finish(b);
   CHECK_THROWS_WITH(layer.finish(split_handle{9, 1}), Catch::Contains("not started"));
   CHECK(layer.in_flight() == 0);

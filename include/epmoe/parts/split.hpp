@@ -11,11 +11,12 @@
 #include "epmoe/core/error.hpp"
 #include "epmoe/parts/stages.hpp"
 
-// A forward in two calls (docs/decode.md, "Split phase and two-batch overlap"): start runs
-// route, plan, permute, shared, the counts exchange (every rank's verdict) and posts the first
-// unit's dispatch; finish waits for it, runs the experts, the combine and the reduce. Between
-// the two the caller computes (another micro-batch's attention) while the dispatch is on the
-// wire. The units run one after another (the other micro-batch is the overlap).
+// A forward in two or three calls (docs/decode.md, "Split phase and two-batch overlap"): start
+// runs route, plan, permute, shared, the counts exchange (every rank's verdict) and posts the
+// first unit's dispatch; experts (optional) waits for it, runs the experts and posts the
+// combine; finish waits for the combine and sums. Between the calls the caller computes
+// (another micro-batch's attention or experts) while an exchange is on the wire. The units run
+// one after another (the other micro-batch is the overlap).
 namespace epmoe {
 
 /// What start returns and finish consumes, once: the pass's number (and, in a split_layer,
@@ -32,6 +33,7 @@ namespace epmoe::parts {
 /// The one split pass a layer may hold between start and finish.
 struct split_state {
   bool open = false;
+  bool experts_done = false;  // experts(handle) ran: the last combine is posted
   std::uint64_t id = 0;
 
   /// A call that needs the layer's pass state (forward, backward, start) while a split pass
@@ -86,22 +88,19 @@ struct split_stages : forward_stages<L> {
       if (s.chunks() > 0) s.dispatch_start(0);
       l.clock_.stage(&stage_times::total, a, l.clock_.now());
     });
-    l.split_.open = true, l.split_.id = l.passes_;
+    l.split_.open = true, l.split_.experts_done = false, l.split_.id = l.passes_;
     return {l.passes_, 0};
   }
 
-  /// The second half: waits for the dispatch, runs the experts, the combine and the reduce
-  /// into the y given to start. h: what start returned (once).
-  static void finish_pass(L& l, split_handle h) {
-    l.life_.usable();
-    if (!l.split_.open || h.id != l.split_.id)
-      throw config_error("finish(handle)", "pass " + std::to_string(h.id),
-                         l.split_.open ? "is not the split pass in flight (pass " +
-                                             std::to_string(l.split_.id) + "): finish each once"
-                                       : std::string("no split pass is in flight: finish each "
-                                                     "handle once, after its start"));
-    l.split_.open = false;  // whatever happens next
-    l.pending_ = true;
+  /// The middle step (optional): waits for the dispatch, runs the experts and posts the
+  /// combine (the last unit's: the caller computes while it is on the wire).
+  static void experts_pass(L& l, split_handle h) {
+    check(l, h, "experts(handle)");
+    if (l.split_.experts_done)
+      throw config_error("experts(handle)", "pass " + std::to_string(h.id),
+                         "ran its experts already: call experts(handle) at most once, before "
+                         "finish(handle)");
+    l.split_.experts_done = true;
     split_stages s(l);
     s.guarded([&] {
       const auto a = l.clock_.now();
@@ -111,8 +110,30 @@ struct split_stages : forward_stages<L> {
         s.dispatch_wait(u);
         s.experts(u);
         s.combine_start(u);
-        s.combine_wait(u);
+        if (u + 1 < n) s.combine_wait(u);
       }
+      l.clock_.stage(&stage_times::total, a, l.clock_.now());
+    });
+  }
+
+  /// The second half: the experts step unless it ran, then waits for the combine and sums
+  /// into the y given to start. h: what start returned (once).
+  static void finish_pass(L& l, split_handle h) {
+    check(l, h, "finish(handle)");
+    if (!l.split_.experts_done) {
+      try {
+        experts_pass(l, h);
+      } catch (...) {
+        l.split_.open = false;
+        throw;
+      }
+    }
+    l.split_.open = false;  // whatever happens next
+    l.pending_ = true;
+    split_stages s(l);
+    s.guarded([&] {
+      const auto a = l.clock_.now();
+      if (const int n = s.chunks(); n > 0) s.combine_wait(n - 1);
       s.reduce();
       s.finish();
       l.clock_.stage(&stage_times::total, a, l.clock_.now());  // time spent in the layer
@@ -124,6 +145,15 @@ struct split_stages : forward_stages<L> {
   }
 
  private:
+  static void check(const L& l, split_handle h, const char* call) {
+    l.life_.usable();
+    if (!l.split_.open || h.id != l.split_.id)
+      throw config_error(call, "pass " + std::to_string(h.id),
+                         l.split_.open ? "is not the split pass in flight (pass " +
+                                             std::to_string(l.split_.id) + "): finish each once"
+                                       : std::string("no split pass is in flight: finish each "
+                                                     "handle once, after its start"));
+  }
   static void begin(L& l) {
     l.stats_.expert_flops = 0;
     l.stats_.started =
