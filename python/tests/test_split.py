@@ -14,6 +14,8 @@ H, F = 16, 24
 
 def close(got, want, tol=1e-5):
     assert got.shape == want.shape and torch.isfinite(got).all()
+    if want.numel() == 0:
+        return
     err = (got - want).abs().max().item() / max(want.abs().max().item(), 1e-30)
     assert err <= tol, f"relative error {err}"
 
@@ -42,7 +44,7 @@ def test_handles_finish_once_in_order():
         moe.start(x)
     with pytest.raises(RuntimeError, match="out of order"):
         moe.finish(b)
-    with pytest.raises(RuntimeError, match="split pass 0 is in flight"):
+    with pytest.raises(ValueError, match="split pass 0 is in flight"):
         moe(x)  # the module's own lane holds pass a
     ya = moe.finish(a)
     with pytest.raises(RuntimeError, match="finished already"):
