@@ -96,7 +96,8 @@ std::vector<row> run_rank(Make&& make, int me, int R, const options& o) {
     double experts = 0;
     {
       moe_layer<P> probe(cfg, comm::throttled<Inner>(make(), comm::link{1e15, 0}), w);
-      std::vector<float> x(static_cast<std::size_t>(T * H), 0.1f), y(x.size());
+      const auto x = reference::random_tokens(T, H, 99 + me);  // (a spread routing)
+      std::vector<float> y(x.size());
       std::vector<double> t;
       for (int i = 0; i < 7; ++i) {
         probe.forward({x.data(), T, H}, {y.data(), T, H});

@@ -222,7 +222,7 @@ TEST_CASE("split: a rejected input on one rank at start throws on every rank, wr
   CHECK(ok == std::vector<int>{3, 3});
 }
 
-TEST_CASE("split: handles finish once, in order; a busy layer refuses another pass", "[split]") {
+TEST_CASE("split: handles finish once, in order, and a busy layer refuses another pass", "[split]") {
   const auto cfg = config(1);
   const auto w = reference::full_weights::random(cfg, 7);
   using P = policies<comm::local>;
