@@ -35,7 +35,7 @@ void split_equals_plain() {
   using P = policies<Dedup>;
   const int R = test::world_size(), me = test::world_rank();
   const layer_config cfg{
-      .hidden = 16, .ffn = 12, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 16};
+      .hidden = 16, .ffn = 12, .experts = 12, .top_k = 2, .ranks = R, .max_tokens = 16};
   const auto w = reference::full_weights::random(cfg, 81);
   const auto mine = reference::slice(w, typename P::placement(cfg), me);
   const index_t H = cfg.hidden;
@@ -86,7 +86,7 @@ TEST_CASE("mpi split: a rejected input on the last rank at start throws on every
   using P = policies<false>;
   const int R = test::world_size(), me = test::world_rank();
   const layer_config cfg{
-      .hidden = 16, .ffn = 12, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 16};
+      .hidden = 16, .ffn = 12, .experts = 12, .top_k = 2, .ranks = R, .max_tokens = 16};
   const auto w = reference::full_weights::random(cfg, 81);
   const auto mine = reference::slice(w, P::placement(cfg), me);
   std::vector<comm::mpi> comms;

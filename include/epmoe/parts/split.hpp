@@ -140,6 +140,8 @@ struct split_stages : forward_stages<L> {
     });
     ++l.passes_;
     if (l.pass_.error) std::rethrow_exception(l.pass_.error);  // device static shapes
+    // A verdict that came with the dispatch (deferred): read now, a rejection throws here.
+    if (l.pass_.deferred) l.stats();
     l.stats_.saved_bytes = 0;
     if (l.train_) l.train_->end_inference(h.id);
   }
