@@ -32,6 +32,7 @@
 #include "epmoe/expert/mlp.hpp"
 #include "epmoe/expert/swiglu.hpp"
 #include "epmoe/moe_layer.hpp"
+#include "epmoe/split_layer.hpp"
 #include "epmoe/placement/balancer.hpp"
 #include "epmoe/placement/block.hpp"
 #include "epmoe/placement/relocate.hpp"

@@ -34,6 +34,7 @@
 #include "epmoe/parts/placement.hpp"
 #include "epmoe/parts/router.hpp"
 #include "epmoe/parts/sizes.hpp"
+#include "epmoe/parts/split.hpp"
 #include "epmoe/parts/stages.hpp"
 #include "epmoe/parts/training.hpp"
 #include "epmoe/parts/weights.hpp"
@@ -163,6 +164,7 @@ class moe_layer {
   pass_handle forward(matrix_view<const value_type> x, matrix_view<value_type> y,
                       std::span<const std::int64_t> token_ids = {},
                       const forward_options& opt = {}) {
+    split_.idle("forward");
     return parts::forward_stages<moe_layer>::run(*this, x, y, token_ids, nullptr, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_token_ids<router_type>(token_ids, x.rows);
@@ -180,11 +182,32 @@ class moe_layer {
   /// (backward_options::routing_grad).
   pass_handle forward(matrix_view<const value_type> x, routing_view routing,
                       matrix_view<value_type> y, const forward_options& opt = {}) {
+    split_.idle("forward");
     return parts::forward_stages<moe_layer>::run(*this, x, y, {}, &routing, opt, [&] {
       parts::check_pass_inputs(x, y, cfg_);
       parts::check_given_routing(routing, x.rows, cfg_.scored_experts(), layout_.width);
     });
   }
+
+  /// Split phase (docs/decode.md): the forward above in two calls, for two-batch overlap.
+  /// start posts the dispatch of y = MoE(x) and returns (x and y must stay valid until
+  /// finish); the caller computes meanwhile; finish(h) runs the experts and the combine and
+  /// writes y (or experts(h) first). Collective like forward, with the same input checks (a rejected input: every
+  /// rank throws at start, nothing is written); forward only (the pass keeps nothing for a
+  /// backward). One split pass per layer; epmoe::split_layer keeps several in flight.
+  split_handle start(matrix_view<const value_type> x, matrix_view<value_type> y,
+                     std::span<const std::int64_t> token_ids = {}) {
+    return parts::split_stages<moe_layer>::start_pass(*this, x, y, token_ids, [&] {
+      parts::check_pass_inputs(x, y, cfg_);
+      parts::check_token_ids<router_type>(token_ids, x.rows);
+      router_.check_token_ids(space_, token_ids);
+      router_.check(space_, store_.views().noise_gate);
+    });
+  }
+  /// Optional, between start and finish: runs the experts and posts the combine (finish then
+  /// waits for it); the caller computes meanwhile (two-batch overlap: the other batch's experts).
+  void experts(split_handle h) { parts::split_stages<moe_layer>::experts_pass(*this, h); }
+  void finish(split_handle h) { parts::split_stages<moe_layer>::finish_pass(*this, h); }
 
   // --- training (docs/training.md) ------------------------------------------------------
 
@@ -204,6 +227,7 @@ class moe_layer {
                 const gradients& grads, const backward_options& opt = {}) {
     static_assert(checks::trains<space_type, expert_type, router_type>());
     life_.usable();
+    split_.idle("backward");
     stats();  // the forward's numbers are read before the clock starts again
     std::exception_ptr bad;
     try {
@@ -421,6 +445,8 @@ class moe_layer {
   friend struct parts::forward_stages;
   template <class L>
   friend struct parts::backward_stages;
+  template <class L>
+  friend struct parts::split_stages;
   template <class T>
   using buffer = typename space_type::template buffer<T>;
   template <class T>
@@ -519,6 +545,7 @@ class moe_layer {
   std::optional<parts::training_state<space_type, expert_type, router_type>> train_;
   parts::lifecycle life_;
   mutable parts::forward_pass<value_type> pass_;  // the last forward (backward reads it)
+  parts::split_state split_;                      // a split pass between start and finish
   std::uint64_t passes_ = 0;
   std::chrono::steady_clock::time_point built_ = std::chrono::steady_clock::now();
   mutable bool pending_ = false;  // stats() has marks and losses to resolve

@@ -17,6 +17,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from . import _epmoe, _ops
+from . import split as _split
 from ._packing import (DISPATCH_ROWS, _pack_format, _pack_option, _packs, _refuse_training,
                        _viewable)
 from .quantised import give, plan_given
@@ -232,9 +233,10 @@ class MoE(nn.Module):
         self.exchange_group, store, abort_key = (
             _exchange_group(group, exchange_group, float(exchange_timeout)) if group is not None
             else (None, None, ""))
-        self._layer = _epmoe.Layer(entry, self.config, self.phy_to_log, self.router_args,
-                                   self._rank_weights(), self.exchange_group,
-                                   0 if group is not None else R, store, abort_key)
+        self._make_layer = lambda: _epmoe.Layer(  # (split.py builds its lanes with it)
+            entry, self.config, self.phy_to_log, self.router_args, self._rank_weights(),
+            self.exchange_group, 0 if group is not None else R, store, abort_key)
+        self._layer = self._make_layer()
         self._bound = self._pointers()
         self._pack = _pack_option(pack_weights)
         self._packed_versions = None  # packed at the first forward that packs
@@ -476,6 +478,14 @@ class MoE(nn.Module):
             y, aux, seq, z, _ = _ops.run(self, flat.contiguous(), params, None, None,
                                          _ops.wants_backward(flat, params), ids)
         return y.to(dtype).view(shape), RouterLosses(aux, seq, z)
+
+    def start(self, x: torch.Tensor):
+        """Split phase, for two-batch overlap (epmoe/split.py): posts y = moe(x)'s dispatch and
+        returns a handle; finish(handle) returns y. Inference only."""
+        return _split.start(self, x)
+
+    def finish(self, handle) -> torch.Tensor:
+        return _split.finish(self, handle)
 
     # The custom op's implementations (epmoe/_ops.py), on real tensors.
     def _op_forward(self, x, params, ids, weights, keep, token_ids=None):

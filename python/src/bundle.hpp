@@ -86,6 +86,12 @@ class layer_of final : public any_layer {
       layer_.forward(x, y, token_ids, {.keep_for_backward = keep});
   }
 
+  void start(matrix_view<const float> x, matrix_view<float> y,
+             std::span<const std::int64_t> token_ids) override {
+    held_ = layer_.start(x, y, token_ids);
+  }
+  void finish() override { layer_.finish(held_); }
+
   void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,
                 const loss_scales& losses, bool accumulate,
                 matrix_view<float> routing_grad) override {
@@ -198,6 +204,7 @@ class layer_of final : public any_layer {
 
   layer_args args_;  // the router's bias points into it
   layer layer_;
+  split_handle held_{};  // the split pass between start and finish
 };
 
 /// The menu entry of one bundle.

@@ -126,6 +126,11 @@ class any_layer {
   virtual void forward(matrix_view<const float> x, matrix_view<float> y,
                        const routing_view* routing, bool keep,
                        std::span<const std::int64_t> token_ids) = 0;
+  /// Split phase (moe_layer::start/finish, docs/decode.md): the dispatch of y = MoE(x) is
+  /// posted, finish() runs the experts and the combine into y. One split pass per layer.
+  virtual void start(matrix_view<const float> x, matrix_view<float> y,
+                     std::span<const std::int64_t> token_ids) = 0;
+  virtual void finish() = 0;
   /// Empty expert gradients: frozen experts (no dW). routing_grad: a given routing's
   /// weights' gradient [T, K], or empty.
   virtual void backward(matrix_view<const float> dy, matrix_view<float> dx, const rank_grads& g,

@@ -335,6 +335,19 @@ class layer {
     });
   }
 
+  /// Split phase (docs/decode.md): forward's first half (its checks, the dispatch posted);
+  /// finish() waits, runs the experts and the combine, and writes y. x and y stay alive until.
+  void start(const at::Tensor& x, const at::Tensor& y) {
+    const std::string bad = first_bad({{x, "x"}, {y, "y"}});
+    run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
+      layers_[r]->start(rows<const float>(x, a, n, !bad.empty()),
+                        rows<float>(y, a, n, !bad.empty()), {});
+    });
+  }
+  void finish() {
+    each_rank([&](int r) { layers_[r]->finish(); });
+  }
+
   /// routing_grad: where a given routing's weights' gradient [T, K] goes, or undefined.
   void backward(const at::Tensor& dy, const at::Tensor& dx, const ::py::list& grads, double aux,
                 double seq_aux, double z, bool accumulate,
@@ -712,6 +725,8 @@ PYBIND11_MODULE(_epmoe, m) {
       .def("backward", &ep::layer::backward, ::py::arg("dy"), ::py::arg("dx"), ::py::arg("grads"),
            ::py::arg("aux"), ::py::arg("seq_aux"), ::py::arg("z"), ::py::arg("accumulate"),
            ::py::arg("routing_grad") = ::py::none())
+      .def("start", &ep::layer::start, ::py::arg("x"), ::py::arg("y"))
+      .def("finish", &ep::layer::finish)
       .def("rebind", &ep::layer::rebind)
       .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("format") = "fp32")
       .def("pack_given", &ep::layer::pack_given, ::py::arg("rank"), ::py::arg("tensor"),

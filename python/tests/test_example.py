@@ -103,3 +103,15 @@ def test_generate_expert_parallel():
     assert "tokens equal the unmodified model's: yes" in text, text[-4000:]
     for r in range(2):
         assert f"rank {r}: expert bytes" in text and "(50%)" in text, text[-4000:]
+
+
+DECODE = os.path.join(ROOT, "examples", "python", "decode_overlap.py")
+
+
+def test_decode_overlap():
+    """examples/python/decode_overlap.py on 2 processes, small: both schedules run and agree."""
+    rc, text = run_example(None, "--procs", "2", "--tokens", "1,8", "--layers", "2", "--steps",
+                           "2", "--hidden", "64", "--ffn", "96", script=DECODE)
+    assert rc == 0, text[-4000:]
+    rows = [line.split() for line in text.splitlines() if line.split()[:1] in (["1"], ["8"])]
+    assert len(rows) == 2 and all(r[-1] == "yes" for r in rows), text[-4000:]
