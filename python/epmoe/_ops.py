@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 _modules: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _keys = itertools.count(1)
@@ -133,3 +134,26 @@ def wants_backward(x: Tensor, params) -> bool:
     """Whether this call's forward must keep what backward reads: grad mode on and something
     that requires grad (no_grad and inference_mode: nothing is kept)."""
     return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+
+
+class FusedMoEFunction(torch.autograd.Function):
+    """fuse_grad_accumulation: y, aux, seq_aux, z = MoE(x), the backward adding straight into
+    p.grad (which a custom op cannot do: it returns new gradients). Eager only."""
+
+    @staticmethod
+    def forward(ctx, module, x: torch.Tensor, token_ids, *params: torch.Tensor):
+        y, aux, seq, z, pid = module._op_forward(x, list(params), None, None, True, token_ids)
+        ctx.save_for_backward(x)  # the layer's backward reads x again (the gate's dW = dlᵀ x)
+        ctx.module, ctx.pass_id = module, int(pid)
+        return y, aux, seq, z
+
+    @staticmethod
+    @once_differentiable  # the layer's backward builds no graph: a double backward raises
+    def backward(ctx, dy, daux, dseq, dz):
+        module = ctx.module
+        module._take_pass(ctx.pass_id)
+        ctx.saved_tensors  # x is alive; raises if it was modified in place since forward
+        grads, accumulate = module._grad_targets(True)
+        dx = module._run_backward(dy, (float(daux), float(dseq), float(dz)), grads, accumulate,
+                                  None)
+        return (None, dx, None) + (None,) * len(module._param_names)  # in p.grad already

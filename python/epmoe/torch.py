@@ -14,7 +14,6 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from . import _epmoe, _ops
 from . import split as _split
@@ -44,29 +43,6 @@ class RouterLosses(NamedTuple):
 def menu():
     """The precompiled bundles (router, top_k, expert, capacity, schedule)."""
     return _epmoe.menu()
-
-
-class _FusedMoEFunction(torch.autograd.Function):
-    """fuse_grad_accumulation: y, aux, seq_aux, z = MoE(x), the backward adding straight into
-    p.grad (which a custom op cannot do: it returns new gradients). Eager only."""
-
-    @staticmethod
-    def forward(ctx, module: "MoE", x: torch.Tensor, token_ids, *params: torch.Tensor):
-        y, aux, seq, z, pid = module._op_forward(x, list(params), None, None, True, token_ids)
-        ctx.save_for_backward(x)  # the layer's backward reads x again (the gate's dW = dlᵀ x)
-        ctx.module, ctx.pass_id = module, int(pid)
-        return y, aux, seq, z
-
-    @staticmethod
-    @once_differentiable  # the layer's backward builds no graph: a double backward raises
-    def backward(ctx, dy, daux, dseq, dz):
-        module: MoE = ctx.module
-        module._take_pass(ctx.pass_id)
-        ctx.saved_tensors  # x is alive; raises if it was modified in place since forward
-        grads, accumulate = module._grad_targets(True)
-        dx = module._run_backward(dy, (float(daux), float(dseq), float(dz)), grads, accumulate,
-                                  None)
-        return (None, dx, None) + (None,) * len(module._param_names)  # in p.grad already
 
 
 class MoE(nn.Module):
@@ -473,7 +449,7 @@ class MoE(nn.Module):
         params = [getattr(self, n) for n in self._param_names]
         ids = None if token_ids is None else token_ids.reshape(-1).to(torch.int64).contiguous()
         if self.fuse_grad_accumulation:
-            y, aux, seq, z = _FusedMoEFunction.apply(self, flat.contiguous(), ids, *params)
+            y, aux, seq, z = _ops.FusedMoEFunction.apply(self, flat.contiguous(), ids, *params)
         else:
             y, aux, seq, z, _ = _ops.run(self, flat.contiguous(), params, None, None,
                                          _ops.wants_backward(flat, params), ids)
