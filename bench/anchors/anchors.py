@@ -4,7 +4,7 @@
 
   python bench/anchors/anchors.py [--shapes mixtral,deepseek] [--tokens 1,16,128]
       [--rounds 3] [--reps 5] [--threads 1] [--engines epmoe,kt,llama.cpp] [--json FILE]
-      [--smoke]
+      [--smoke] [--from-json FILE]
 
 Three engines time the experts stage (SwiGLU: gate, up, down) on quant_bench's shapes:
   epmoe      build/<dir>/bench/epmoe_bench_quant (its three tables: fp32/bf16/int8,
@@ -109,7 +109,8 @@ def engine_kt(a, shape, tokens):
     cmd = [a.kt_python, os.path.join(HERE, "kt_bench.py"), "--shape", f"{H},{F},{E},{k}",
            "--tokens", tokens, "--reps", str(a.reps), "--threads", str(a.kt_threads),
            "--flush-mb", str(a.flush_mb), "--formats", ",".join(fmts)]
-    return json_lines(run(cmd))
+    env = {"KT_KERNEL_CPU_VARIANT": a.kt_variant} if a.kt_variant else None
+    return json_lines(run(cmd, env))
 
 
 def engine_ggml(a, shape, tokens):
@@ -166,6 +167,30 @@ def table(records, shapes, tokens):
     return "\n".join(lines), med
 
 
+def markdown(med, shapes, tokens):
+    """One row per shape, T and class: epmoe's first format against each anchor's fastest."""
+    out = ["| shape | T | class | epmoe ms (GB/s) | kt-kernel: fastest, ms (GB/s) | x | "
+           "llama.cpp: fastest, ms (GB/s) | x |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for shape in shapes:
+        for T in tokens:
+            for name, per in CLASSES:
+                ours = med.get((shape, "epmoe", per["epmoe"][0], T))
+                if not ours:
+                    continue
+                cells = [f"{ours['ms']:.2f} ({ours['bytes'] / ours['ms'] / 1e6:.1f})"]
+                for eng in ("kt", "llama.cpp"):
+                    rs = [med[(shape, eng, f, T)] for f in per[eng] if (shape, eng, f, T) in med]
+                    if not rs:
+                        cells += ["—", ""]
+                        continue
+                    b = min(rs, key=lambda r: r["ms"])
+                    x = b["ms"] / ours["ms"]
+                    cells += [f"{b['format']} {b['ms']:.2f} ({b['bytes'] / b['ms'] / 1e6:.1f})",
+                              f"**{x:.2f}x**" if x >= 1 else f"{x:.2f}x"]
+                out.append(f"| {shape} | {T} | {name} ({per['epmoe'][0]}) | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="mixtral,deepseek")
@@ -175,6 +200,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kt-threads", type=int, help="CPUInfer(n); default threads - 1, at least 1 "
                     "(its dispatcher busy-waits on a core of its own)")
+    ap.add_argument("--kt-variant", help="KT_KERNEL_CPU_VARIANT (amx, avx512_bf16, ...); "
+                    "default: kt-kernel's own pick for the CPU")
     ap.add_argument("--flush-mb", type=int, default=512)
     ap.add_argument("--engines", default="epmoe,kt,llama.cpp")
     ap.add_argument("--epmoe-bin", default=os.path.join(ROOT, "build", "bench", "epmoe_bench_quant"))
@@ -182,7 +209,16 @@ def main():
     ap.add_argument("--ggml-bin", default=os.path.join(ROOT, "build", "anchors", "ggml_moe"))
     ap.add_argument("--json", help="write every round's records here")
     ap.add_argument("--smoke", action="store_true", help="tiny shape, one round, one rep")
+    ap.add_argument("--from-json", help="print the tables of an earlier run's --json, run nothing")
     a = ap.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            records = json.load(f)["records"]
+        shapes = list(dict.fromkeys(r["shape"] for r in records))
+        tokens = sorted({r["T"] for r in records if "T" in r})
+        text, med = table(records, shapes, tokens)
+        print(text + "\n\n" + markdown(med, shapes, tokens))
+        return 0
     if a.smoke:
         a.shapes, a.tokens, a.rounds, a.reps, a.flush_mb = "tiny", "1,16", 1, 1, 8
     a.kt_threads = a.kt_threads or max(1, a.threads - 1)
@@ -218,7 +254,7 @@ def main():
     for r in bad:
         print(f"{r['engine']} {r['format']} T={r['T']}: a non-finite output")
     text, med = table(records, shapes, tokens)
-    print(text)
+    print(text + "\n\n" + markdown(med, shapes, tokens))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"records": records}, f, indent=1)
