@@ -86,23 +86,29 @@ ggml_backend_buffer_type_t pick_buft(ggml_backend_dev_t dev, ggml_tensor* w, int
 }
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string shape = "4096,1792,8,2", tokens_s = "1,16,128", formats_s = "bf16,q8_0,q4_0,q4_k,mxfp4";
+  std::string shape = "4096,1792,8,2", tokens_s = "1,16,128",
+              formats_s = "bf16,q8_0,q4_0,q4_k,mxfp4";
   int reps = 7, threads = 2, flush_mb = 512;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i], v = argv[i + 1];
-    if (a == "--shape") shape = v;
-    else if (a == "--tokens") tokens_s = v;
-    else if (a == "--formats") formats_s = v;
-    else if (a == "--reps") reps = std::stoi(v);
-    else if (a == "--threads") threads = std::stoi(v);
-    else if (a == "--flush-mb") flush_mb = std::stoi(v);
+    if (a == "--shape")
+      shape = v;
+    else if (a == "--tokens")
+      tokens_s = v;
+    else if (a == "--formats")
+      formats_s = v;
+    else if (a == "--reps")
+      reps = std::stoi(v);
+    else if (a == "--threads")
+      threads = std::stoi(v);
+    else if (a == "--flush-mb")
+      flush_mb = std::stoi(v);
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;
@@ -157,7 +163,8 @@ int main(int argc, char** argv) {
       ggml_tensor* a = ggml_swiglu_split(g, g_, u_);
       ggml_tensor* d = ggml_mul(g, ggml_mul_mat_id(g, down, a, ids), rw);  // [H, k, T]
       ggml_tensor* y = ggml_view_2d(g, d, H, T, d->nb[2], 0);
-      for (long j = 1; j < k; ++j) y = ggml_add(g, y, ggml_view_2d(g, d, H, T, d->nb[2], j * d->nb[1]));
+      for (long j = 1; j < k; ++j)
+        y = ggml_add(g, y, ggml_view_2d(g, d, H, T, d->nb[2], j * d->nb[1]));
       ggml_cgraph* gf = ggml_new_graph(g);
       ggml_build_forward_expand(gf, y);
       ggml_gallocr_t alloc = ggml_gallocr_new(ggml_backend_cpu_buffer_type());
@@ -196,7 +203,8 @@ int main(int argc, char** argv) {
       long active = 0;
       for (char c : used) active += c;
       std::printf(
-          "{\"engine\": \"llama.cpp\", \"format\": \"%s\", \"T\": %ld, \"ms\": %.4f, \"bytes\": %.0f, "
+          "{\"engine\": \"llama.cpp\", \"format\": \"%s\", \"T\": %ld, \"ms\": %.4f, \"bytes\": "
+          "%.0f, "
           "\"active\": %ld, \"finite\": %s, \"path\": \"ggml MUL_MAT_ID, %s weights in buffer %s, "
           "%d threads\"}\n",
           fmt.c_str(), T, 1e3 * times[times.size() / 2], per_expert * double(active), active,
