@@ -15,7 +15,7 @@
 // mxfp4 copies the same way (minifloat_table; --minifloat: that table only).
 //
 //   epmoe_bench_quant [--shapes mixtral,deepseek] [--tokens 1,16,128,1024] [--reps N]
-//                     [--read-gbs X] [--group] [--minifloat] [--smoke]
+//                     [--read-gbs X] [--flush-mb N] [--group] [--minifloat] [--smoke]
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -76,6 +76,14 @@ std::vector<index_t> route(index_t T, index_t E, index_t k, std::uint64_t seed) 
   return rows;
 }
 
+// --flush-mb: one eviction read for every table (0: each table's own, 64 or 512 MB), so that
+// bench/anchors/anchors.py evicts epmoe's caches as it evicts the anchors'.
+std::size_t flush_mb = 0;
+
+std::size_t flush_floats(std::size_t default_mb) {
+  return (flush_mb ? flush_mb : default_mb) << 18;
+}
+
 struct point {
   index_t T = 0, active = 0;
   double seconds[3] = {};  // fp32, bf16, int8
@@ -112,7 +120,7 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   for (float& v : x0) v = u(rng);
   // 512 MB: more than the 480 MB L3 this VM reports (64 MB left a 27 MB int4 pass partly in
   // the L3: over 100% of the roof in one run).
-  std::vector<float> flush_buffer(std::size_t{128} << 20, 1.f);
+  std::vector<float> flush_buffer(flush_floats(512), 1.f);
   volatile float sink = 0;
   std::vector<sp::packed_weights> packed(nf);
   std::vector<sp::host> spaces(nf, space0);
@@ -205,7 +213,7 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   std::mt19937_64 rng(9);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (float& v : x0) v = u(rng);
-  std::vector<float> flush_buffer(std::size_t{16} << 20, 1.f);  // 64 MB
+  std::vector<float> flush_buffer(flush_floats(64), 1.f);
   volatile float sink = 0;
   std::printf("%s: bf16 against fp8_block and mxfp4 (kernel %s)\n", s.note,
               sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())));
@@ -284,6 +292,8 @@ int main(int argc, char** argv) {
       reps = std::stoi(next());
     else if (a == "--read-gbs")
       given_gbs = std::stod(next());
+    else if (a == "--flush-mb")
+      flush_mb = std::stoul(next());
     else if (a == "--smoke")
       smoke = true;
     else if (a == "--group")
@@ -293,7 +303,8 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: epmoe_bench_quant [--shapes mixtral,deepseek,tiny] [--tokens 1,16,...] "
-                   "[--reps N] [--read-gbs X] [--group] [--minifloat] [--smoke]\n");
+                   "[--reps N] [--read-gbs X] [--flush-mb N] [--group] [--minifloat] "
+                   "[--smoke]\n");
       return a == "--help" ? 0 : 2;
     }
   }
@@ -390,7 +401,7 @@ int main(int argc, char** argv) {
       std::uniform_real_distribution<float> u(-1.f, 1.f);
       for (float& v : x0) v = u(rng);
     }
-    std::vector<float> flush_buffer(std::size_t{16} << 20, 1.f);  // 64 MB
+    std::vector<float> flush_buffer(flush_floats(64), 1.f);
     volatile float sink = 0;
     const auto flush = [&] {
       float sum = 0;
