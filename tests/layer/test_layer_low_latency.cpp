@@ -18,6 +18,7 @@
 
 #include "faults.hpp"
 #include "harness.hpp"
+#include <epmoe/comm/any.hpp>
 #include <epmoe/comm/throttled.hpp>
 #include <epmoe/schedule/pipelined.hpp>
 
@@ -82,35 +83,46 @@ struct outcome {
 
 // One pass of moe_layer<P> on every rank with the given routing (or the router's, when
 // `routing` is null); `edit` may break rank r's copy of its routing.
-template <class P, class Edit>
+// The rank's comm: comm::threads, or P's made from it by `make`.
+struct same_comm {
+  template <class Use>
+  void operator()(comm::threads c, Use&& use) const {
+    use(std::move(c));
+  }
+};
+
+template <class P, class Edit, class Make = same_comm>
 outcome run(const layer_config& cfg, const reference::full_weights& w, const test::global_tokens& g,
-            const given_routing* routing, Edit edit) {
+            const given_routing* routing, Edit edit, Make make = {}) {
   outcome out{std::vector<std::string>(cfg.ranks), std::vector<float>(g.x.size(), sentinel),
               std::vector<pass_stats>(cfg.ranks), std::vector<index_t>(cfg.ranks)};
   comm::threads_world world(cfg.ranks);
-  world.run([&](comm::threads c) {
-    const int r = c.rank();
-    const placement::block where(cfg);
-    test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
-    moe_layer<P> layer(cfg, c, arrays.views(cfg, where.slots_per_rank()));
-    const index_t T = g.per_rank[r], H = cfg.hidden, K = cfg.top_k;
-    const matrix_view<const float> x(g.x.data() + g.offset(r) * H, T, H);
-    const matrix_view<float> y(out.y.data() + g.offset(r) * H, T, H);
-    try {
-      if (routing) {
-        const std::size_t at = std::size_t(r) * cfg.max_tokens * K;
-        std::vector<std::int32_t> ids(routing->ids.begin() + at, routing->ids.begin() + at + T * K);
-        std::vector<float> wts(routing->weights.begin() + at,
-                               routing->weights.begin() + at + T * K);
-        edit(r, ids);
-        layer.forward(x, routing_view{{ids.data(), T, K}, {wts.data(), T, K}}, y);
-      } else {
-        layer.forward(x, y);
+  world.run([&](comm::threads threads) {
+    const int r = threads.rank();
+    make(std::move(threads), [&](typename P::comm c) {
+      const placement::block where(cfg);
+      test::rank_arrays<P> arrays(w, reference::slice(w, where, r));
+      moe_layer<P> layer(cfg, std::move(c), arrays.views(cfg, where.slots_per_rank()));
+      const index_t T = g.per_rank[r], H = cfg.hidden, K = cfg.top_k;
+      const matrix_view<const float> x(g.x.data() + g.offset(r) * H, T, H);
+      const matrix_view<float> y(out.y.data() + g.offset(r) * H, T, H);
+      try {
+        if (routing) {
+          const std::size_t at = std::size_t(r) * cfg.max_tokens * K;
+          std::vector<std::int32_t> ids(routing->ids.begin() + at,
+                                        routing->ids.begin() + at + T * K);
+          std::vector<float> wts(routing->weights.begin() + at,
+                                 routing->weights.begin() + at + T * K);
+          edit(r, ids);
+          layer.forward(x, routing_view{{ids.data(), T, K}, {wts.data(), T, K}}, y);
+        } else {
+          layer.forward(x, y);
+        }
+        out.stats[r] = layer.stats();
+      } catch (const input_error& e) {
+        out.what[r] = e.what();
       }
-      out.stats[r] = layer.stats();
-    } catch (const input_error& e) {
-      out.what[r] = e.what();
-    }
+    });
   });
   return out;
 }
@@ -158,8 +170,8 @@ TEST_CASE("low latency: random routings against the reference and the default ex
           "[layer][low_latency]") {
   int checks = 0;
   for (int R : {1, 2, 4}) {
-    const layer_config cfg{.hidden = 12, .ffn = 10, .experts = 8, .top_k = 2, .ranks = R,
-                           .max_tokens = 9};
+    const layer_config cfg{
+        .hidden = 12, .ffn = 10, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 9};
     const auto w = reference::full_weights::random(cfg, 31 + R);
     std::vector<index_t> per_rank;
     for (int r = 0; r < R; ++r) per_rank.push_back(r == 1 ? 0 : 9 - r);  // rank 1: T = 0
@@ -169,7 +181,7 @@ TEST_CASE("low latency: random routings against the reference and the default ex
     const auto ref = test::run_reference<ll_policies<2>>(cfg, w, g);
     INFO("R=" << R);
     CHECK(test::relative_error(ll.y, ref) <= test::tolerance<space::host>(1e-5));
-    CHECK(ll.y == flat.y);  // the same rows through the same experts: bit for bit
+    CHECK(ll.y == flat.y);                // the same rows through the same experts: bit for bit
     CHECK(flat.stats[0].alltoalls == 3);  // counts, dispatch, combine
     checks += 3 + check_stats(cfg, ll, 9 * 2);
   }
@@ -183,8 +195,8 @@ TEST_CASE("low latency: slots filled exactly, left empty, every token to one ran
   for (int R : {1, 2, 4}) {
     // E = K: a token that picks every expert sends min(K, L) rows to each rank, its slot's
     // share exactly (S = max_tokens * min(K, L)).
-    const layer_config cfg{.hidden = 20, .ffn = 8, .experts = 4, .top_k = K, .ranks = R,
-                           .max_tokens = 5};
+    const layer_config cfg{
+        .hidden = 20, .ffn = 8, .experts = 4, .top_k = K, .ranks = R, .max_tokens = 5};
     const index_t T = cfg.max_tokens, L = cfg.experts / R;
     const auto w = reference::full_weights::random(cfg, 5 + R);
     const auto g = test::make_tokens(std::vector<index_t>(R, T), cfg.hidden, 3 + R);
@@ -219,12 +231,54 @@ TEST_CASE("low latency: slots filled exactly, left empty, every token to one ran
   CHECK(checks == 3 * 3 * 3 + 3 * 4 * (1 + 2 + 4));
 }
 
+TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and comm::local",
+          "[layer][low_latency]") {
+  struct slow : ll_policies<2> {
+    using comm = epmoe::comm::throttled<epmoe::comm::threads>;
+  };
+  struct any : ll_policies<2> {
+    using comm = epmoe::comm::any;
+  };
+  struct local : ll_policies<2> {
+    using comm = epmoe::comm::local;
+  };
+  const auto none = [](int, std::vector<std::int32_t>&) {};
+  int checks = 0;
+  for (int R : {1, 2, 4}) {
+    const layer_config cfg{
+        .hidden = 12, .ffn = 10, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 6};
+    const auto w = reference::full_weights::random(cfg, 51 + R);
+    const auto g = test::make_tokens(std::vector<index_t>(R, 6), cfg.hidden, 52);
+    const auto base = run<ll_policies<2>>(cfg, w, g);
+    const auto s = run<slow>(cfg, w, g, nullptr, none, [](comm::threads c, auto&& use) {
+      use(comm::throttled<comm::threads>(std::move(c), comm::link{1e9, 1e-6}));
+    });
+    const auto a = run<any>(cfg, w, g, nullptr, none, [](comm::threads c, auto&& use) {
+      comm::endpoint_of<comm::threads> ep(std::move(c));
+      use(comm::any(ep));
+    });
+    INFO("R=" << R);
+    CHECK(s.y == base.y);
+    CHECK(a.y == base.y);
+    CHECK(a.stats[0].dispatch_bytes_sent == base.stats[0].dispatch_bytes_sent);
+    CHECK(s.stats[0].alltoalls == 2);
+    checks += 4;
+    if (R == 1) {
+      const auto l = run<local>(cfg, w, g, nullptr, none,
+                                [](comm::threads, auto&& use) { use(comm::local{}); });
+      CHECK(l.y == base.y);
+      ++checks;
+    }
+  }
+  CHECK(checks == 3 * 4 + 1);
+}
+
 TEST_CASE("low latency: a rejected input on one rank makes every rank throw, y untouched",
           "[layer][low_latency]") {
   int checks = 0;
   for (int R : {2, 4}) {
-    const layer_config cfg{.hidden = 8, .ffn = 6, .experts = 8, .top_k = 2, .ranks = R,
-                           .max_tokens = 6};
+    const layer_config cfg{
+        .hidden = 8, .ffn = 6, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 6};
     const auto w = reference::full_weights::random(cfg, 41);
     const auto g = test::make_tokens(std::vector<index_t>(R, 6), cfg.hidden, 42);
     const auto rt = routing_of(cfg, [](index_t t, index_t k) { return int((3 * t + k) % 8); });
@@ -237,8 +291,7 @@ TEST_CASE("low latency: a rejected input on one rank makes every rank throw, y u
       if (r == bad)
         CHECK(o.what[r].find("routing.ids[1][1] = 99") != std::string::npos);
       else
-        CHECK(o.what[r].find("forward inputs of rank " + std::to_string(bad)) !=
-              std::string::npos);
+        CHECK(o.what[r].find("forward inputs of rank " + std::to_string(bad)) != std::string::npos);
       ++checks;
     }
     bool untouched = true;
@@ -315,8 +368,8 @@ TEST_CASE("low latency: its config rules are named", "[layer][low_latency]") {
   struct local_piped : local_ll {
     using schedule = epmoe::schedule::pipelined<2>;
   };
-  const layer_config cfg{.hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 1,
-                         .max_tokens = 4};
+  const layer_config cfg{
+      .hidden = 8, .ffn = 6, .experts = 4, .top_k = 2, .ranks = 1, .max_tokens = 4};
   layer_config train = cfg, bounded = cfg;
   train.training = true;
   bounded.max_recv_rows = 4;

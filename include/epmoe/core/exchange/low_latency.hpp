@@ -92,11 +92,11 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const index_t P = this->msg_.per_peer(), E = slot_elements();
     const mark t0 = x.clock.now();
     this->reset_units();
-    x.space.for_each(R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid,
-                                                    x.dev.send_offsets, nullptr, this->msg_, 1, 0,
-                                                    h, this->msg_send_.data()});
-    x.space.for_each(R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P,
-                                                            slots_send_.data(), E});
+    x.space.for_each(
+        R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
+                                       nullptr, this->msg_, 1, 0, h, this->msg_send_.data()});
+    x.space.for_each(
+        R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, slots_send_.data(), E});
     index_t* send_at = at_.host();
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < L; ++j) {
@@ -150,7 +150,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     copy_rows(x, slots_view(slots_recv_.device()), this->expert_view(), recv_at_device(),
               x.dev.regroup_offsets, x.dev.recv_counts);
     const dispatch_plan& p = x.plan;
-    x.clock.event(0, stage_kind::dispatch, 0, p.expert_offsets[p.local_experts] - p.expert_offsets[0],
+    x.clock.event(0, stage_kind::dispatch, 0,
+                  p.expert_offsets[p.local_experts] - p.expert_offsets[0],
                   x.stats.dispatch_bytes_received, a, x.clock.now());
   }
 
