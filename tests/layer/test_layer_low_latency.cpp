@@ -25,6 +25,11 @@
 namespace low_latency_tests {
 using namespace epmoe;
 
+// comm::threads puts rows straight into the peers' slots; the others run an all-to-all.
+static_assert(low_latency_exchange<comm::threads, space::host>::puts);
+static_assert(!low_latency_exchange<comm::any, space::host>::puts);
+static_assert(!low_latency_exchange<comm::throttled<comm::threads>, space::host>::puts);
+
 namespace {
 
 template <int K, bool LowLatency = true, class Space = space::host>
@@ -143,23 +148,28 @@ std::vector<float> reference_of(const layer_config& cfg, const reference::full_w
   return y;
 }
 
-// The pass's stats say two all-to-alls moved R - 1 whole slots each way, and the rows the
-// routing implies crossed; returns the checks made.
-int check_stats(const layer_config& cfg, const outcome& o, index_t slot_rows) {
-  const index_t R = cfg.ranks, L = cfg.experts / R;
-  const index_t stride = (cfg.hidden + 3) / 4 * 4;  // floats, rows 16-byte aligned
-  // The head: the counts message to one peer (header 4, 2L + 1 counts, 1 rounds; int64) in
-  // whole rows.
-  const index_t head = ((4 + 2 * L + 2) * 8 + stride * 4 - 1) / (stride * 4);
-  const index_t slot_bytes = (head + slot_rows) * stride * 4;
+// Bytes of a slot's head (the counts message to one peer: header 4, 2L + 1 counts, 1
+// rounds; int64) and of a whole slot (the head in whole rows, then slot_rows rows).
+index_t head_bytes(const layer_config& cfg) { return (4 + 2 * (cfg.experts / cfg.ranks) + 2) * 8; }
+index_t slot_bytes(const layer_config& cfg, index_t slot_rows) {
+  const index_t row = (cfg.hidden + 3) / 4 * 4 * 4;  // floats, rows 16-byte aligned
+  return ((head_bytes(cfg) + row - 1) / row + slot_rows) * row;
+}
+
+// The pass's stats: two all-to-alls; on comm::threads (puts) the rows of the default exchange
+// (`flat`) and a head per peer; returns the checks made.
+int check_stats(const layer_config& cfg, const outcome& o, const outcome& flat) {
+  const index_t R = cfg.ranks;
   int checks = 0;
   for (int r = 0; r < R; ++r) {
-    const pass_stats& s = o.stats[std::size_t(r)];
+    const pass_stats &s = o.stats[std::size_t(r)], &f = flat.stats[std::size_t(r)];
     CHECK(s.alltoalls == 2);
     CHECK(s.rounds == 1);
-    CHECK(s.dispatch_bytes_sent == (R - 1) * slot_bytes);
-    CHECK(s.combine_bytes_received == (R - 1) * slot_bytes);
-    checks += 4;
+    CHECK(s.dispatch_bytes_sent == f.dispatch_bytes_sent + (R - 1) * head_bytes(cfg));
+    CHECK(s.dispatch_bytes_received == f.dispatch_bytes_received + (R - 1) * head_bytes(cfg));
+    CHECK(s.combine_bytes_received == f.combine_bytes_received);
+    CHECK(s.combine_bytes_sent == f.combine_bytes_sent);
+    checks += 6;
   }
   return checks;
 }
@@ -183,9 +193,9 @@ TEST_CASE("low latency: random routings against the reference and the default ex
     CHECK(test::relative_error(ll.y, ref) <= test::tolerance<space::host>(1e-5));
     CHECK(ll.y == flat.y);                // the same rows through the same experts: bit for bit
     CHECK(flat.stats[0].alltoalls == 3);  // counts, dispatch, combine
-    checks += 3 + check_stats(cfg, ll, 9 * 2);
+    checks += 3 + check_stats(cfg, ll, flat);
   }
-  CHECK(checks == 3 * 3 + 4 * (1 + 2 + 4));
+  CHECK(checks == 3 * 3 + 6 * (1 + 2 + 4));
 }
 
 TEST_CASE("low latency: slots filled exactly, left empty, every token to one rank",
@@ -218,7 +228,7 @@ TEST_CASE("low latency: slots filled exactly, left empty, every token to one ran
       const auto flat = run<ll_policies<K, false>>(cfg, w, g, rt);
       CHECK(test::relative_error(ll.y, reference_of<K>(cfg, w, g, *rt)) <= 1e-5);
       CHECK(ll.y == flat.y);
-      checks += 2 + check_stats(cfg, ll, T * std::min<index_t>(K, L));
+      checks += 2 + check_stats(cfg, ll, flat);
       const pass_stats& s = ll.stats[0];
       index_t rows = 0;  // rows rank 0 sent to other ranks
       for (int q = 1; q < R; ++q) rows += s.rows_sent[std::size_t(q)];
@@ -228,7 +238,7 @@ TEST_CASE("low latency: slots filled exactly, left empty, every token to one ran
       ++checks;
     }
   }
-  CHECK(checks == 3 * 3 * 3 + 3 * 4 * (1 + 2 + 4));
+  CHECK(checks == 3 * 3 * 3 + 3 * 6 * (1 + 2 + 4));
 }
 
 TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and comm::local",
@@ -260,9 +270,12 @@ TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and com
     INFO("R=" << R);
     CHECK(s.y == base.y);
     CHECK(a.y == base.y);
-    CHECK(a.stats[0].dispatch_bytes_sent == base.stats[0].dispatch_bytes_sent);
+    // comm::any and comm::throttled: an all-to-all of whole slots (S = 6 x min(2, L) rows).
+    const index_t fixed = (R - 1) * slot_bytes(cfg, 6 * std::min(2, cfg.experts / R));
+    CHECK(a.stats[0].dispatch_bytes_sent == fixed);
+    CHECK(s.stats[0].combine_bytes_received == fixed);
     CHECK(s.stats[0].alltoalls == 2);
-    checks += 4;
+    checks += 5;
     if (R == 1) {
       const auto l = run<local>(cfg, w, g, nullptr, none,
                                 [](comm::threads, auto&& use) { use(comm::local{}); });
@@ -270,7 +283,7 @@ TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and com
       ++checks;
     }
   }
-  CHECK(checks == 3 * 4 + 1);
+  CHECK(checks == 3 * 5 + 1);
 }
 
 TEST_CASE("low latency: a rejected input on one rank makes every rank throw, y untouched",

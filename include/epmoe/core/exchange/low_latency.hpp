@@ -3,8 +3,11 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "epmoe/core/exchange/core.hpp"
 
@@ -16,7 +19,15 @@
 // heads), the combine one back; each moves R slots whatever the routing. The rows' tokens and
 // weights never leave home: a slot's rows are sorted by local expert, so its per-expert
 // counts name every row's expert, and the combine returns each row to the slot position it
-// left from, where the home's plan finds it.
+// left from, where the home's plan finds it. How the slots move, by comm (host memory):
+// - comm::threads (puts): each rank writes its head and used rows straight into the peers'
+//   registered receive slots, and its outputs straight into the home's send buffer rows (the
+//   head names them), then meets the others once per direction;
+// - comm::mpi (at most): one round of MPI_Isend / MPI_Irecv, each receive posted for the
+//   whole slot and each message only its head and used rows (a collective must receive what
+//   is sent, point-to-point may receive less), waited under the deadline;
+// - any other comm (comm::any and torch.distributed, throttled, local, NCCL, a device space):
+//   the comm's fixed-size all-to-all of whole slots.
 namespace epmoe {
 
 namespace exchange_ops {
@@ -35,6 +46,17 @@ struct slot_head {
 };
 }  // namespace exchange_ops
 
+namespace detail {
+template <class Comm, bool Puts>
+struct window_of {
+  using type = char;  // none
+};
+template <class Comm>
+struct window_of<Comm, true> {
+  using type = typename Comm::window;
+};
+}  // namespace detail
+
 /// One unit per pass (one chunk, no receive bound), one all-to-all per direction; the verdict
 /// of every rank arrives with the rows, so counts() is the dispatch itself.
 template <class Comm, class Space>
@@ -46,8 +68,20 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   using typename base::mark;
   using typename base::value_type;
 
+  /// Whether the comm takes writes into registered buffers (comm::threads on the host).
+  static constexpr bool puts = !device_space<Space> && requires(Comm & c, void* p) {
+    c.open_window(p).peers[0];
+    c.barrier();
+  };
+  /// Whether it exchanges messages shorter than their receives (comm::mpi on the host).
+  static constexpr bool at_most =
+      !puts && !device_space<Space> &&
+      requires(Comm & c, const value_type* s, value_type* r, const index_t* n) {
+    c.exchange_at_most(s, n, n, r, n, n);
+  };
+
   low_latency_exchange(Comm& comm, const Space& space, const workspace_layout& w)
-      : base(comm, space, w, 1, 8) {
+      : base(comm, space, w, 1, 8), comm_(&comm) {
     if (w.chunks != 1)
       throw config_error("chunks", std::to_string(w.chunks),
                          "must be 1 with options.low_latency (one round per direction moves a "
@@ -65,16 +99,24 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     head_rows_ = (head_bytes + row_bytes - 1) / row_bytes;
     slot_rows_ = head_rows_ + w.from_one_rank;
     const index_t R = w.ranks, L = w.local_experts;
-    slots_send_ = space.template allocate<value_type>(R * slot_rows_ * w.row_stride);
+    if constexpr (!puts)  // (puts write straight from the send buffer)
+      slots_send_ = space.template allocate<value_type>(R * slot_rows_ * w.row_stride);
     slots_recv_ = space.template allocate_mirror<value_type>(R * slot_rows_ * w.row_stride);
     at_ = space.template allocate_mirror<index_t>(2 * R * L);
+    sizes_.assign(static_cast<std::size_t>(4 * R), 0);
+    if constexpr (puts) {  // collective: every rank builds its layer's exchange here
+      to_recv_ = comm.open_window(slots_recv_.device());
+      to_send_ = comm.open_window(this->x_send_.data());
+    }
   }
 
   /// Elements of one (source, destination) slot: its head and S rows, at the row stride.
   index_t slot_elements() const { return slot_rows_ * this->w_.row_stride; }
-  /// Bytes one rank's two slot buffers take (send and receive, R slots each).
+  /// Bytes one rank's slot buffers take: R slots to receive, and R to send unless the comm
+  /// takes puts.
   index_t slot_buffer_bytes() const {
-    return 2 * index_t{this->w_.ranks} * slot_elements() * static_cast<index_t>(sizeof(value_type));
+    return (puts ? 1 : 2) * index_t{this->w_.ranks} * slot_elements() *
+           static_cast<index_t>(sizeof(value_type));
   }
 
   int units(const dispatch_plan&) const { return 1; }
@@ -95,8 +137,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     x.space.for_each(
         R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
                                        nullptr, this->msg_, 1, 0, h, this->msg_send_.data()});
-    x.space.for_each(
-        R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, slots_send_.data(), E});
+    if constexpr (puts || at_most)  // the row of this rank's send buffer the peer's rows return to
+      for (int r = 0; r < R; ++r)
+        this->msg_send_.data()[r * P + this->msg_.chunk_at(0) + 2 * L] = p.send_offsets[r * L];
     index_t* send_at = at_.host();
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < L; ++j) {
@@ -104,9 +147,36 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         send_at[b] = r * slot_rows_ + head_rows_ + p.send_offsets[b] - p.send_offsets[r * L];
       }
     x.space.to_device(at_, 0, index_t{R} * L);
-    copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
-              x.dev.send_counts);
-    this->tr_.alltoall(slots_send_.data(), slots_recv_.device(), E);
+    const index_t stride = w.row_stride, me = this->me_;
+    if constexpr (puts) {  // the head and the used rows straight into each peer's slot
+      const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
+      for (int r = 0; r < R; ++r) {
+        std::byte* at = to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
+        std::memcpy(at, this->msg_send_.data() + r * P,
+                    static_cast<std::size_t>(P) * sizeof(index_t));
+        if (const index_t n = p.send_rows_to(0, r); n > 0)
+          std::memcpy(at + head_rows_ * row, this->x_send_.data() + p.send_offsets[r * L] * stride,
+                      static_cast<std::size_t>(n) * row);
+      }
+      comm_->barrier();
+    } else {
+      x.space.for_each(
+          R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, slots_send_.data(), E});
+      copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
+                x.dev.send_counts);
+      if constexpr (at_most) {  // each message its head and used rows; each receive a slot
+        index_t* n = sizes_.data();
+        for (int r = 0; r < R; ++r) {
+          n[r] = (head_rows_ + p.send_rows_to(0, r)) * stride;  // send: counts, displacements
+          n[R + r] = n[3 * R + r] = r * E;
+          n[2 * R + r] = E;  // receive: the whole slot
+        }
+        comm_->exchange_at_most(slots_send_.data(), n, n + R, slots_recv_.device(), n + 2 * R,
+                                n + 3 * R);
+      } else {
+        this->tr_.alltoall(slots_send_.data(), slots_recv_.device(), E);
+      }
+    }
     for (int r = 0; r < R; ++r) x.space.to_host(slots_recv_, r * E, head_elements());
     this->synchronize(x.space);
     for (int r = 0; r < R; ++r)
@@ -114,8 +184,17 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
                   static_cast<std::size_t>(P) * sizeof(index_t));
     const mark t1 = x.clock.now();
     x.clock.exchange(t0, t1, t1, t1, 0);
-    if (const int rejected = read_verdict(this->msg_recv_.host(), this->msg_); rejected >= 0)
+    int rejected = -1;
+    try {
+      rejected = read_verdict(this->msg_recv_.host(), this->msg_);
+    } catch (...) {
+      settle();
+      throw;
+    }
+    if (rejected >= 0) {
+      settle();
       return rejected;
+    }
     this->read_block_counts(p);
     build_recv_plan(p);
     index_t* recv_at = at_.host() + index_t{R} * L;
@@ -133,10 +212,15 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     st.rounds = 1;
     st.alltoalls = 2;
     st.peak_recv_rows = p.recv_rows();
-    // Fixed: every slot to every other rank moves whole, whatever its rows.
-    const index_t moved = (R - 1) * E * static_cast<index_t>(sizeof(value_type));
-    st.dispatch_bytes_sent = st.dispatch_bytes_received = moved;
-    st.combine_bytes_sent = st.combine_bytes_received = moved;
+    if constexpr (puts || at_most) {  // the used rows, and a head per peer with the dispatch
+      const index_t heads = (R - 1) * P * static_cast<index_t>(sizeof(index_t));
+      st.dispatch_bytes_sent += heads;
+      st.dispatch_bytes_received += heads;
+    } else {  // every slot to every other rank moves whole, whatever its rows
+      const index_t moved = (R - 1) * E * static_cast<index_t>(sizeof(value_type));
+      st.dispatch_bytes_sent = st.dispatch_bytes_received = moved;
+      st.combine_bytes_sent = st.combine_bytes_received = moved;
+    }
     return -1;
   }
   int resolve(context&) { return -1; }
@@ -164,9 +248,41 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   template <bool Backward>
   void start_combine(context& x, int) {
     this->marks_[2] = x.clock.now();
-    copy_rows(x, this->const_view(this->expert_view()), slots_view(slots_recv_.device()),
-              x.dev.regroup_offsets, recv_at_device(), x.dev.recv_counts);
-    this->tr_.alltoall(slots_recv_.device(), slots_send_.data(), slot_elements());
+    const dispatch_plan& p = x.plan;
+    const int R = this->w_.ranks, L = p.local_experts;
+    const index_t stride = this->w_.row_stride, P = this->msg_.per_peer();
+    if constexpr (puts) {  // each output row straight into its home's send-buffer row
+      const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
+      for (int q = 0; q < R; ++q) {
+        const index_t home = this->msg_recv_.host()[q * P + this->msg_.chunk_at(0) + 2 * L];
+        for (int j = 0; j < L; ++j) {
+          const int b = p.block(0, q, j);
+          if (p.recv_counts[b] == 0) continue;
+          std::memcpy(
+              to_send_.peers[q] +
+                  static_cast<std::size_t>(home + p.recv_offsets[b] - p.recv_offsets[q * L]) * row,
+              this->x_expert_.data() + p.regroup_offsets[b] * stride,
+              static_cast<std::size_t>(p.recv_counts[b]) * row);
+        }
+      }
+      comm_->barrier();
+    } else {
+      copy_rows(x, this->const_view(this->expert_view()), slots_view(slots_recv_.device()),
+                x.dev.regroup_offsets, recv_at_device(), x.dev.recv_counts);
+      if constexpr (at_most) {  // each peer's rows back, received straight into the send buffer
+        index_t* n = sizes_.data();
+        for (int r = 0; r < R; ++r) {
+          n[r] = p.recv_rows_from(0, r) * stride;
+          n[R + r] = (r * slot_rows_ + head_rows_) * stride;
+          n[2 * R + r] = p.send_rows_to(0, r) * stride;
+          n[3 * R + r] = p.send_offsets[r * L] * stride;
+        }
+        comm_->exchange_at_most(slots_recv_.device(), n, n + R, this->x_send_.data(), n + 2 * R,
+                                n + 3 * R);
+      } else {
+        this->tr_.alltoall(slots_recv_.device(), slots_send_.data(), slot_elements());
+      }
+    }
     this->marks_[3] = x.clock.now();
   }
   /// Each row from its send slot back to its send-buffer row, where the reduce reads it.
@@ -174,13 +290,19 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   void wait_combine(context& x, int) {
     const mark w0 = x.clock.now();
     const dispatch_plan& p = x.plan;
-    copy_rows(x, this->const_view(slots_view(slots_send_.data())), send_view(p), at_.device(),
-              x.dev.send_offsets, x.dev.send_counts);
+    if constexpr (!puts && !at_most)  // the rows from their slots to their send-buffer rows
+      copy_rows(x, this->const_view(slots_view(slots_send_.data())), send_view(p), at_.device(),
+                x.dev.send_offsets, x.dev.send_counts);
     this->combine_done(x, 0, w0, x.clock.now(), 0, 0, 0, p.send_rows(),
                        x.stats.combine_bytes_received);
   }
 
  private:
+  // A pass that stops after the dispatch (rejected inputs, different calls): with puts, every
+  // rank has read its heads before any rank's next dispatch writes them again.
+  void settle() {
+    if constexpr (puts) comm_->barrier();
+  }
   index_t head_elements() const { return head_rows_ * this->w_.row_stride; }
   const index_t* recv_at_device() const {
     return at_.device() + index_t{this->w_.ranks} * this->w_.local_experts;
@@ -199,6 +321,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
                         index_t{this->w_.ranks} * this->w_.local_experts, src_at, dst_at, count);
   }
 
+  Comm* comm_;
+  std::vector<index_t> sizes_;  // at most: [4][R] counts and displacements of one exchange
+  typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts
   index_t head_rows_ = 0;  // rows of a slot's head (the counts message to one peer)
   index_t slot_rows_ = 0;  // head + S rows
   typename base::template buffer<value_type> slots_send_;
