@@ -317,11 +317,13 @@ class mpi {
 
   // Completes req, watching the deadline and the peers' abort messages. On either the comm
   // is broken (a collective cannot be cancelled: req stays with MPI) and the error thrown.
-  void wait_for(MPI_Request& req, const char* call) {
+  void wait_for(MPI_Request& req, const char* call) { wait_all(&req, 1, call); }
+  // The same for n requests (exchange_at_most's point-to-point ones).
+  void wait_all(MPI_Request* reqs, int n, const char* call) {
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0;; ++i) {
       int flag = 0;
-      detail::mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      detail::mpi_check(MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
       if (flag) return;
       if (i % 16 == 0) {
         check_peers();
@@ -339,31 +341,6 @@ class mpi {
         }
       }
       // Past the first microseconds, give the core to the rank's other threads.
-      if (i > 256) std::this_thread::sleep_for(std::chrono::microseconds(20));
-    }
-  }
-
-  // The same for n point-to-point requests (MPI_Testall).
-  void wait_all(MPI_Request* reqs, int n, const char* call) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0;; ++i) {
-      int flag = 0;
-      detail::mpi_check(MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
-      if (flag) return;
-      if (i % 16 == 0) {
-        check_peers();
-        const double waited =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        if (timeout_ > 0 && waited > timeout_) {
-          char secs[32];
-          std::snprintf(secs, sizeof secs, "%g", timeout_);
-          state_->error = "epmoe: comm::mpi: rank " + std::to_string(rank_) + ": " + call +
-                          " did not complete within " + secs +
-                          " s (exchange_timeout): a peer rank stalled or crashed; end the job";
-          state_->timed_out = true;
-          usable();
-        }
-      }
       if (i > 256) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }

@@ -81,7 +81,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   };
 
   low_latency_exchange(Comm& comm, const Space& space, const workspace_layout& w)
-      : base(comm, space, w, 1, 8), comm_(&comm) {
+      : base(comm, space, w, 1, 8, false), comm_(&comm) {
     if (w.chunks != 1)
       throw config_error("chunks", std::to_string(w.chunks),
                          "must be 1 with options.low_latency (one round per direction moves a "
