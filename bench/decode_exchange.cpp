@@ -6,7 +6,9 @@
 // fixed slots, one all-to-all per direction) against the default one (counts, then rows),
 // side by side in one run, at T = 1, 4, 16, 64 tokens per rank, Mixtral-like (H 4096, E 8,
 // K 2) and DeepSeek-V3-like (H 7168, E 256, K 8) shapes. The expert FFN is shrunk (F = 16):
-// the exchange does not depend on it. Figures: the slowest rank's median over the steps.
+// the exchange does not depend on it. The ranks meet before each step (as after a decode
+// step's attention), so a stage's time is its exchange, not another rank's lateness.
+// Figures: the slowest rank's median over the steps, and its fastest step.
 //   epmoe_bench_decode [--ranks R] [--tokens 1,4,16,64] [--steps N] [--shapes all|tiny]
 //   mpiexec -n R epmoe_bench_decode_mpi [--tokens ...] [--steps N] [--shapes ...]
 #include <algorithm>
@@ -45,8 +47,8 @@ struct figures {
 // `steps` decode steps of T tokens on this rank through two layers, the default exchange's
 // and the low-latency one's, alternating step by step (the machine's load hits both alike;
 // one warm-up each first): medians.
-template <class Default, class Fixed, class Make>
-std::array<figures, 2> run_rank(const layer_config& cfg, Make make,
+template <class Default, class Fixed, class Make, class Sync>
+std::array<figures, 2> run_rank(const layer_config& cfg, Make make, Sync sync,
                                 const epmoe::reference::full_weights& full, int steps) {
   using placement = typename epmoe::moe_layer<Default>::placement_type;
   auto c0 = make();
@@ -59,6 +61,7 @@ std::array<figures, 2> run_rank(const layer_config& cfg, Make make,
   std::vector<float> y(x.size());
   std::vector<double> ex[2], step[2];
   const auto pass = [&](auto& layer, int k, bool timed) {
+    sync();  // the ranks start the step together (as after a decode step's attention)
     layer.forward({x.data(), T, H}, {y.data(), T, H});
     if (!timed) return;
     const epmoe::pass_stats& st = layer.stats();
@@ -131,7 +134,8 @@ int main(int argc, char** argv) {
   using Comm = epmoe::comm::mpi;
   const char* where = "MPI processes (comm::mpi, shared memory)";
   const auto each_rank = [&](auto fn) {
-    const std::array<figures, 2> mine = fn([] { return epmoe::comm::mpi(MPI_COMM_WORLD); });
+    const std::array<figures, 2> mine =
+        fn([] { return epmoe::comm::mpi(MPI_COMM_WORLD); }, [] { MPI_Barrier(MPI_COMM_WORLD); });
     std::vector<std::array<figures, 2>> all(static_cast<std::size_t>(R));
     MPI_Allgather(&mine, sizeof mine, MPI_BYTE, all.data(), sizeof mine, MPI_BYTE, MPI_COMM_WORLD);
     return slowest(all);
@@ -143,7 +147,9 @@ int main(int argc, char** argv) {
   const auto each_rank = [&](auto fn) {
     std::vector<std::array<figures, 2>> all(static_cast<std::size_t>(R));
     epmoe::comm::threads_world world(R);
-    world.run([&](epmoe::comm::threads c) { all[c.rank()] = fn([c] { return c; }); });
+    world.run([&](epmoe::comm::threads c) {
+      all[c.rank()] = fn([c] { return c; }, [c]() mutable { c.barrier(); });
+    });
     return slowest(all);
   };
 #endif
@@ -166,9 +172,9 @@ int main(int argc, char** argv) {
       const auto full = epmoe::reference::full_weights::random(cfg, 1);
       std::array<figures, 2> f{};
       const auto both = [&]<int K>() {
-        f = each_rank([&](auto make) {
+        f = each_rank([&](auto make, auto sync) {
           return run_rank<decode_policies<Comm, K, false>, decode_policies<Comm, K, true>>(
-              cfg, make, full, steps);
+              cfg, make, sync, full, steps);
         });
       };
       if (cfg.top_k == 2)

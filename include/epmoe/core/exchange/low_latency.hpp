@@ -171,6 +171,10 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
           n[R + r] = n[3 * R + r] = r * E;
           n[2 * R + r] = E;  // receive: the whole slot
         }
+        // This rank's own slot is copied, not messaged.
+        std::memcpy(slots_recv_.device() + me * E, slots_send_.data() + me * E,
+                    static_cast<std::size_t>(n[me]) * sizeof(value_type));
+        n[me] = n[2 * R + me] = 0;
         comm_->exchange_at_most(slots_send_.data(), n, n + R, slots_recv_.device(), n + 2 * R,
                                 n + 3 * R);
       } else {
@@ -250,7 +254,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     this->marks_[2] = x.clock.now();
     const dispatch_plan& p = x.plan;
     const int R = this->w_.ranks, L = p.local_experts;
-    const index_t stride = this->w_.row_stride, P = this->msg_.per_peer();
+    const index_t stride = this->w_.row_stride, P = this->msg_.per_peer(), me = this->me_;
     if constexpr (puts) {  // each output row straight into its home's send-buffer row
       const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
       for (int q = 0; q < R; ++q) {
@@ -277,6 +281,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
           n[2 * R + r] = p.send_rows_to(0, r) * stride;
           n[3 * R + r] = p.send_offsets[r * L] * stride;
         }
+        std::memcpy(this->x_send_.data() + n[3 * R + me], slots_recv_.device() + n[R + me],
+                    static_cast<std::size_t>(n[me]) * sizeof(value_type));  // its own rows
+        n[me] = n[2 * R + me] = 0;
         comm_->exchange_at_most(slots_recv_.device(), n, n + R, this->x_send_.data(), n + 2 * R,
                                 n + 3 * R);
       } else {
