@@ -15,8 +15,9 @@
 // destination) pair owns a fixed slot of S = from_one_rank rows (min(T*min(K, L), L * the
 // capacity's rows per expert): the most rows one source can send one rank in a pass), after a
 // head of whole rows that carries the call header and the pair's rows per local expert. The
-// dispatch is ONE fixed-size all-to-all of the slots (no counts round: the counts ride in the
-// heads), the combine one back; each moves R slots whatever the routing. The rows' tokens and
+// dispatch is ONE exchange of the slots (no counts round: the counts ride in the heads; a
+// rank that rejected its inputs sends its head with no rows, and every rank reads every
+// verdict before the experts run), the combine one back. The rows' tokens and
 // weights never leave home: a slot's rows are sorted by local expert, so its per-expert
 // counts name every row's expert, and the combine returns each row to the slot position it
 // left from, where the home's plan finds it. How the slots move, by comm (host memory):
