@@ -110,6 +110,9 @@ class moe_layer {
                 "epmoe: weighting::input scales each assignment's row by its own weight, and "
                 "per-rank dedup sends one row per (token, rank), which cannot carry two scales: "
                 "use the flat exchange (options.dedup = false, hierarchical = false)");
+  static_assert(!(options.low_latency && (dedup || capacity_type::pads)),
+                "epmoe: options.low_latency moves flat rows in slots sized from max_tokens: it "
+                "does not combine with dedup, hierarchical or padded capacity");
   /// Whether the comm can start an exchange and wait for it later; without it every exchange
   /// blocks and a pipelined schedule has nothing to overlap.
   static constexpr bool async_comm = transport<comm_type, space_type>::async;
@@ -538,7 +541,7 @@ class moe_layer {
   parts::router_stage<space_type, router_type> router_;
   mutable pass_stats stats_;
   mutable plan_storage<space_type> plan_;  // (mutable: stats() reads a static pass's counts)
-  mutable exchange<comm_type, space_type, dedup, hierarchical> ex_;
+  mutable exchange<comm_type, space_type, dedup, hierarchical, options.low_latency> ex_;
   mutable pass_clock<space_type> clock_;
   parts::home_terms<space_type, expert_type> home_;
   buffer<value_type> scratch_;  // the experts' (routed and shared) hidden layers

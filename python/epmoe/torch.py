@@ -63,8 +63,10 @@ class MoE(nn.Module):
     sequential, pipelined;
     exchange in flat, dedup (a token sends one row to each rank holding any of its experts),
     hierarchical (one row per node of `ranks_per_node` consecutive ranks crosses between
-    nodes, fanned out inside the node; docs/architecture.md). An unknown combination raises
-    ValueError listing the menu.
+    nodes, fanned out inside the node; docs/architecture.md), low_latency (fixed slots of
+    max_tokens x min(top_k, local experts) rows per rank pair, one all-to-all per direction
+    and no counts round: decode steps; inference only; docs/decode.md). An unknown
+    combination raises ValueError listing the menu.
 
     Ranks: `group` a torch.distributed ProcessGroup (this process holds experts/R of them;
     every process calls forward and backward together), or `ranks` threads of this process
@@ -149,9 +151,9 @@ class MoE(nn.Module):
             raise ValueError(f"epmoe: dispatch_rows = {dispatch_rows!r}: must be 'activations' "
                              "or 'int8'")
         self.dispatch_rows = dispatch_rows
-        if exchange not in ("flat", "dedup", "hierarchical"):
-            raise ValueError(f"epmoe: exchange = {exchange!r}: must be 'flat', 'dedup' or "
-                             "'hierarchical'")
+        if exchange not in ("flat", "dedup", "hierarchical", "low_latency"):
+            raise ValueError(f"epmoe: exchange = {exchange!r}: must be 'flat', 'dedup', "
+                             "'hierarchical' or 'low_latency'")
         entry = dict(router=router, top_k=int(top_k), expert=expert, capacity=capacity,
                      schedule=schedule, exchange=exchange)
         found = [b for b in _epmoe.menu() if all(b[k] == v for k, v in entry.items())]

@@ -18,9 +18,12 @@
 namespace epmoe::py {
 
 /// The exchange of a bundle: flat, per-rank dedup, or hierarchical (docs/architecture.md).
-enum class exchange_kind { flat, dedup, hierarchical };
+enum class exchange_kind { flat, dedup, hierarchical, low_latency };
 inline const char* name_of(exchange_kind x) {
-  return x == exchange_kind::flat ? "flat" : x == exchange_kind::dedup ? "dedup" : "hierarchical";
+  return x == exchange_kind::flat           ? "flat"
+         : x == exchange_kind::dedup        ? "dedup"
+         : x == exchange_kind::hierarchical ? "hierarchical"
+                                            : "low_latency";
 }
 
 template <class Router, class Expert, class Capacity, class Schedule,
@@ -34,7 +37,8 @@ struct policies : default_policies {
   using placement = epmoe::placement::table;
   using comm = epmoe::comm::any;
   static constexpr layer_options options{.dedup = X == exchange_kind::dedup,
-                                         .hierarchical = X == exchange_kind::hierarchical};
+                                         .hierarchical = X == exchange_kind::hierarchical,
+                                         .low_latency = X == exchange_kind::low_latency};
 };
 
 /// The router with the fields it has set from the menu's run-time arguments.
@@ -221,7 +225,7 @@ bundle entry(std::string router, std::string expert, std::string capacity, std::
   b.capacity = std::move(capacity);
   b.schedule = std::move(schedule);
   b.expert_tensors = std::move(tensors);
-  b.trains = trains<Router, Expert>;
+  b.trains = trains<Router, Expert> && X != exchange_kind::low_latency;  // inference only
   b.make = [](const layer_args& a, comm::any c,
               const rank_weights& w) -> std::unique_ptr<any_layer> {
     return std::make_unique<L>(a, std::move(c), w);

@@ -145,6 +145,7 @@ quantised_tensor quantised_of(const ::py::handle& h, const std::string& format,
   d["rank_imbalance"] = s.rank_imbalance.max_over_mean;
   d["chunks"] = s.chunks;
   d["rounds"] = s.rounds;
+  d["alltoalls"] = s.alltoalls;
   d["ranks_per_node"] = s.ranks_per_node;
   for (const auto& [name, l] :
        {std::pair{"intra_node", &s.intra_node}, std::pair{"inter_node", &s.inter_node}}) {

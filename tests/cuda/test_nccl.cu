@@ -47,6 +47,10 @@ struct nccl_policies : default_policies {
 // Issue 24: both levels over NCCL, each on its own communicator (comm::nccl splits them): nodes
 // of 2 GPUs when their count is even, else of 1; the layer takes the nodes from the comm.
 using hier_policies = nccl_policies<capacity::dropless, schedule::pipelined<2>, true, true>;
+// Issue 38: the low-latency exchange (fixed slots, one NCCL all-to-all per direction).
+struct low_latency_policies : nccl_policies<capacity::dropless> {
+  static constexpr layer_options options{.low_latency = true};
+};
 template <class P>
 int ranks_per_node(int gpus) {
   return P::options.hierarchical ? (gpus % 2 == 0 ? 2 : 1) : 0;
@@ -295,6 +299,8 @@ int main() {
   const double hier = run<hier_policies>(gpus);
   const double hier_rounds = run<hier_policies>(gpus, 3 * gpus * 16);  // windows of 16 tokens
   const double train_hier = run_backward<hier_policies>(gpus);
+  const double fixed_slots = run<low_latency_policies>(gpus);
+  std::printf("NCCL on %d GPUs: low-latency exchange relative error %.2e\n", gpus, fixed_slots);
   std::printf(
       "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
       "rounds %.2e; backward %.2e, backward pipelined+dedup %.2e; hierarchical %.2e, with "
@@ -303,7 +309,7 @@ int main() {
   const bool faults = run_faults(gpus);  // last: it aborts its communicators
   return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 && train <= 1e-4 &&
                  train_piped <= 1e-4 && hier <= 1e-4 && hier_rounds <= 1e-4 && train_hier <= 1e-4 &&
-                 faults
+                 fixed_slots <= 1e-4 && faults
              ? 0
              : 1;
 }

@@ -4,7 +4,8 @@
 // experts (issue 23): `throws`, `stalls` (past exchange_timeout) or `exits` (a crash). Every
 // rank prints one line, "epmoe-fault rank R: KIND after S s, y untouched|WRITTEN: WHAT", and
 // ends without MPI_Finalize (a collective cannot be cancelled). tests/mpi/faults.sh runs it
-// and checks the lines.
+// and checks the lines. EPMOE_FAULT_EXCHANGE=low_latency runs the low-latency exchange
+// (issue 38: its point-to-point round) instead of the default one.
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -25,21 +26,12 @@ struct policies : default_policies {
   using space = test::faulty_host;
   using comm = epmoe::comm::mpi;
 };
-}  // namespace
+struct low_latency_policies : policies {
+  static constexpr layer_options options{.low_latency = true};
+};
 
-int main(int argc, char** argv) {
-  comm::mpi_session session(argc, argv);
-  const std::string scenario = argc > 1 ? argv[1] : "";
-  const double timeout = argc > 2 ? std::atof(argv[2]) : 2.0;
-  using fault = test::faulty_host::fault;
-  const fault f = scenario == "throws"   ? fault::throws
-                  : scenario == "stalls" ? fault::stalls
-                  : scenario == "exits"  ? fault::exits
-                                         : fault::none;
-  if (f == fault::none) {
-    std::fprintf(stderr, "usage: test_mpi_faults throws|stalls|exits [timeout seconds]\n");
-    return 2;
-  }
+template <class policies>
+int run(test::faulty_host::fault f, double timeout) {
   comm::mpi c(MPI_COMM_WORLD);
   const int me = c.rank(), R = c.size(), culprit = R - 1;
   layer_config cfg{
@@ -84,4 +76,24 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   std::_Exit(kind == "none" ? 3 : 0);
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  comm::mpi_session session(argc, argv);
+  const std::string scenario = argc > 1 ? argv[1] : "";
+  const double timeout = argc > 2 ? std::atof(argv[2]) : 2.0;
+  using fault = test::faulty_host::fault;
+  const fault f = scenario == "throws"   ? fault::throws
+                  : scenario == "stalls" ? fault::stalls
+                  : scenario == "exits"  ? fault::exits
+                                         : fault::none;
+  if (f == fault::none) {
+    std::fprintf(stderr, "usage: test_mpi_faults throws|stalls|exits [timeout seconds]\n");
+    return 2;
+  }
+  const char* exchange = std::getenv("EPMOE_FAULT_EXCHANGE");
+  if (exchange && std::string(exchange) == "low_latency")
+    return run<low_latency_policies>(f, timeout);
+  return run<policies>(f, timeout);
 }

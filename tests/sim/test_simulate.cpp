@@ -870,3 +870,67 @@ TEST_CASE("sim: the two-level exchange priced by hand", "[sim][hierarchical][cos
   CHECK(f.per_rank[0].dispatch == Approx(1e-5 + (4000 + 160) / 1e8).epsilon(1e-12));
   CHECK(f.dispatch_rows[1] == 20);
 }
+
+struct sim_ll_policies : sim::policies<> {
+  static constexpr layer_options options{.low_latency = true};
+};
+
+TEST_CASE("sim: the low-latency exchange priced by hand: one round, fixed slots",
+          "[sim][low_latency][cost]") {
+  // As above: 2 nodes of 2 ranks, one expert each, rank 0's 10 tokens to experts 2 and 3.
+  struct hand_source {
+    index_t tokens(int r) const { return r == 0 ? 10 : 0; }
+    void route(int, mutable_routing_view out) const {
+      for (index_t t = 0; t < out.tokens(); ++t)
+        out.ids(t, 0) = 2, out.ids(t, 1) = 3, out.weights(t, 0) = out.weights(t, 1) = 0.5f;
+    }
+  };
+  const sim::topology topo{"hand", 2, 2, 1e9, 1e-6, 1e8, 1e-5, 1e12, 1e11, 2, 2};
+  const layer_config cfg{
+      .hidden = 100, .ffn = 50, .experts = 4, .top_k = 2, .ranks = 4, .max_tokens = 10};
+  const auto ll = sim::simulate<sim_ll_policies>(cfg, topo, hand_source{});
+  const auto flat = sim::simulate<sim::policies<>>(cfg, topo, hand_source{});
+  CHECK(ll.low_latency);
+  CHECK_FALSE(flat.low_latency);
+  // A slot: S = 10 tokens x min(K, L) = 10 rows of 200 bytes, after a head of one row (the
+  // counts message, 8 int64); every rank sends one to each peer whatever its tokens: 1 on its
+  // node, 2 on the other.
+  CHECK(ll.slot_bytes == 11 * 200);
+  const double copy = 200 / 5e10;
+  int checked = 0;
+  for (int r = 0; r < 4; ++r) {
+    INFO("rank " << r);
+    const sim::rank_result& me = ll.per_rank[r];
+    CHECK(me.counts == 0);  // no counts round
+    CHECK(flat.per_rank[r].counts > 0);
+    CHECK(me.dispatch_bytes.out[0] == 2200);
+    CHECK(me.dispatch_bytes.out[1] == 2 * 2200);
+    CHECK(me.combine_bytes.in[1] == 2 * 2200);
+    // One exchange per direction: the NIC's alpha once plus the fixed bytes (and the regroup
+    // of what the rank computes: ranks 2 and 3 receive 10 rows each).
+    const double local = r >= 2 ? 10 * copy : 0;
+    CHECK(me.dispatch == Approx(1e-5 + 4400 / 1e8 + local).epsilon(1e-12));
+    CHECK(me.combine == Approx(1e-5 + 4400 / 1e8 + local).epsilon(1e-12));
+    ++checked;
+  }
+  CHECK(checked == 4);
+  // The same rows reach the same experts.
+  CHECK(ll.rows_per_slot == flat.rows_per_slot);
+  CHECK(ll.stages.experts == flat.stages.experts);
+  // Decode (1 token per rank) on a latency-bound link: one round less wins; a prefill of 256
+  // tokens pays for its fixed slots.
+  const sim::topology slow{"slow", 1, 4, 1e9, 2e-4, 1e9, 2e-4, 1e12, 1e11, 2, 2};
+  layer_config decode = cfg;
+  decode.max_tokens = 1;
+  const auto one = sim::uniform(4, 2, 1, 3);
+  CHECK(sim::simulate<sim_ll_policies>(decode, slow, one).latency <
+        sim::simulate<sim::policies<>>(decode, slow, one).latency);
+  layer_config prefill = cfg;
+  prefill.max_tokens = 256;
+  const auto many = sim::uniform(4, 2, 64, 3);  // 64 of 256 tokens: the slots are mostly empty
+  CHECK(sim::simulate<sim_ll_policies>(prefill, slow, many).latency >
+        sim::simulate<sim::policies<>>(prefill, slow, many).latency);
+  layer_config piped = cfg;
+  CHECK_THROWS_WITH(sim::simulate<sim_ll_policies>(piped, topo, hand_source{}, {.chunks = 2}),
+                    Catch::Contains("chunks"));
+}

@@ -72,6 +72,7 @@ class mpi {
       // Slot 0 serves the blocking calls; slots 1.. the pending non-blocking ones.
       ints_.resize(8 * static_cast<std::size_t>(size_) * (1 + max_in_flight));
       busy_.resize(static_cast<std::size_t>(max_in_flight));
+      p2p_.resize(2 * static_cast<std::size_t>(size_));
       // A receive for a peer's abort message, pending for the comm's life.
       state_ = std::make_unique<failure>();
       detail::mpi_check(MPI_Irecv(state_->inbox, sizeof state_->inbox, MPI_CHAR, MPI_ANY_SOURCE,
@@ -93,6 +94,7 @@ class mpi {
         int_limit_(o.int_limit_),
         ints_(std::move(o.ints_)),
         busy_(std::move(o.busy_)),
+        p2p_(std::move(o.p2p_)),
         state_(std::move(o.state_)),
         timeout_(o.timeout_) {}
   mpi& operator=(mpi&& o) noexcept {
@@ -107,6 +109,7 @@ class mpi {
       int_limit_ = o.int_limit_;
       ints_ = std::move(o.ints_);
       busy_ = std::move(o.busy_);
+      p2p_ = std::move(o.p2p_);
       state_ = std::move(o.state_);
       timeout_ = o.timeout_;
     }
@@ -165,6 +168,34 @@ class mpi {
                       "MPI_Ialltoallv");
     wait_for(req, "MPI_Ialltoallv");
   }
+  /// One round of point-to-point messages (the low-latency exchange's fixed slots): to each
+  /// rank r send_n[r] elements from send + send_d[r]; from each rank r at most recv_n[r]
+  /// elements into recv + recv_d[r]. A point-to-point receive may be longer than its message
+  /// (a collective's may not), so a slot moves only its used rows and no counts round comes
+  /// first. Waited under the deadline and the peers' aborts, as the collectives.
+  template <class T>
+  void exchange_at_most(const T* send, const index_t* send_n, const index_t* send_d, T* recv,
+                        const index_t* recv_n, const index_t* recv_d) {
+    usable();
+    const auto bytes = [&](index_t n) {
+      const index_t b = n * static_cast<index_t>(sizeof(T));
+      if (b > int_limit_)
+        throw comm_error("epmoe: comm::mpi: a low-latency slot of " + std::to_string(b) +
+                         " bytes exceeds the int limit of one message");
+      return static_cast<int>(b);
+    };
+    MPI_Request* q = p2p_.data();
+    for (int r = 0; r < size_; ++r)
+      detail::mpi_check(
+          MPI_Irecv(recv + recv_d[r], bytes(recv_n[r]), MPI_BYTE, r, slot_tag, comm_, q + r),
+          "MPI_Irecv");
+    for (int r = 0; r < size_; ++r)
+      detail::mpi_check(MPI_Isend(send + send_d[r], bytes(send_n[r]), MPI_BYTE, r, slot_tag, comm_,
+                                  q + size_ + r),
+                        "MPI_Isend");
+    wait_all(q, 2 * size_, "MPI_Isend/MPI_Irecv of the low-latency slots");
+  }
+
   /// Exchanges posted at each level so far (all, node, cross).
   long posted(exchange_level level) const { return posted_[static_cast<int>(level)]; }
 
@@ -215,6 +246,7 @@ class mpi {
   friend struct detail::mpi_test_access;
 
   static constexpr int abort_tag = 0x4550;  // "EP": the abort messages' tag on the duplicate
+  static constexpr int slot_tag = 0x4551;   // exchange_at_most's messages
 
   // What a failure leaves: the pending receive for a peer's abort message, what this rank
   // sent, and the error every later call throws. On the heap: MPI holds their addresses.
@@ -285,11 +317,13 @@ class mpi {
 
   // Completes req, watching the deadline and the peers' abort messages. On either the comm
   // is broken (a collective cannot be cancelled: req stays with MPI) and the error thrown.
-  void wait_for(MPI_Request& req, const char* call) {
+  void wait_for(MPI_Request& req, const char* call) { wait_all(&req, 1, call); }
+  // The same for n requests (exchange_at_most's point-to-point ones).
+  void wait_all(MPI_Request* reqs, int n, const char* call) {
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0;; ++i) {
       int flag = 0;
-      detail::mpi_check(MPI_Test(&req, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      detail::mpi_check(MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
       if (flag) return;
       if (i % 16 == 0) {
         check_peers();
@@ -377,6 +411,7 @@ class mpi {
                            //   same for the ranks of one level
   long posted_[3] = {0, 0, 0};
   std::vector<unsigned char> busy_;  // one flag per non-blocking slot
+  std::vector<MPI_Request> p2p_;     // exchange_at_most's 2R requests
   std::unique_ptr<failure> state_;
   double timeout_ = 0;
 };

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -299,6 +300,29 @@ class threads {
           "epmoe: comm::threads: a peer rank found a count mismatch in this "
           "exchange");
   }
+
+  /// Every rank's buffer registered by open_window: ranks write straight into a peer's.
+  struct window {
+    std::vector<std::byte*> peers;  // [rank]: that rank's buffer
+  };
+  /// Registers `base` with every rank; collective, once per buffer (the low-latency exchange
+  /// opens two at construction). A rank then writes into a peer's buffer and meets the others
+  /// (barrier) before the peer reads it: one copy and one meeting per exchange, where
+  /// alltoall publishes, copies and meets twice. The writer must never write where a peer may
+  /// still read (the layer writes each direction into its own buffer: the other direction's
+  /// meeting separates a read from the next write).
+  window open_window(void* base) {
+    threads_world& w = *world_;
+    w.slots_[rank_] = {base, nullptr, nullptr, 0};
+    w.barrier(rank_);  // every rank published
+    window out{std::vector<std::byte*>(static_cast<std::size_t>(size()))};
+    for (int r = 0; r < size(); ++r)
+      out.peers[r] = static_cast<std::byte*>(const_cast<void*>(w.slots_[r].send));
+    w.barrier(rank_);  // every rank read the slots: the next exchange may reuse them
+    return out;
+  }
+  /// Meets every rank (deadline and abort as in an exchange).
+  void barrier() { world_->barrier(rank_); }
 
   /// Every exchange of this world waits at most `seconds` for the other ranks (0: no limit).
   void set_timeout(double seconds) { world_->set_timeout(seconds); }

@@ -9,11 +9,12 @@
 #include "epmoe/core/exchange/core.hpp"
 #include "epmoe/core/exchange/dedup.hpp"
 #include "epmoe/core/exchange/flat.hpp"
+#include "epmoe/core/exchange/low_latency.hpp"
 #include "epmoe/core/exchange/message.hpp"
 #include "epmoe/core/exchange/ops.hpp"
 
 // The exchange of moe_layer: one mode object, chosen once at construction from the row format
-// (flat, dedup, hierarchical: the bundle's options; the rows at the activation type or 8-bit:
+// (flat, dedup, hierarchical, or low latency's fixed slots: the bundle's options; the rows at the activation type or 8-bit:
 // the config's dispatch_rows) and the unit layout (whole chunks, or with
 // config max_recv_rows row rounds (flat) or windows of tokens (dedup)). Each mode runs the
 // counts all-to-all, then per unit the dispatch all-to-all, the regroup to expert-major, the
@@ -22,12 +23,16 @@
 // runs the host's code. The layer drives it stage by stage (docs/architecture.md).
 namespace epmoe {
 
-template <class Comm, class Space, bool Dedup, bool Hierarchical = false>
+template <class Comm, class Space, bool Dedup, bool Hierarchical = false, bool LowLatency = false>
 class exchange {
   using flat_modes = std::variant<flat_exchange<Comm, Space>, flat_rounds_exchange<Comm, Space>>;
   using dedup_modes = std::variant<dedup_exchange<Comm, Space, whole_chunks, Hierarchical>,
                                    dedup_exchange<Comm, Space, token_windows, Hierarchical>>;
-  using modes = std::conditional_t<Dedup, dedup_modes, flat_modes>;
+  // One mode: its constructor refuses a receive bound (low_latency.hpp).
+  using fixed_modes = std::variant<low_latency_exchange<Comm, Space>,
+                                   low_latency_exchange<Comm, Space>>;
+  using modes = std::conditional_t<LowLatency, fixed_modes,
+                                   std::conditional_t<Dedup, dedup_modes, flat_modes>>;
 
  public:
   using value_type = typename Space::value_type;

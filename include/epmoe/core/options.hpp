@@ -102,6 +102,11 @@ struct layer_options {
   bool pack_weights = false;
   /// The packed copies' format (pack_weights() may choose another at run time).
   weights_format pack_as = weights_format::fp32;
+  /// The low-latency exchange (docs/decode.md): fixed slots of max_tokens x min(K, L) rows per
+  /// (source, destination) pair, so the dispatch is one all-to-all of rows with their counts
+  /// (no counts round) and the combine one back; bytes fixed by the slots. Flat rows, one
+  /// chunk, no receive bound, inference only (config training = false).
+  bool low_latency = false;
 };
 
 namespace detail {

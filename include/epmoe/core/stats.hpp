@@ -133,6 +133,8 @@ struct pass_stats {
   double started = 0;          // when the pass began, seconds since the layer was built
   int rounds = 1;              // most exchange rounds of one chunk (> 1 when max_recv_rows splits)
   index_t peak_recv_rows = 0;  // most rows one exchange round put in the receive buffer
+  int alltoalls = 0;  // all-to-alls the pass made (flat: counts + 2 per unit; low latency: 2;
+                      //   0: not counted, dedup and hierarchical)
   index_t recv_buffer_rows = 0;  // rows of the receive buffer (<= max_recv_rows when set)
   bool backward = false;         // the last call was backward(): time, began, timeline and the
                                  //   comm times are its stages (route: the router's and the

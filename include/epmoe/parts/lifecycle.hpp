@@ -43,6 +43,10 @@ void check_layer(const layer_config& cfg, const Comm& comm, const Weights& w, co
     detail::require(G <= 64, "ranks_per_node", G,
                     "must be <= 64 with options.hierarchical (a row's mask of the node's ranks is "
                     "64 bits)");
+  if constexpr (Layer::options.low_latency)
+    detail::require(!cfg.training, "training", "true",
+                    "must be false with options.low_latency (an inference exchange: its slots "
+                    "carry no backward)");
   if (cfg.max_recv_rows > 0) {
     detail::require(!Layer::capacity_type::pads, "max_recv_rows", cfg.max_recv_rows,
                     "must be 0 with padded capacity (its blocks are fixed): use "

@@ -73,6 +73,8 @@ struct result {
   double combine_bytes[2] = {0, 0};
   index_t dispatch_rows[2] = {0, 0};  // rows sent over each link class, all ranks
   bool hierarchical = false;          // priced as the two-level exchange
+  bool low_latency = false;           // priced as fixed slots, one round per direction
+  double slot_bytes = 0;              // low latency: bytes of one (source, destination) slot
   index_t assignments = 0, dropped = 0;
 };
 

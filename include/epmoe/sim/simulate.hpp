@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <concepts>
 #include <cstdint>
 #include <exception>
@@ -16,6 +17,7 @@
 #include "epmoe/capacity/factor.hpp"
 #include "epmoe/core/concepts.hpp"
 #include "epmoe/core/config.hpp"
+#include "epmoe/core/exchange/message.hpp"
 #include "epmoe/core/options.hpp"
 #include "epmoe/core/plan.hpp"
 #include "epmoe/core/random.hpp"
@@ -72,6 +74,11 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   using expert_type = typename detail::expert_of<Policies>::type;
   constexpr bool hierarchical = epmoe::detail::options_of<Policies>().hierarchical;
   constexpr bool dedup = epmoe::detail::options_of<Policies>().dedup || hierarchical;
+  // The low-latency exchange: one all-to-all per direction of fixed slots, no counts round.
+  constexpr bool low_latency = epmoe::detail::options_of<Policies>().low_latency;
+  static_assert(!(low_latency && (dedup || capacity_type::pads)),
+                "epmoe::sim: options.low_latency moves flat rows in fixed slots (as in the "
+                "layer): no dedup, hierarchical or padded capacity");
   static_assert(!(dedup && capacity_type::pads),
                 "epmoe::sim: per-rank dedup (and so the hierarchical exchange) does not combine "
                 "with padded capacity (as in the layer): use capacity::factor<false> or "
@@ -115,6 +122,11 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
                                      : "must be >= 3 * ranks (a pipelined schedule keeps 3 "
                                        "rounds in flight)");
   }
+  if constexpr (low_latency) {
+    epmoe::detail::require(Cs == 1, "chunks", Cs, "must be 1 with options.low_latency");
+    epmoe::detail::require(bound == 0, "max_recv_rows", bound,
+                           "must be 0 with options.low_latency");
+  }
   const index_t quota = bound > 0 ? std::max<index_t>(1, bound / (index_t{R} * live)) : 0;
   const index_t per_chunk = (cfg.max_tokens + Cs - 1) / Cs;
   const int windows = dedup && quota > 0 ? static_cast<int>((per_chunk + quota - 1) / quota) : 1;
@@ -125,6 +137,17 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
 
   result out;
   out.ranks = R, out.chunks = Cs, out.slots_per_rank = L, out.hierarchical = hierarchical;
+  out.low_latency = low_latency;
+  // Low latency: the bytes of one (source, destination) slot, as the layer sizes it: a head of
+  // whole rows (the counts message) and S = min(T * min(K, L), L * per-expert bound) rows.
+  double slot_bytes = 0;
+  if constexpr (low_latency) {
+    const index_t T = cfg.max_tokens;
+    const index_t S = std::min<index_t>(T * std::min(K, L), L * std::min(T, cap.limit(cfg, T)));
+    const double head = double(call_header::size + 2 * L + 2) * double(sizeof(index_t));
+    slot_bytes = (std::ceil(head / row_bytes) + double(S)) * row_bytes;
+    out.slot_bytes = slot_bytes;
+  }
   out.per_rank.resize(static_cast<std::size_t>(R));
   if (opt.keep_peer_counts) {
     out.rows_sent.assign(static_cast<std::size_t>(R) * R, 0);
@@ -332,8 +355,10 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
   // The counts all-to-all: per chunk, L padded counts, L real counts and a unique count, as
   // index_t, to every rank (hierarchical: and the node rows and the unique rows to each rank of
   // the peer's node).
-  const double counts_time = counts_seconds(
-      topo, double(C) * (2 * L + 1 + (hierarchical ? 1 + G : 0)) * double(sizeof(index_t)));
+  const double counts_time =
+      low_latency ? 0.0
+                  : counts_seconds(topo, double(C) * (2 * L + 1 + (hierarchical ? 1 + G : 0)) *
+                                             double(sizeof(index_t)));
   const int N = cfg.shared_experts;
   // Each expert priced by its own policy's FLOPs (and so weight bytes).
   const double expert_flops = expert_type::flops_per_row(cfg.hidden, cfg.ffn);
@@ -354,6 +379,12 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
     const double back =
         dedup ? double(me.send_rows - me.padding) : double(me.assignments - me.dropped);
     me.reduce = reduce_seconds(topo, back + T + (N > 0 ? T : 0.0), row_bytes);
+    traffic fixed;  // low latency: a whole slot to and from every other rank, each direction
+    if constexpr (low_latency)
+      for (int q = 0; q < R; ++q)
+        if (q != r)
+          fixed.add_out(topo.between(r, q), slot_bytes),
+              fixed.add_in(topo.between(r, q), slot_bytes);
     for (int c = 0; c < U; ++c) {  // c: the unit
       const auto i = static_cast<std::size_t>(r) * U + c;
       const auto& n = unit_counts[i];
@@ -363,6 +394,8 @@ result simulate(const layer_config& cfg, const topology& topo, const Source& src
         d.in[l] = n.rows_in[l] * row_bytes + n.meta_in[l] * meta_bytes;
         m.out[l] = n.rows_in[l] * row_bytes;  // results go back where the rows came from
         m.in[l] = n.rows_out[l] * row_bytes;
+        if constexpr (low_latency)
+          d.out[l] = m.out[l] = fixed.out[l], d.in[l] = m.in[l] = fixed.in[l];
         me.dispatch_bytes.out[l] += d.out[l], me.dispatch_bytes.in[l] += d.in[l];
         me.combine_bytes.out[l] += m.out[l], me.combine_bytes.in[l] += m.in[l];
         out.dispatch_bytes[l] += d.out[l], out.combine_bytes[l] += m.out[l];

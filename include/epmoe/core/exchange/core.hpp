@@ -72,12 +72,14 @@ class exchange_core {
 
   exchange_core() = default;
   /// `slots`: units whose counts and requests live at once; `arrays`: rank_counts arrays of a
-  /// slot in use (8, or 20 with the hierarchical levels).
-  exchange_core(Comm& comm, const Space& space, const workspace_layout& w, int slots, int arrays)
+  /// slot in use (8, or 20 with the hierarchical levels); `receive`: whether the mode uses the
+  /// receive buffer (the low-latency mode receives into slots of its own).
+  exchange_core(Comm& comm, const Space& space, const workspace_layout& w, int slots, int arrays,
+                bool receive = true)
       : tr_(comm, space), w_(w), me_(comm.rank()), slots_(slots) {
     const index_t R = w.ranks, H = w.row_stride;
     x_send_ = space.template allocate<value_type>(w.send_rows * H);
-    x_recv_ = space.template allocate<value_type>(w.recv_buffer_rows * H);
+    if (receive) x_recv_ = space.template allocate<value_type>(w.recv_buffer_rows * H);
     x_expert_ = space.template allocate<value_type>(w.expert_rows * H);
     msg_ = {static_cast<int>(R), w.local_experts, w.chunks, w.ranks_per_node};
     msg_send_ = space.template allocate<index_t>(R * msg_.per_peer());

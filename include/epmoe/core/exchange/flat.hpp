@@ -158,6 +158,7 @@ class flat_exchange : public exchange_core<Comm, Space> {
     if (p.recv_rows() > this->w_.recv_buffer_rows) this->overflow(p.recv_rows());
     for (int c = 0; c < p.chunks; ++c) set_rank_counts(p, c);
     x.stats.rounds = 1;
+    x.stats.alltoalls = 1 + 2 * p.chunks;
     x.stats.peak_recv_rows = p.recv_rows();
     x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
     this->fill_comm_stats(x, false);
@@ -348,6 +349,7 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
       most = std::max(most, rounds);
     }
     x.stats.rounds = static_cast<int>(most);
+    x.stats.alltoalls = 1 + 2 * units(p);
     x.stats.peak_recv_rows = 0;
     x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
     this->fill_comm_stats(x, false);

@@ -1,0 +1,343 @@
+// SPDX-FileCopyrightText: 2026 The epmoe authors
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "epmoe/core/exchange/core.hpp"
+
+// The low-latency exchange (layer_options::low_latency, docs/decode.md): every (source,
+// destination) pair owns a fixed slot of S = from_one_rank rows (min(T*min(K, L), L * the
+// capacity's rows per expert): the most rows one source can send one rank in a pass), after a
+// head of whole rows that carries the call header and the pair's rows per local expert. The
+// dispatch is ONE exchange of the slots (no counts round: the counts ride in the heads; a
+// rank that rejected its inputs sends its head with no rows, and every rank reads every
+// verdict before the experts run), the combine one back. The rows' tokens and
+// weights never leave home: a slot's rows are sorted by local expert, so its per-expert
+// counts name every row's expert, and the combine returns each row to the slot position it
+// left from, where the home's plan finds it. How the slots move, by comm (host memory):
+// - comm::threads (puts): each rank writes its head and used rows straight into the peers'
+//   registered receive slots, and its outputs straight into the home's send buffer rows (the
+//   head names them), then meets the others once per direction;
+// - comm::mpi (at most): one round of MPI_Isend / MPI_Irecv, each receive posted for the
+//   whole slot and each message only its head and used rows (a collective must receive what
+//   is sent, point-to-point may receive less), waited under the deadline;
+// - any other comm (comm::any and torch.distributed, throttled, local, NCCL, a device space):
+//   the comm's fixed-size all-to-all of whole slots.
+namespace epmoe {
+
+namespace exchange_ops {
+/// Copies the counts message to peer r into the head of slot r (the head is whole rows of
+/// the slot buffer's element type; memcpy keeps the index_t bits as they are).
+template <class T>
+struct slot_head {
+  const index_t* msg;
+  index_t per_peer;
+  T* slots;
+  index_t slot_elems;
+  EPMOE_HD void operator()(index_t r) const {
+    memcpy(slots + r * slot_elems, msg + r * per_peer,
+           static_cast<std::size_t>(per_peer) * sizeof(index_t));
+  }
+};
+}  // namespace exchange_ops
+
+namespace detail {
+template <class Comm, bool Puts>
+struct window_of {
+  using type = char;  // none
+};
+template <class Comm>
+struct window_of<Comm, true> {
+  using type = typename Comm::window;
+};
+}  // namespace detail
+
+/// One unit per pass (one chunk, no receive bound), one all-to-all per direction; the verdict
+/// of every rank arrives with the rows, so counts() is the dispatch itself.
+template <class Comm, class Space>
+class low_latency_exchange : public exchange_core<Comm, Space> {
+  using base = exchange_core<Comm, Space>;
+
+ public:
+  using typename base::context;
+  using typename base::mark;
+  using typename base::value_type;
+
+  /// Whether the comm takes writes into registered buffers (comm::threads on the host).
+  static constexpr bool puts = !device_space<Space> && requires(Comm & c, void* p) {
+    c.open_window(p).peers[0];
+    c.barrier();
+  };
+  /// Whether it exchanges messages shorter than their receives (comm::mpi on the host).
+  static constexpr bool at_most =
+      !puts && !device_space<Space> &&
+      requires(Comm & c, const value_type* s, value_type* r, const index_t* n) {
+    c.exchange_at_most(s, n, n, r, n, n);
+  };
+
+  low_latency_exchange(Comm& comm, const Space& space, const workspace_layout& w)
+      : base(comm, space, w, 1, 8, false), comm_(&comm) {
+    if (w.chunks != 1)
+      throw config_error("chunks", std::to_string(w.chunks),
+                         "must be 1 with options.low_latency (one round per direction moves a "
+                         "whole pass; use schedule::sequential)");
+    if (w.quota > 0)
+      throw config_error("max_recv_rows", "> 0",
+                         "must be 0 with options.low_latency (its slots are fixed: R x "
+                         "max_tokens x min(top_k, local experts) rows)");
+    if (w.wire())
+      throw config_error("dispatch_rows", "int8",
+                         "is not supported with options.low_latency (its slots move rows of the "
+                         "activation type)");
+    const index_t head_bytes = this->msg_.per_peer() * static_cast<index_t>(sizeof(index_t));
+    const index_t row_bytes = w.row_stride * static_cast<index_t>(sizeof(value_type));
+    head_rows_ = (head_bytes + row_bytes - 1) / row_bytes;
+    slot_rows_ = head_rows_ + w.from_one_rank;
+    const index_t R = w.ranks, L = w.local_experts;
+    if constexpr (!puts)  // (puts write straight from the send buffer)
+      slots_send_ = space.template allocate<value_type>(R * slot_rows_ * w.row_stride);
+    slots_recv_ = space.template allocate_mirror<value_type>(R * slot_rows_ * w.row_stride);
+    at_ = space.template allocate_mirror<index_t>(2 * R * L);
+    sizes_.assign(static_cast<std::size_t>(4 * R), 0);
+    if constexpr (puts) {  // collective: every rank builds its layer's exchange here
+      to_recv_ = comm.open_window(slots_recv_.device());
+      to_send_ = comm.open_window(this->x_send_.data());
+    }
+  }
+
+  /// Elements of one (source, destination) slot: its head and S rows, at the row stride.
+  index_t slot_elements() const { return slot_rows_ * this->w_.row_stride; }
+  /// Bytes one rank's slot buffers take: R slots to receive, and R to send unless the comm
+  /// takes puts.
+  index_t slot_buffer_bytes() const {
+    return (puts ? 1 : 2) * index_t{this->w_.ranks} * slot_elements() *
+           static_cast<index_t>(sizeof(value_type));
+  }
+
+  int units(const dispatch_plan&) const { return 1; }
+  int chunk_of_unit(const dispatch_plan&, int) const { return 0; }
+  int round_of_unit(const dispatch_plan&, int) const { return 0; }
+
+  /// The dispatch: the heads and the permuted rows into the send slots, one fixed-size
+  /// all-to-all, every rank's header read from the received heads. Returns the first rank
+  /// that rejected its inputs (its slots carry no rows), or -1; throws config_error on every
+  /// rank when ranks make different calls. Never deferred (the heads come to the host).
+  int counts(context& x, const call_header& h, index_t, bool) {
+    dispatch_plan& p = x.plan;
+    const workspace_layout& w = this->w_;
+    const int R = w.ranks, L = p.local_experts;
+    const index_t P = this->msg_.per_peer(), E = slot_elements();
+    const mark t0 = x.clock.now();
+    this->reset_units();
+    x.space.for_each(
+        R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
+                                       nullptr, this->msg_, 1, 0, h, this->msg_send_.data()});
+    if constexpr (puts || at_most)  // the row of this rank's send buffer the peer's rows return to
+      for (int r = 0; r < R; ++r)
+        this->msg_send_.data()[r * P + this->msg_.chunk_at(0) + 2 * L] = p.send_offsets[r * L];
+    index_t* send_at = at_.host();
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < L; ++j) {
+        const int b = p.block(0, r, j);
+        send_at[b] = r * slot_rows_ + head_rows_ + p.send_offsets[b] - p.send_offsets[r * L];
+      }
+    x.space.to_device(at_, 0, index_t{R} * L);
+    const index_t stride = w.row_stride, me = this->me_;
+    if constexpr (puts) {  // the head and the used rows straight into each peer's slot
+      const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
+      for (int r = 0; r < R; ++r) {
+        std::byte* at = to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
+        std::memcpy(at, this->msg_send_.data() + r * P,
+                    static_cast<std::size_t>(P) * sizeof(index_t));
+        if (const index_t n = p.send_rows_to(0, r); n > 0)
+          std::memcpy(at + head_rows_ * row, this->x_send_.data() + p.send_offsets[r * L] * stride,
+                      static_cast<std::size_t>(n) * row);
+      }
+      comm_->barrier();
+    } else {
+      x.space.for_each(
+          R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, slots_send_.data(), E});
+      copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
+                x.dev.send_counts);
+      if constexpr (at_most) {  // each message its head and used rows; each receive a slot
+        index_t* n = sizes_.data();
+        for (int r = 0; r < R; ++r) {
+          n[r] = (head_rows_ + p.send_rows_to(0, r)) * stride;  // send: counts, displacements
+          n[R + r] = n[3 * R + r] = r * E;
+          n[2 * R + r] = E;  // receive: the whole slot
+        }
+        // This rank's own slot is copied, not messaged.
+        std::memcpy(slots_recv_.device() + me * E, slots_send_.data() + me * E,
+                    static_cast<std::size_t>(n[me]) * sizeof(value_type));
+        n[me] = n[2 * R + me] = 0;
+        comm_->exchange_at_most(slots_send_.data(), n, n + R, slots_recv_.device(), n + 2 * R,
+                                n + 3 * R);
+      } else {
+        this->tr_.alltoall(slots_send_.data(), slots_recv_.device(), E);
+      }
+    }
+    for (int r = 0; r < R; ++r) x.space.to_host(slots_recv_, r * E, head_elements());
+    this->synchronize(x.space);
+    for (int r = 0; r < R; ++r)
+      std::memcpy(this->msg_recv_.host() + r * P, slots_recv_.host() + r * E,
+                  static_cast<std::size_t>(P) * sizeof(index_t));
+    const mark t1 = x.clock.now();
+    x.clock.exchange(t0, t1, t1, t1, 0);
+    int rejected = -1;
+    try {
+      rejected = read_verdict(this->msg_recv_.host(), this->msg_);
+    } catch (...) {
+      settle();
+      throw;
+    }
+    if (rejected >= 0) {
+      settle();
+      return rejected;
+    }
+    this->read_block_counts(p);
+    build_recv_plan(p);
+    index_t* recv_at = at_.host() + index_t{R} * L;
+    for (int s = 0; s < R; ++s) {
+      if (p.recv_rows_from(0, s) > w.from_one_rank) this->overflow(p.recv_rows());
+      for (int j = 0; j < L; ++j) {
+        const int b = p.block(0, s, j);
+        recv_at[b] = s * slot_rows_ + head_rows_ + p.recv_offsets[b] - p.recv_offsets[s * L];
+      }
+    }
+    x.space.to_device(at_, index_t{R} * L, index_t{R} * L);
+    x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
+    this->fill_comm_stats(x, false);
+    pass_stats& st = x.stats;
+    st.rounds = 1;
+    st.alltoalls = 2;
+    st.peak_recv_rows = p.recv_rows();
+    if constexpr (puts || at_most) {  // the used rows, and a head per peer with the dispatch
+      const index_t heads = (R - 1) * P * static_cast<index_t>(sizeof(index_t));
+      st.dispatch_bytes_sent += heads;
+      st.dispatch_bytes_received += heads;
+    } else {  // every slot to every other rank moves whole, whatever its rows
+      const index_t moved = (R - 1) * E * static_cast<index_t>(sizeof(value_type));
+      st.dispatch_bytes_sent = st.dispatch_bytes_received = moved;
+      st.combine_bytes_sent = st.combine_bytes_received = moved;
+    }
+    return -1;
+  }
+  int resolve(context&) { return -1; }
+  const index_t* verdicts() const { return nullptr; }
+  index_t verdict_stride() const { return 0; }
+
+  /// The rows arrived with counts(): the dispatch stage regroups them by local expert.
+  void start_dispatch(context&, int) {}
+  void wait_dispatch(context& x, int) {
+    const mark a = x.clock.now();
+    copy_rows(x, slots_view(slots_recv_.device()), this->expert_view(), recv_at_device(),
+              x.dev.regroup_offsets, x.dev.recv_counts);
+    const dispatch_plan& p = x.plan;
+    x.clock.event(0, stage_kind::dispatch, 0,
+                  p.expert_offsets[p.local_experts] - p.expert_offsets[0],
+                  x.stats.dispatch_bytes_received, a, x.clock.now());
+  }
+
+  grouped_rows<value_type> expert_rows(const context& x, int) const {
+    return this->plan_rows(x, 0, x.plan.expert_offsets[0]);
+  }
+
+  /// The combine: the outputs into the received slots, where their rows came from, and the
+  /// slots back in one fixed-size all-to-all.
+  template <bool Backward>
+  void start_combine(context& x, int) {
+    this->marks_[2] = x.clock.now();
+    const dispatch_plan& p = x.plan;
+    const int R = this->w_.ranks, L = p.local_experts;
+    const index_t stride = this->w_.row_stride, P = this->msg_.per_peer(), me = this->me_;
+    if constexpr (puts) {  // each output row straight into its home's send-buffer row
+      const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
+      for (int q = 0; q < R; ++q) {
+        const index_t home = this->msg_recv_.host()[q * P + this->msg_.chunk_at(0) + 2 * L];
+        for (int j = 0; j < L; ++j) {
+          const int b = p.block(0, q, j);
+          if (p.recv_counts[b] == 0) continue;
+          std::memcpy(
+              to_send_.peers[q] +
+                  static_cast<std::size_t>(home + p.recv_offsets[b] - p.recv_offsets[q * L]) * row,
+              this->x_expert_.data() + p.regroup_offsets[b] * stride,
+              static_cast<std::size_t>(p.recv_counts[b]) * row);
+        }
+      }
+      comm_->barrier();
+    } else {
+      copy_rows(x, this->const_view(this->expert_view()), slots_view(slots_recv_.device()),
+                x.dev.regroup_offsets, recv_at_device(), x.dev.recv_counts);
+      if constexpr (at_most) {  // each peer's rows back, received straight into the send buffer
+        index_t* n = sizes_.data();
+        for (int r = 0; r < R; ++r) {
+          n[r] = p.recv_rows_from(0, r) * stride;
+          n[R + r] = (r * slot_rows_ + head_rows_) * stride;
+          n[2 * R + r] = p.send_rows_to(0, r) * stride;
+          n[3 * R + r] = p.send_offsets[r * L] * stride;
+        }
+        std::memcpy(this->x_send_.data() + n[3 * R + me], slots_recv_.device() + n[R + me],
+                    static_cast<std::size_t>(n[me]) * sizeof(value_type));  // its own rows
+        n[me] = n[2 * R + me] = 0;
+        comm_->exchange_at_most(slots_recv_.device(), n, n + R, this->x_send_.data(), n + 2 * R,
+                                n + 3 * R);
+      } else {
+        this->tr_.alltoall(slots_recv_.device(), slots_send_.data(), slot_elements());
+      }
+    }
+    this->marks_[3] = x.clock.now();
+  }
+  /// Each row from its send slot back to its send-buffer row, where the reduce reads it.
+  template <bool Backward>
+  void wait_combine(context& x, int) {
+    const mark w0 = x.clock.now();
+    const dispatch_plan& p = x.plan;
+    if constexpr (!puts && !at_most)  // the rows from their slots to their send-buffer rows
+      copy_rows(x, this->const_view(slots_view(slots_send_.data())), send_view(p), at_.device(),
+                x.dev.send_offsets, x.dev.send_counts);
+    this->combine_done(x, 0, w0, x.clock.now(), 0, 0, 0, p.send_rows(),
+                       x.stats.combine_bytes_received);
+  }
+
+ private:
+  // A pass that stops after the dispatch (rejected inputs, different calls): with puts, every
+  // rank has read its heads before any rank's next dispatch writes them again.
+  void settle() {
+    if constexpr (puts) comm_->barrier();
+  }
+  index_t head_elements() const { return head_rows_ * this->w_.row_stride; }
+  const index_t* recv_at_device() const {
+    return at_.device() + index_t{this->w_.ranks} * this->w_.local_experts;
+  }
+  matrix_view<value_type> slots_view(value_type* s) const {
+    return {s, this->w_.ranks * slot_rows_, this->w_.hidden, this->w_.row_stride};
+  }
+  matrix_view<value_type> send_view(const dispatch_plan& p) const {
+    return {this->x_send_.data(), p.send_rows(), this->w_.hidden, this->w_.row_stride};
+  }
+  // The R*L blocks of the pass: count[b] rows from src row src_at[b] to dst row dst_at[b].
+  template <class Src>
+  void copy_rows(context& x, Src src, matrix_view<value_type> dst, const index_t* src_at,
+                 const index_t* dst_at, const index_t* count) const {
+    x.space.copy_blocks(matrix_view<const value_type>(src), dst,
+                        index_t{this->w_.ranks} * this->w_.local_experts, src_at, dst_at, count);
+  }
+
+  Comm* comm_;
+  std::vector<index_t> sizes_;  // at most: [4][R] counts and displacements of one exchange
+  typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts
+  index_t head_rows_ = 0;  // rows of a slot's head (the counts message to one peer)
+  index_t slot_rows_ = 0;  // head + S rows
+  typename base::template buffer<value_type> slots_send_;
+  typename base::template mirror<value_type> slots_recv_;
+  typename base::template mirror<index_t> at_;  // [2][R*L]: each block's first slot row, send
+                                                // then receive side
+};
+
+}  // namespace epmoe
