@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <future>
 #include <memory>
@@ -515,4 +516,48 @@ TEST_CASE("throttled: two link classes price each part of an exchange at its own
   });
   CHECK_THAT(error, Catch::Contains("node_links.ranks_per_node = 2") &&
                         Catch::Contains("divide the comm's size (3)"));
+}
+
+// The low-latency exchange writes straight into peers' windows (issue 38). A rank that gives
+// up on a meeting must not leave (and free its buffers) while a peer's write into them is in
+// flight, and a rank that wakes after the others gave up must write nothing.
+TEST_CASE("threads: a timed-out rank leaves only after a peer's put into its window lands",
+          "[comm][timeout]") {
+  threads_world world(2);
+  world.set_timeout(0.1);
+  std::vector<std::vector<int>> buffers(2, std::vector<int>(4, 0));
+  std::atomic<bool> landed{false};
+  std::vector<std::string> kind(2, "none");
+  bool left_after_put = false, late_put_refused = false;
+  finishes_within(kLimit, [&] {
+    world.run([&](threads c) {
+      const int me = c.rank();
+      const threads::window win = c.open_window(buffers[me].data());
+      if (me == 0) {
+        {
+          const auto writing = c.put();
+          std::this_thread::sleep_for(std::chrono::milliseconds(400));  // past rank 1's deadline
+          const int v = 7;
+          std::memcpy(win.peers[1], &v, sizeof v);
+          landed = true;
+        }
+        try {
+          (void)c.put();
+        } catch (const epmoe::comm_timeout&) {
+          late_put_refused = true;
+        }
+      } else {
+        try {
+          c.barrier();
+        } catch (const epmoe::comm_timeout&) {
+          kind[1] = "comm_timeout";
+          left_after_put = landed.load();
+        }
+      }
+    });
+  });
+  CHECK(kind[1] == "comm_timeout");
+  CHECK(left_after_put);
+  CHECK(late_put_refused);
+  CHECK(buffers[1][0] == 7);
 }

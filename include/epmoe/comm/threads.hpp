@@ -108,7 +108,7 @@ class threads_world {
   void barrier(int rank) {
     const auto entered = std::chrono::steady_clock::now();
     std::unique_lock lock(mutex_);
-    if (aborted_) throw_abort();
+    if (aborted_) leave(lock);
     const std::uint64_t gen = generation_.load(std::memory_order_relaxed);
     arrived_[static_cast<std::size_t>(rank)] = 1;
     if (++waiting_ == ranks_) {
@@ -134,16 +134,16 @@ class threads_world {
     if (timeout_ > 0) {
       const auto deadline = entered + std::chrono::duration_cast<std::chrono::nanoseconds>(
                                           std::chrono::duration<double>(timeout_));
-      if (!cv_.wait_until(lock, deadline, released)) time_out(rank);
+      if (!cv_.wait_until(lock, deadline, released)) time_out(rank, lock);
     } else {
       cv_.wait(lock, released);
     }
-    if (generation_.load(std::memory_order_relaxed) == gen) throw_abort();
+    if (generation_.load(std::memory_order_relaxed) == gen) leave(lock);
   }
 
   // Under the lock: rank waited past the deadline. Aborts the world with the ranks that did
   // not arrive, and throws comm_timeout.
-  [[noreturn]] void time_out(int rank) {
+  [[noreturn]] void time_out(int rank, std::unique_lock<std::mutex>& lock) {
     std::string missing;
     for (int r = 0; r < ranks_; ++r)
       if (!arrived_[static_cast<std::size_t>(r)])
@@ -156,7 +156,25 @@ class threads_world {
                      ", which did not reach the exchange: a rank stalled, or ranks called "
                      "different sequences of collectives",
                  true);
+    leave(lock);
+  }
+
+  // Under the lock, the world aborted: this rank leaves the exchange once no rank is writing
+  // into a peer's window (put), so no late write lands in a buffer whose owner has gone on.
+  [[noreturn]] void leave(std::unique_lock<std::mutex>& lock) {
+    cv_.wait(lock, [&] { return putting_ == 0; });
     throw_abort();
+  }
+
+  // A put into peers' windows (threads::put_guard): refused once the world aborted.
+  void begin_put() {
+    std::unique_lock lock(mutex_);
+    if (aborted_) leave(lock);
+    ++putting_;
+  }
+  void end_put() {
+    std::lock_guard lock(mutex_);
+    if (--putting_ == 0) cv_.notify_all();
   }
 
   [[noreturn]] void throw_abort() const {
@@ -175,12 +193,14 @@ class threads_world {
 
   // Rank `origin` failed (why: its error): every rank waiting, or arriving later, throws.
   // The first reason is kept.
+  // Returns once no put is in flight: the caller may free what its peers write into.
   void abort(int origin, const std::string& why) {
-    std::lock_guard lock(mutex_);
+    std::unique_lock lock(mutex_);
     abort_locked(
         origin,
         origin < 0 ? why : "epmoe: rank " + std::to_string(origin) + " failed mid-pass: " + why,
         false);
+    cv_.wait(lock, [&] { return putting_ == 0; });
   }
   void abort_locked(int origin, std::string why, bool timed_out) {
     if (!aborted_) {
@@ -208,6 +228,7 @@ class threads_world {
   std::mutex mutex_;
   std::condition_variable cv_;
   int waiting_ = 0;
+  int putting_ = 0;  // ranks inside a put_guard
   std::atomic<std::uint64_t> generation_{0};  // written under mutex_; read by spinners
   // Spin before sleeping only when every rank can have a core.
   bool spin_ = ranks_ > 1 && static_cast<unsigned>(ranks_) <= std::thread::hardware_concurrency();
@@ -321,6 +342,21 @@ class threads {
     w.barrier(rank_);  // every rank read the slots: the next exchange may reuse them
     return out;
   }
+  /// Held while this rank writes into peers' windows, released before it meets them: a rank
+  /// leaves an aborted or timed-out exchange (and abort() returns) only when no put is in
+  /// flight, so a stalled rank's late write never lands in a buffer its owner freed. Throws
+  /// as the exchange would when the world has already aborted.
+  class put_guard {
+   public:
+    explicit put_guard(threads_world& w) : w_(&w) { w.begin_put(); }
+    put_guard(const put_guard&) = delete;
+    put_guard& operator=(const put_guard&) = delete;
+    ~put_guard() { w_->end_put(); }
+
+   private:
+    threads_world* w_;
+  };
+  [[nodiscard]] put_guard put() { return put_guard(*world_); }
   /// Meets every rank (deadline and abort as in an exchange).
   void barrier() { world_->barrier(rank_); }
 

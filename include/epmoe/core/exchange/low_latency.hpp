@@ -23,7 +23,9 @@
 // left from, where the home's plan finds it. How the slots move, by comm (host memory):
 // - comm::threads (puts): each rank writes its head and used rows straight into the peers'
 //   registered receive slots, and its outputs straight into the home's send buffer rows (the
-//   head names them), then meets the others once per direction;
+//   head names them), then meets the others once per direction; the writes hold the comm's
+//   put guard, so a peer that gave up (deadline, abort) leaves only after they land, and a
+//   rank that wakes late writes nothing;
 // - comm::mpi (at most): one round of MPI_Isend / MPI_Irecv, each receive posted for the
 //   whole slot and each message only its head and used rows (a collective must receive what
 //   is sent, point-to-point may receive less), waited under the deadline;
@@ -72,6 +74,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   /// Whether the comm takes writes into registered buffers (comm::threads on the host).
   static constexpr bool puts = !device_space<Space> && requires(Comm & c, void* p) {
     c.open_window(p).peers[0];
+    c.put();
     c.barrier();
   };
   /// Whether it exchanges messages shorter than their receives (comm::mpi on the host).
@@ -151,13 +154,18 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const index_t stride = w.row_stride, me = this->me_;
     if constexpr (puts) {  // the head and the used rows straight into each peer's slot
       const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
-      for (int r = 0; r < R; ++r) {
-        std::byte* at = to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
-        std::memcpy(at, this->msg_send_.data() + r * P,
-                    static_cast<std::size_t>(P) * sizeof(index_t));
-        if (const index_t n = p.send_rows_to(0, r); n > 0)
-          std::memcpy(at + head_rows_ * row, this->x_send_.data() + p.send_offsets[r * L] * stride,
-                      static_cast<std::size_t>(n) * row);
+      {
+        const auto writing = comm_->put();  // released before the meeting
+        for (int r = 0; r < R; ++r) {
+          std::byte* at =
+              to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
+          std::memcpy(at, this->msg_send_.data() + r * P,
+                      static_cast<std::size_t>(P) * sizeof(index_t));
+          if (const index_t n = p.send_rows_to(0, r); n > 0)
+            std::memcpy(at + head_rows_ * row,
+                        this->x_send_.data() + p.send_offsets[r * L] * stride,
+                        static_cast<std::size_t>(n) * row);
+        }
       }
       comm_->barrier();
     } else {
@@ -258,16 +266,19 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const index_t stride = this->w_.row_stride, P = this->msg_.per_peer(), me = this->me_;
     if constexpr (puts) {  // each output row straight into its home's send-buffer row
       const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
-      for (int q = 0; q < R; ++q) {
-        const index_t home = this->msg_recv_.host()[q * P + this->msg_.chunk_at(0) + 2 * L];
-        for (int j = 0; j < L; ++j) {
-          const int b = p.block(0, q, j);
-          if (p.recv_counts[b] == 0) continue;
-          std::memcpy(
-              to_send_.peers[q] +
-                  static_cast<std::size_t>(home + p.recv_offsets[b] - p.recv_offsets[q * L]) * row,
-              this->x_expert_.data() + p.regroup_offsets[b] * stride,
-              static_cast<std::size_t>(p.recv_counts[b]) * row);
+      {
+        const auto writing = comm_->put();  // released before the meeting
+        for (int q = 0; q < R; ++q) {
+          const index_t home = this->msg_recv_.host()[q * P + this->msg_.chunk_at(0) + 2 * L];
+          for (int j = 0; j < L; ++j) {
+            const int b = p.block(0, q, j);
+            if (p.recv_counts[b] == 0) continue;
+            std::memcpy(
+                to_send_.peers[q] +
+                    static_cast<std::size_t>(home + p.recv_offsets[b] - p.recv_offsets[q * L]) * row,
+                this->x_expert_.data() + p.regroup_offsets[b] * stride,
+                static_cast<std::size_t>(p.recv_counts[b]) * row);
+          }
         }
       }
       comm_->barrier();
