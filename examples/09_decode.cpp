@@ -35,15 +35,16 @@ using clock_type = std::chrono::steady_clock;
 
 namespace {
 
-template <class Inner, int K>
+template <class Inner, int K, bool LowLatency>
 struct policies : default_policies {
   using router = epmoe::router::topk_softmax<K>;
   using comm = epmoe::comm::throttled<Inner>;
-  static constexpr layer_options options{.deterministic = true};
+  static constexpr layer_options options{.deterministic = true, .low_latency = LowLatency};
 };
 
 struct options {
   std::string shape = "mixtral";
+  bool low_latency = false;  // the fixed-slot exchange: start posts its one round
   std::vector<long long> tokens{1, 4, 16, 64};
   int layers = 4, steps = 10;
 };
@@ -79,9 +80,9 @@ struct row {
 
 // One rank's decode loop at every T; rank 0's rows are the report. make() makes this rank's
 // inner comm (a lane each, and one for the calibration).
-template <class Inner, int K, class Make>
+template <class Inner, int K, bool LowLatency, class Make>
 std::vector<row> run_rank(Make&& make, int me, int R, const options& o) {
-  using P = policies<Inner, K>;
+  using P = policies<Inner, K, LowLatency>;
   const int Tmax = static_cast<int>(*std::max_element(o.tokens.begin(), o.tokens.end()));
   const layer_config cfg = shape_of(o.shape, R, Tmax);
   const auto full = reference::full_weights::random(cfg, 1);
@@ -174,13 +175,18 @@ std::vector<row> run_rank(Make&& make, int me, int R, const options& o) {
 
 template <class Inner, class Make>
 std::vector<row> run_shape(Make&& make, int me, int R, const options& o) {
-  if (o.shape == "deepseek") return run_rank<Inner, 8>(make, me, R, o);
-  return run_rank<Inner, 2>(make, me, R, o);
+  if (o.low_latency)
+    return o.shape == "deepseek" ? run_rank<Inner, 8, true>(make, me, R, o)
+                                 : run_rank<Inner, 2, true>(make, me, R, o);
+  return o.shape == "deepseek" ? run_rank<Inner, 8, false>(make, me, R, o)
+                               : run_rank<Inner, 2, false>(make, me, R, o);
 }
 
 int report(const std::vector<row>& rows, const options& o, int R, const char* comm) {
-  std::printf("decode: %s-like, %d layers, %d ranks (%s), 2 micro-batches of T tokens per rank\n",
-              o.shape.c_str(), o.layers, R, comm);
+  std::printf(
+      "decode: %s-like, %d layers, %d ranks (%s), %s exchange, 2 micro-batches of T tokens per "
+      "rank\n",
+      o.shape.c_str(), o.layers, R, comm, o.low_latency ? "low-latency" : "default");
   std::printf("link: comm::throttled, 25 GB/s, latency = the experts' time at T; attention: a "
               "wait of that time\n");
   std::printf("%4s %9s %10s %12s %7s %12s %12s %11s %11s %11s %5s\n", "T", "link us",
@@ -203,10 +209,12 @@ int report(const std::vector<row>& rows, const options& o, int R, const char* co
 int main(int argc, char** argv) {
   static const char* usage =
       "usage: epmoe_decode [--threads N] [--shape mixtral|deepseek] [--tokens 1,4,16,64]\n"
-      "                    [--layers L] [--steps S]\n"
+      "                    [--layers L] [--steps S] [--low-latency]\n"
       "  A decode loop of L MoE layers (attention a fixed-time stand-in) over MPI processes\n"
       "  (mpiexec -n R) or N thread ranks: per T, the step time of two micro-batches, plain\n"
-      "  and with two-batch overlap (split phase), tokens/s and the MoE stage times.\n";
+      "  and with two-batch overlap (split phase), tokens/s and the MoE stage times.\n"
+      "  --low-latency: the fixed-slot exchange (one round per direction, no counts round:\n"
+      "  start posts the dispatch and returns).\n";
   cli::command_line cl(argc, argv, usage);
   options o;
   int threads = 0;
@@ -221,6 +229,8 @@ int main(int argc, char** argv) {
       o.layers = static_cast<int>(cl.integer());
     else if (cl.is("--steps"))
       o.steps = static_cast<int>(cl.integer());
+    else if (cl.is("--low-latency"))
+      o.low_latency = true;
     else
       cl.unknown();
   }

@@ -13,6 +13,7 @@ schedules' outputs agree (fp32 rounding: each in-flight pass has its own buffers
 not.
 
     python examples/python/decode_overlap.py [--procs 2] [--tokens 1,4,16,64] [--layers 4]
+                                             [--exchange flat|low_latency]
 
 (with build/venv/bin/python and PYTHONPATH=build/default/python, where epmoe is built.)
 """
@@ -39,6 +40,8 @@ def parse():
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--attention-ms", type=float, default=1.0, help="the stand-in's wait")
+    p.add_argument("--exchange", default="flat", choices=["flat", "low_latency"],
+                   help="low_latency: fixed slots, start posts its one round and returns")
     p.add_argument("--timeout", type=float, default=60)
     return p.parse_args()
 
@@ -48,13 +51,13 @@ def run(rank, world, args):
     tokens = [int(t) for t in args.tokens.split(",")]
     torch.manual_seed(0)  # every process builds the same model, then keeps its experts
     layers = [MoE(args.hidden, args.ffn, args.experts, args.top_k, group=dist.group.WORLD,
-                  max_tokens=max(tokens)).eval() for _ in range(args.layers)]
+                  max_tokens=max(tokens), exchange=args.exchange).eval() for _ in range(args.layers)]
     wait = args.attention_ms * 1e-3
     ok = True
     if rank == 0:
         print(f"decode: {args.layers} layers, {world} gloo processes, H {args.hidden}, "
               f"FFN {args.ffn}, {args.experts} experts, top-{args.top_k}, attention stand-in "
-              f"{args.attention_ms} ms")
+              f"{args.attention_ms} ms, {args.exchange} exchange")
         print(f"{'T':>4} {'plain ms':>9} {'overlap ms':>11} {'ratio':>6} {'plain tok/s':>12} "
               f"{'overlap tok/s':>14} {'agree':>6}")
     for T in tokens:

@@ -53,7 +53,8 @@ def _format(moe) -> str:
 def start(moe, x: torch.Tensor) -> Handle:
     """Posts y = moe(x)'s dispatch (x [..., hidden], float32 or bf16/fp16 computed in float32)
     and returns its handle. Collective. A rejected input raises on every rank, nothing in
-    flight."""
+    flight (exchange="low_latency": the verdicts ride with the posted rows, so start returns
+    and every rank raises at finish)."""
     if moe._given is not None:
         raise RuntimeError("epmoe: moe.start: a module with load_quantised values runs plain "
                            "passes only (the other lane's packed copies would differ)")

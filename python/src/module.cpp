@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "args.hpp"
@@ -124,15 +125,31 @@ class layer {
 
   /// Split phase (docs/decode.md): forward's first half (its checks, the dispatch posted);
   /// finish() waits, runs the experts and the combine, and writes y. x and y stay alive until.
+  /// A bad tensor raises TypeError here, as in forward, once every rank has learnt it: at
+  /// start, or at finish where the exchange posts the verdicts with the rows (low latency).
   void start(const at::Tensor& x, const at::Tensor& y) {
     const std::string bad = first_bad({{x, "x"}, {y, "y"}});
-    run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
-      layers_[r]->start(rows<const float>(x, a, n, !bad.empty()),
-                        rows<float>(y, a, n, !bad.empty()), {});
-    });
+    late_bad_.clear();
+    bool posted = false;  // the layer's start returned: the verdict is read in finish
+    try {
+      run_shards(x.defined() && bad.empty() ? x.size(0) : 0, bad, [&](int r, index_t a, index_t n) {
+        layers_[r]->start(rows<const float>(x, a, n, !bad.empty()),
+                          rows<float>(y, a, n, !bad.empty()), {});
+        if (r == 0) posted = true;
+      });
+    } catch (const ::py::type_error&) {
+      if (!posted) throw;
+      late_bad_ = bad;  // in flight: its finish raises it, as the peers' finish raise theirs
+    }
   }
   void finish() {
-    each_rank([&](int r) { layers_[r]->finish(); });
+    const std::string bad = std::exchange(late_bad_, std::string());
+    try {
+      each_rank([&](int r) { layers_[r]->finish(); });
+    } catch (const std::exception&) {
+      if (bad.empty()) throw;
+    }
+    if (!bad.empty()) type_error(bad);
   }
 
   /// routing_grad: where a given routing's weights' gradient [T, K] goes, or undefined.
@@ -364,6 +381,7 @@ class layer {
   std::unique_ptr<comm::threads_world> world_;
   std::vector<std::unique_ptr<comm::endpoint>> endpoints_;
   c10d_endpoint* c10d_ = nullptr;  // endpoints_[0] on a process group
+  std::string late_bad_;  // a bad tensor of the split pass in flight, raised by its finish
   std::vector<std::unique_ptr<any_layer>> layers_;
 };
 

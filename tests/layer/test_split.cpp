@@ -25,14 +25,20 @@ namespace {
 
 constexpr float nan = std::numeric_limits<float>::quiet_NaN();
 
-template <class Comm, bool Dedup = false, bool Hier = false>
+template <class Comm, bool Dedup = false, bool Hier = false, bool LowLatency = false>
 struct policies : test::threads_policies<2> {
   using comm = Comm;
   // Bitwise needs fixed summation orders: by default the host's streaming GEMM sums in an
   // order that follows buffer alignment, and each lane has its own buffers (fp32 rounding).
-  static constexpr layer_options options{
-      .dedup = Dedup, .hierarchical = Hier, .deterministic = true};
+  static constexpr layer_options options{.dedup = Dedup,
+                                         .hierarchical = Hier,
+                                         .deterministic = true,
+                                         .low_latency = LowLatency};
 };
+// The low-latency exchange: comm::threads writes into the peers' slots (start completes the
+// round); comm::throttled posts it (start returns with the round on the wire).
+template <class Comm>
+using ll = policies<Comm, false, false, true>;
 using throttled_threads = comm::throttled<comm::threads>;
 
 layer_config config(int ranks, int per_node = 0) {
@@ -141,6 +147,8 @@ TEST_CASE("split: two in flight equal two plain passes bitwise, 1, 2, 4 ranks", 
     split_equals_plain<policies<comm::threads>>(config(R));
     split_equals_plain<policies<comm::threads, true>>(config(R));
     split_equals_plain<policies<throttled_threads>>(config(R));
+    split_equals_plain<ll<comm::threads>>(config(R));
+    split_equals_plain<ll<throttled_threads>>(config(R));
   }
   split_equals_plain<policies<comm::threads, true, true>>(config(4, 2));
 }
@@ -220,6 +228,50 @@ TEST_CASE("split: a rejected input on one rank at start throws on every rank, wr
   CHECK_THAT(errors[1], Catch::Contains("x.rows") && Catch::Contains("max_tokens"));
   CHECK_THAT(errors[0], Catch::Contains("rank 1") && Catch::Contains("rejected"));
   CHECK(ok == std::vector<int>{3, 3});
+}
+
+TEST_CASE("split, low latency posted: a rejected input throws at finish on every rank, writes "
+          "nothing",
+          "[split][low_latency]") {
+  static_assert(low_latency_exchange<throttled_threads, space::host>::posts);
+  const auto cfg = config(2);
+  const auto w = reference::full_weights::random(cfg, 7);
+  using P = ll<throttled_threads>;
+  const auto ref = run<P>(cfg, false);
+  std::vector<std::string> at_start(2), at_finish(2);
+  std::vector<int> ok(2, 0);
+  comm::threads_world world(2);
+  world.run([&](comm::threads c) {
+    const int r = c.rank();
+    const index_t H = cfg.hidden;
+    rank_data<P> d(cfg, w, r, batches);
+    split_layer<P> layer(cfg, {lane_comm<P::comm>(c), lane_comm<P::comm>(c)}, d.views(cfg));
+    const auto a = layer.start(d.xv(0, H), d.yv(0, H));
+    std::vector<float> bad(static_cast<std::size_t>(17 * H), 0.f), by(bad.size(), nan);
+    split_handle b{};
+    try {  // rank 1: 17 tokens > max_tokens 16; the verdict rides with the posted rows
+      const index_t T = r == 1 ? 17 : tokens_of(1, r);
+      b = layer.start({r == 1 ? bad.data() : d.x[1].data(), T, H}, {by.data(), T, H});
+    } catch (const std::exception& e) {
+      at_start[r] = e.what();
+    }
+    ok[r] += layer.in_flight() == 2;
+    layer.finish(a);  // the pass before completes
+    ok[r] += d.y[0] == ref[r][0];
+    try {
+      layer.finish(b);
+    } catch (const std::exception& e) {
+      at_finish[r] = e.what();
+    }
+    for (float v : by) ok[r] += v != v ? 0 : -1000;  // nothing written
+    ok[r] += layer.in_flight() == 0;
+    layer.forward(d.xv(1, H), d.yv(1, H));  // the layer stays usable
+    ok[r] += d.y[1] == ref[r][1];
+  });
+  CHECK(at_start == std::vector<std::string>(2));
+  CHECK_THAT(at_finish[1], Catch::Contains("x.rows") && Catch::Contains("max_tokens"));
+  CHECK_THAT(at_finish[0], Catch::Contains("rank 1") && Catch::Contains("rejected"));
+  CHECK(ok == std::vector<int>{4, 4});
 }
 
 TEST_CASE("split: handles finish once, in order, and a busy layer refuses another pass", "[split]") {

@@ -14,6 +14,7 @@
 #include "../layer/harness.hpp"
 #include "world.hpp"
 #include <epmoe/comm/mpi.hpp>
+#include <epmoe/split_layer.hpp>
 
 // A namespace per file: test_mpi compiles its files as one unit.
 namespace mpi_low_latency_tests {
@@ -31,7 +32,13 @@ struct flat_threads : ll_mpi {
   static constexpr layer_options options{};
 };
 
+// Bit for bit across the two ways of running a pass (plain, split).
+struct ll_deterministic : ll_mpi {
+  static constexpr layer_options options{.deterministic = true, .low_latency = true};
+};
+
 static_assert(low_latency_exchange<comm::mpi, space::host>::at_most);
+static_assert(low_latency_exchange<comm::mpi, space::host>::posts);
 
 using test::world_rank;
 using test::world_size;
@@ -156,6 +163,72 @@ TEST_CASE("mpi low latency: a rejected input on one process makes every process 
   layer.forward({g.x.data() + g.offset(me) * H, T, H},
                 routing_view{{ids.data(), T, 2}, {wts.data(), T, 2}}, {y.data(), T, H});
   CHECK(layer.stats().alltoalls == 2);
+}
+
+TEST_CASE("mpi low latency split: start posts the round; two in flight equal plain passes; a "
+          "rejected input throws at finish on every process",
+          "[mpi][split][low_latency]") {
+  using P = ll_deterministic;
+  const int R = world_size(), me = world_rank(), bad = R - 1;
+  const layer_config cfg{
+      .hidden = 16, .ffn = 12, .experts = 4 * R, .top_k = 2, .ranks = R, .max_tokens = 10};
+  const auto w = reference::full_weights::random(cfg, 97);
+  const auto mine = reference::slice(w, placement::block(cfg), me);
+  const moe_layer<P>::weights ws{w.gate_view(), mine.experts()};
+  moe_layer<P> plain(cfg, comm::mpi(MPI_COMM_WORLD), ws);
+  std::vector<comm::mpi> lanes;  // a communicator per lane: two passes' messages never meet
+  lanes.emplace_back(MPI_COMM_WORLD);
+  lanes.emplace_back(MPI_COMM_WORLD);
+  split_layer<P> split(cfg, std::move(lanes), ws);
+  const index_t H = cfg.hidden;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<index_t> T{me == 0 ? 0 : 7, 10, 3};  // three micro-batches
+  std::vector<std::vector<float>> x, want, got;
+  for (int m = 0; m < 3; ++m) {
+    x.push_back(reference::random_tokens(T[m], H, 200 + 10 * m + me));
+    want.emplace_back(T[m] * H, nan);
+    got.emplace_back(T[m] * H, nan);
+    plain.forward({x[m].data(), T[m], H}, {want[m].data(), T[m], H});
+  }
+  const auto xv = [&](int m) { return matrix_view<const float>{x[m].data(), T[m], H}; };
+  const auto yv = [&](int m) { return matrix_view<float>{got[m].data(), T[m], H}; };
+  const auto a = split.start(xv(0), yv(0));
+  const auto b = split.start(xv(1), yv(1));  // two rounds posted
+  split.experts(a);
+  split.finish(a);
+  const auto c = split.start(xv(2), yv(2));
+  split.finish(b);
+  split.finish(c);
+  int checked = 0;
+  for (int m = 0; m < 3; ++m, ++checked) {
+    INFO("rank " << me << ", micro-batch " << m);
+    CHECK(got[m] == want[m]);  // bitwise; an unwritten row stays NaN and fails
+  }
+  CHECK(checked == 3);
+
+  // Rank `bad` passes 11 tokens > max_tokens: its verdict rides with the posted round, so
+  // start returns everywhere and every process throws at finish, writing nothing.
+  std::vector<float> big((cfg.max_tokens + 1) * H, 0.f), y(big.size(), nan);
+  const index_t n = me == bad ? cfg.max_tokens + 1 : 4;
+  const auto h = split.start({big.data(), n, H}, {y.data(), n, H});
+  std::string what;
+  try {
+    split.finish(h);
+  } catch (const std::exception& e) {
+    what = e.what();
+  }
+  INFO("rank " << me << ": " << what);
+  if (me == bad)
+    CHECK(what.find("max_tokens") != std::string::npos);
+  else
+    CHECK(what.find("rank " + std::to_string(bad)) != std::string::npos);
+  bool untouched = true;
+  for (float v : y) untouched = untouched && v != v;
+  CHECK(untouched);
+  CHECK(split.in_flight() == 0);
+  std::fill(got[1].begin(), got[1].end(), nan);
+  split.finish(split.start(xv(1), yv(1)));  // usable after
+  CHECK(got[1] == want[1]);
 }
 
 }  // namespace mpi_low_latency_tests

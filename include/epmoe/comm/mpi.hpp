@@ -95,6 +95,7 @@ class mpi {
         ints_(std::move(o.ints_)),
         busy_(std::move(o.busy_)),
         p2p_(std::move(o.p2p_)),
+        p2p_posted_(std::exchange(o.p2p_posted_, false)),
         state_(std::move(o.state_)),
         timeout_(o.timeout_) {}
   mpi& operator=(mpi&& o) noexcept {
@@ -110,6 +111,7 @@ class mpi {
       ints_ = std::move(o.ints_);
       busy_ = std::move(o.busy_);
       p2p_ = std::move(o.p2p_);
+      p2p_posted_ = std::exchange(o.p2p_posted_, false);
       state_ = std::move(o.state_);
       timeout_ = o.timeout_;
     }
@@ -176,7 +178,18 @@ class mpi {
   template <class T>
   void exchange_at_most(const T* send, const index_t* send_n, const index_t* send_d, T* recv,
                         const index_t* recv_n, const index_t* recv_d) {
+    post_at_most(send, send_n, send_d, recv, recv_n, recv_d);
+    wait_at_most();
+  }
+  /// The same round, posted: wait_at_most() completes it (one round in flight per comm; its
+  /// buffers and counts stay in use until then). A split start posts its dispatch so.
+  template <class T>
+  void post_at_most(const T* send, const index_t* send_n, const index_t* send_d, T* recv,
+                    const index_t* recv_n, const index_t* recv_d) {
     usable();
+    if (p2p_posted_)
+      throw comm_error("epmoe: comm::mpi: a low-latency round is posted already: wait for it "
+                       "(wait_at_most) before the next");
     const auto bytes = [&](index_t n) {
       const index_t b = n * static_cast<index_t>(sizeof(T));
       if (b > int_limit_)
@@ -193,7 +206,13 @@ class mpi {
       detail::mpi_check(MPI_Isend(send + send_d[r], bytes(send_n[r]), MPI_BYTE, r, slot_tag, comm_,
                                   q + size_ + r),
                         "MPI_Isend");
-    wait_all(q, 2 * size_, "MPI_Isend/MPI_Irecv of the low-latency slots");
+    p2p_posted_ = true;
+  }
+  /// Completes the posted round (none posted: returns), under the deadline and the peers'
+  /// aborts.
+  void wait_at_most() {
+    if (!std::exchange(p2p_posted_, false)) return;
+    wait_all(p2p_.data(), 2 * size_, "MPI_Isend/MPI_Irecv of the low-latency slots");
   }
 
   /// Exchanges posted at each level so far (all, node, cross).
@@ -412,6 +431,7 @@ class mpi {
   long posted_[3] = {0, 0, 0};
   std::vector<unsigned char> busy_;  // one flag per non-blocking slot
   std::vector<MPI_Request> p2p_;     // exchange_at_most's 2R requests
+  bool p2p_posted_ = false;          // post_at_most's round waits for wait_at_most
   std::unique_ptr<failure> state_;
   double timeout_ = 0;
 };

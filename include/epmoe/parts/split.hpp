@@ -13,7 +13,8 @@
 
 // A forward in two or three calls (docs/decode.md, "Split phase and two-batch overlap"): start
 // runs route, plan, permute, shared, the counts exchange (every rank's verdict) and posts the
-// first unit's dispatch; experts (optional) waits for it, runs the experts and posts the
+// first unit's dispatch (the low-latency exchange on a comm that posts: its one round, the
+// verdicts riding with the rows, read in finish); experts (optional) waits for it, runs the experts and posts the
 // combine; finish waits for the combine and sums. Between the calls the caller computes
 // (another micro-batch's attention or experts) while an exchange is on the wire. The units run
 // one after another (the other micro-batch is the overlap).
@@ -55,7 +56,8 @@ struct split_stages : forward_stages<L> {
   explicit split_stages(L& layer) : base(layer) {}
 
   /// The first half of a forward of l (check: as forward's). On a rejected input every rank
-  /// throws here and nothing is written; the pass is then not in flight.
+  /// throws here and nothing is written; the pass is then not in flight (a posted low-latency
+  /// round: every rank throws in finish instead, and nothing is written).
   template <class Check>
   static split_handle start_pass(L& l, matrix_view<const value_type> x, matrix_view<value_type> y,
                             std::span<const std::int64_t> token_ids, Check&& check) {
@@ -84,7 +86,9 @@ struct split_stages : forward_stages<L> {
       s.plan();
       s.permute();
       s.shared();
-      s.counts();  // every rank's verdict: a rejected input throws here, on every rank
+      // Every rank's verdict: a rejected input throws here, on every rank; a low-latency
+      // round carries the verdicts with the rows: posted here, read in finish.
+      s.counts(device_space<typename L::space_type> || L::options.low_latency);
       if (s.chunks() > 0) s.dispatch_start(0);
       l.clock_.stage(&stage_times::total, a, l.clock_.now());
     });

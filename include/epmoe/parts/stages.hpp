@@ -380,11 +380,12 @@ struct forward_stages : stages_base<L> {
       });
     });
   }
-  void counts() {
+  // defer: the verdict may be read after the pass (a device's static shapes; a split start's
+  // low-latency round, posted).
+  void counts(bool defer = device_space<typename L::space_type>) {
     this->timed(&stage_times::dispatch, -1, [&] {
       counted_ = true;
-      if (!this->agree_counts(call_kind::forward, l.pass_.id, l.pass_.error,
-                              device_space<typename L::space_type>))
+      if (!this->agree_counts(call_kind::forward, l.pass_.id, l.pass_.error, defer))
         l.pass_.deferred = true;
     });
   }

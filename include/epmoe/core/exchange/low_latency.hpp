@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <exception>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "epmoe/core/exchange/core.hpp"
@@ -28,9 +30,14 @@
 //   rank that wakes late writes nothing;
 // - comm::mpi (at most): one round of MPI_Isend / MPI_Irecv, each receive posted for the
 //   whole slot and each message only its head and used rows (a collective must receive what
-//   is sent, point-to-point may receive less), waited under the deadline;
+//   is sent, point-to-point may receive less), posted (post_at_most) and waited under the
+//   deadline in the wait call (posts);
 // - any other comm (comm::any and torch.distributed, throttled, local, NCCL, a device space):
-//   the comm's fixed-size all-to-all of whole slots.
+//   the comm's all-to-all of whole slots, on the host posted where the comm has a
+//   non-blocking one (posts).
+// A posted round is waited for in the wait call, and a split start (defer) returns with its
+// dispatch on the wire: the heads are read in wait_dispatch, the verdict after the pass
+// (resolve), and a pass some rank rejected receives no rows and writes no y.
 namespace epmoe {
 
 namespace exchange_ops {
@@ -77,12 +84,20 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     c.put();
     c.barrier();
   };
-  /// Whether it exchanges messages shorter than their receives (comm::mpi on the host).
+  /// Whether it exchanges messages shorter than their receives, posted then waited for
+  /// (comm::mpi on the host).
   static constexpr bool at_most =
       !puts && !device_space<Space> &&
       requires(Comm & c, const value_type* s, value_type* r, const index_t* n) {
-    c.exchange_at_most(s, n, n, r, n, n);
+    c.post_at_most(s, n, n, r, n, n);
+    c.wait_at_most();
   };
+
+  /// Whether each round is posted and waited for in the wait call: comm::mpi's messages, or
+  /// the comm's non-blocking all-to-all of whole slots (comm::throttled, comm::any and
+  /// torch.distributed). A deferred dispatch (a split start) then returns with its round on
+  /// the wire, and wait_dispatch reads the heads.
+  static constexpr bool posts = !puts && !device_space<Space> && (at_most || base::async);
 
   low_latency_exchange(Comm& comm, const Space& space, const workspace_layout& w)
       : base(comm, space, w, 1, 8, false), comm_(&comm) {
@@ -130,14 +145,18 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   /// The dispatch: the heads and the permuted rows into the send slots, one fixed-size
   /// all-to-all, every rank's header read from the received heads. Returns the first rank
   /// that rejected its inputs (its slots carry no rows), or -1; throws config_error on every
-  /// rank when ranks make different calls. Never deferred (the heads come to the host).
-  int counts(context& x, const call_header& h, index_t, bool) {
+  /// rank when ranks make different calls. With `defer` on a comm that posts (a split start),
+  /// the round is posted and verdict_pending returned: wait_dispatch reads the heads, and
+  /// resolve() the verdict after the pass (the reduce writes y only if every rank accepted).
+  int counts(context& x, const call_header& h, index_t, bool defer) {
     dispatch_plan& p = x.plan;
     const workspace_layout& w = this->w_;
     const int R = w.ranks, L = p.local_experts;
     const index_t P = this->msg_.per_peer(), E = slot_elements();
     const mark t0 = x.clock.now();
     this->reset_units();
+    req_.reset();  // (a pass that failed mid-way may have left its round)
+    pending_ = false, verdict_ = -1, mismatch_ = nullptr;
     x.space.for_each(
         R, exchange_ops::count_message{x.dev.send_counts, x.dev.send_valid, x.dev.send_offsets,
                                        nullptr, this->msg_, 1, 0, h, this->msg_send_.data()});
@@ -173,8 +192,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
           R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, slots_send_.data(), E});
       copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
                 x.dev.send_counts);
+      [[maybe_unused]] index_t* n = sizes_.data();
       if constexpr (at_most) {  // each message its head and used rows; each receive a slot
-        index_t* n = sizes_.data();
         for (int r = 0; r < R; ++r) {
           n[r] = (head_rows_ + p.send_rows_to(0, r)) * stride;  // send: counts, displacements
           n[R + r] = n[3 * R + r] = r * E;
@@ -184,19 +203,54 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         std::memcpy(slots_recv_.device() + me * E, slots_send_.data() + me * E,
                     static_cast<std::size_t>(n[me]) * sizeof(value_type));
         n[me] = n[2 * R + me] = 0;
-        comm_->exchange_at_most(slots_send_.data(), n, n + R, slots_recv_.device(), n + 2 * R,
-                                n + 3 * R);
+      }
+      if constexpr (posts) {
+        this->marks_[0] = t0;
+        if constexpr (at_most)
+          comm_->post_at_most(slots_send_.data(), n, n + R, slots_recv_.device(), n + 2 * R,
+                              n + 3 * R);
+        else
+          post(slots_send_.data(), slots_recv_.device());
+        this->marks_[1] = x.clock.now();
+        if (defer) {
+          pending_ = true;
+          return verdict_pending;
+        }
+        const double modeled = wait_round();
+        this->dispatch_done(x, 0, this->marks_[1], x.clock.now(), modeled);
       } else {
         this->tr_.alltoall(slots_send_.data(), slots_recv_.device(), E);
       }
     }
+    return arrived(x, t0);
+  }
+  /// A deferred dispatch's verdict (after wait_dispatch): the first rank that rejected its
+  /// inputs, or -1; config_error on every rank when ranks made different calls.
+  int resolve(context&) {
+    if (mismatch_) std::rethrow_exception(std::exchange(mismatch_, nullptr));
+    return verdict_;
+  }
+  /// Every rank's call header (a deferred pass's reduce writes y only if all agree).
+  const index_t* verdicts() const { return this->msg_recv_.host(); }
+  index_t verdict_stride() const { return this->msg_.per_peer(); }
+
+ private:
+  // The received heads to the host: every rank's header and counts, the verdict, the receive
+  // plan and the pass's exchange stats. Returns the verdict (throws on different calls).
+  int arrived(context& x, mark t0) {
+    dispatch_plan& p = x.plan;
+    const workspace_layout& w = this->w_;
+    const int R = w.ranks, L = p.local_experts;
+    const index_t P = this->msg_.per_peer(), E = slot_elements();
     for (int r = 0; r < R; ++r) x.space.to_host(slots_recv_, r * E, head_elements());
     this->synchronize(x.space);
     for (int r = 0; r < R; ++r)
       std::memcpy(this->msg_recv_.host() + r * P, slots_recv_.host() + r * E,
                   static_cast<std::size_t>(P) * sizeof(index_t));
-    const mark t1 = x.clock.now();
-    x.clock.exchange(t0, t1, t1, t1, 0);
+    if constexpr (!posts) {  // (posted: dispatch_done noted the round)
+      const mark t1 = x.clock.now();
+      x.clock.exchange(t0, t1, t1, t1, 0);
+    }
     int rejected = -1;
     try {
       rejected = read_verdict(this->msg_recv_.host(), this->msg_);
@@ -236,13 +290,43 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     }
     return -1;
   }
-  int resolve(context&) { return -1; }
-  const index_t* verdicts() const { return nullptr; }
-  index_t verdict_stride() const { return 0; }
+  // Completes the posted round; the link model's seconds where the comm has one.
+  double wait_round() {
+    if constexpr (at_most) {
+      comm_->wait_at_most();
+      return 0;
+    } else {
+      return this->tr_.wait(req_);
+    }
+  }
+  // Every rank's slots as one all-to-all of whole slots, started (waited in the wait call).
+  void post(value_type* send, value_type* recv) {
+    const int R = this->w_.ranks;
+    const index_t E = slot_elements();
+    index_t* n = sizes_.data();
+    for (int r = 0; r < R; ++r) n[r] = n[2 * R + r] = E, n[R + r] = n[3 * R + r] = r * E;
+    this->tr_.start(req_, send, n, n + R, recv, n + 2 * R, n + 3 * R);
+  }
 
-  /// The rows arrived with counts(): the dispatch stage regroups them by local expert.
+ public:
+  /// The rows arrived with counts(), or (deferred) arrive here: the verdict is kept for
+  /// resolve(), and a pass some rank rejected (or called differently) receives no rows. The
+  /// dispatch stage regroups them by local expert.
   void start_dispatch(context&, int) {}
   void wait_dispatch(context& x, int) {
+    if constexpr (posts)
+      if (std::exchange(pending_, false)) {
+        const mark w0 = x.clock.now();
+        const double modeled = wait_round();
+        this->dispatch_done(x, 0, w0, x.clock.now(), modeled);
+        try {
+          verdict_ = arrived(x, w0);
+        } catch (const config_error&) {
+          mismatch_ = std::current_exception();
+          verdict_ = 0;
+        }
+        if (verdict_ >= 0) empty_receive(x);
+      }
     const mark a = x.clock.now();
     copy_rows(x, slots_view(slots_recv_.device()), this->expert_view(), recv_at_device(),
               x.dev.regroup_offsets, x.dev.recv_counts);
@@ -296,8 +380,10 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         std::memcpy(this->x_send_.data() + n[3 * R + me], slots_recv_.device() + n[R + me],
                     static_cast<std::size_t>(n[me]) * sizeof(value_type));  // its own rows
         n[me] = n[2 * R + me] = 0;
-        comm_->exchange_at_most(slots_recv_.device(), n, n + R, this->x_send_.data(), n + 2 * R,
-                                n + 3 * R);
+        comm_->post_at_most(slots_recv_.device(), n, n + R, this->x_send_.data(), n + 2 * R,
+                            n + 3 * R);
+      } else if constexpr (posts) {
+        post(slots_recv_.device(), slots_send_.data());
       } else {
         this->tr_.alltoall(slots_recv_.device(), slots_send_.data(), slot_elements());
       }
@@ -309,10 +395,12 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   void wait_combine(context& x, int) {
     const mark w0 = x.clock.now();
     const dispatch_plan& p = x.plan;
+    double modeled = 0;
+    if constexpr (posts) modeled = wait_round();
     if constexpr (!puts && !at_most)  // the rows from their slots to their send-buffer rows
       copy_rows(x, this->const_view(slots_view(slots_send_.data())), send_view(p), at_.device(),
                 x.dev.send_offsets, x.dev.send_counts);
-    this->combine_done(x, 0, w0, x.clock.now(), 0, 0, 0, p.send_rows(),
+    this->combine_done(x, 0, w0, x.clock.now(), modeled, 0, 0, p.send_rows(),
                        x.stats.combine_bytes_received);
   }
 
@@ -340,7 +428,23 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
                         index_t{this->w_.ranks} * this->w_.local_experts, src_at, dst_at, count);
   }
 
+  // A pass some rank rejected: no rows received (y is not written: the verdicts mask it).
+  void empty_receive(context& x) {
+    dispatch_plan& p = x.plan;
+    const index_t P = this->msg_.per_peer();
+    for (int r = 0; r < this->w_.ranks; ++r)
+      std::fill_n(this->msg_recv_.host() + r * P + this->msg_.chunk_at(0), 2 * p.local_experts,
+                  index_t{0});
+    this->read_block_counts(p);
+    build_recv_plan(p);
+    x.space.to_device(x.recv_blocks, 0, x.recv_blocks.size());
+  }
+
   Comm* comm_;
+  typename base::request req_;  // posts: the slots' round in flight
+  bool pending_ = false;        // posts: a deferred dispatch waits in wait_dispatch
+  int verdict_ = -1;            // a deferred dispatch's verdict
+  std::exception_ptr mismatch_;  // ... or the different calls it found
   std::vector<index_t> sizes_;  // at most: [4][R] counts and displacements of one exchange
   typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts
   index_t head_rows_ = 0;  // rows of a slot's head (the counts message to one peer)
