@@ -55,9 +55,9 @@ def test_handles_finish_once_in_order():
     close(moe.finish(moe.start(x)), ya)  # usable after a rejected start
 
 
-def _gloo(rank, world, group):
+def _gloo(rank, world, group, exchange):
     torch.manual_seed(0)
-    moe = MoE(H, F, 8, 2, group=group, max_tokens=32)
+    moe = MoE(H, F, 8, 2, group=group, max_tokens=32, exchange=exchange)
     torch.manual_seed(10 + rank)
     xs = [torch.randn(n, H) for n in ((6, 0, 11) if rank == 0 else (3, 8, 0))]  # T = 0 too
     with torch.no_grad():
@@ -68,47 +68,23 @@ def _gloo(rank, world, group):
     got += [moe.finish(b), moe.finish(c)]
     for g, w in zip(got, want):
         close(g, w)
-    try:  # rank 0's input is rejected: both ranks raise at start, nothing in flight
-        moe.start(xs[0].double() if rank == 0 else xs[0])
-        message = None
-    except (TypeError, ValueError, RuntimeError) as e:
-        message = str(e)
-    close(moe.finish(moe.start(xs[0])), want[0])
-    return message
-
-
-def test_two_gloo_processes():
-    m0, m1 = run_ranks(_gloo, 2)
-    assert m0 and "dtype" in m0
-    assert m1 and "rank 0" in m1
-
-
-def _gloo_low_latency(rank, world, group):
-    torch.manual_seed(0)
-    moe = MoE(H, F, 8, 2, group=group, max_tokens=32, exchange="low_latency")
-    torch.manual_seed(10 + rank)
-    xs = [torch.randn(n, H) for n in ((6, 0, 11) if rank == 0 else (3, 8, 0))]
-    with torch.no_grad():
-        want = [moe(x)[0] for x in xs]
-    a, b = moe.start(xs[0]), moe.start(xs[1])  # each posts its one round and returns
-    got = [moe.finish(a)]
-    c = moe.start(xs[2])
-    got += [moe.finish(b), moe.finish(c)]
-    for g, w in zip(got, want):
-        close(g, w)
-    # Rank 0's input is rejected: its verdict rides with the posted round, so start returns
-    # on both ranks and both raise at finish; then nothing is in flight.
-    h = moe.start(xs[0].double() if rank == 0 else xs[0])
+    # Rank 0's input is rejected: both ranks raise at start, nothing in flight; low latency:
+    # the verdict rides with the posted round, start returns and both raise at finish.
+    message = None
     try:
-        moe.finish(h)
-        message = None
+        h = moe.start(xs[0].double() if rank == 0 else xs[0])
+        if exchange == "low_latency":
+            moe.finish(h)
+        else:
+            message = "start returned"
     except (TypeError, ValueError, RuntimeError) as e:
         message = str(e)
     close(moe.finish(moe.start(xs[0])), want[0])
     return message
 
 
-def test_two_gloo_processes_low_latency():
-    m0, m1 = run_ranks(_gloo_low_latency, 2)
+@pytest.mark.parametrize("exchange", ["flat", "low_latency"])
+def test_two_gloo_processes(exchange):
+    m0, m1 = run_ranks(_gloo, 2, args=(exchange,))
     assert m0 and "dtype" in m0
     assert m1 and "rank 0" in m1
