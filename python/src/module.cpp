@@ -381,7 +381,7 @@ class layer {
   std::unique_ptr<comm::threads_world> world_;
   std::vector<std::unique_ptr<comm::endpoint>> endpoints_;
   c10d_endpoint* c10d_ = nullptr;  // endpoints_[0] on a process group
-  std::string late_bad_;  // a bad tensor of the split pass in flight, raised by its finish
+  std::string late_bad_;           // a bad tensor of the split pass in flight, raised by its finish
   std::vector<std::unique_ptr<any_layer>> layers_;
 };
 

@@ -30,10 +30,8 @@ struct policies : test::threads_policies<2> {
   using comm = Comm;
   // Bitwise needs fixed summation orders: by default the host's streaming GEMM sums in an
   // order that follows buffer alignment, and each lane has its own buffers (fp32 rounding).
-  static constexpr layer_options options{.dedup = Dedup,
-                                         .hierarchical = Hier,
-                                         .deterministic = true,
-                                         .low_latency = LowLatency};
+  static constexpr layer_options options{
+      .dedup = Dedup, .hierarchical = Hier, .deterministic = true, .low_latency = LowLatency};
 };
 // The low-latency exchange: comm::threads writes into the peers' slots (start completes the
 // round); comm::throttled posts it (start returns with the round on the wire).
@@ -230,9 +228,10 @@ TEST_CASE("split: a rejected input on one rank at start throws on every rank, wr
   CHECK(ok == std::vector<int>{3, 3});
 }
 
-TEST_CASE("split, low latency posted: a rejected input throws at finish on every rank, writes "
-          "nothing",
-          "[split][low_latency]") {
+TEST_CASE(
+    "split, low latency posted: a rejected input throws at finish on every rank, writes "
+    "nothing",
+    "[split][low_latency]") {
   static_assert(low_latency_exchange<throttled_threads, space::host>::posts);
   const auto cfg = config(2);
   const auto w = reference::full_weights::random(cfg, 7);

@@ -165,9 +165,10 @@ TEST_CASE("mpi low latency: a rejected input on one process makes every process 
   CHECK(layer.stats().alltoalls == 2);
 }
 
-TEST_CASE("mpi low latency split: start posts the round; two in flight equal plain passes; a "
-          "rejected input throws at finish on every process",
-          "[mpi][split][low_latency]") {
+TEST_CASE(
+    "mpi low latency split: start posts the round; two in flight equal plain passes; a "
+    "rejected input throws at finish on every process",
+    "[mpi][split][low_latency]") {
   using P = ll_deterministic;
   const int R = world_size(), me = world_rank(), bad = R - 1;
   const layer_config cfg{

@@ -188,8 +188,9 @@ class mpi {
                     const index_t* recv_n, const index_t* recv_d) {
     usable();
     if (p2p_posted_)
-      throw comm_error("epmoe: comm::mpi: a low-latency round is posted already: wait for it "
-                       "(wait_at_most) before the next");
+      throw comm_error(
+          "epmoe: comm::mpi: a low-latency round is posted already: wait for it "
+          "(wait_at_most) before the next");
     const auto bytes = [&](index_t n) {
       const index_t b = n * static_cast<index_t>(sizeof(T));
       if (b > int_limit_)

@@ -228,7 +228,7 @@ class threads_world {
   std::mutex mutex_;
   std::condition_variable cv_;
   int waiting_ = 0;
-  int putting_ = 0;  // ranks inside a put_guard
+  int putting_ = 0;                           // ranks inside a put_guard
   std::atomic<std::uint64_t> generation_{0};  // written under mutex_; read by spinners
   // Spin before sleeping only when every rank can have a core.
   bool spin_ = ranks_ > 1 && static_cast<unsigned>(ranks_) <= std::thread::hardware_concurrency();

@@ -14,10 +14,10 @@
 // A forward in two or three calls (docs/decode.md, "Split phase and two-batch overlap"): start
 // runs route, plan, permute, shared, the counts exchange (every rank's verdict) and posts the
 // first unit's dispatch (the low-latency exchange on a comm that posts: its one round, the
-// verdicts riding with the rows, read in finish); experts (optional) waits for it, runs the experts and posts the
-// combine; finish waits for the combine and sums. Between the calls the caller computes
-// (another micro-batch's attention or experts) while an exchange is on the wire. The units run
-// one after another (the other micro-batch is the overlap).
+// verdicts riding with the rows, read in finish); experts (optional) waits for it, runs the experts
+// and posts the combine; finish waits for the combine and sums. Between the calls the caller
+// computes (another micro-batch's attention or experts) while an exchange is on the wire. The units
+// run one after another (the other micro-batch is the overlap).
 namespace epmoe {
 
 /// What start returns and finish consumes, once: the pass's number (and, in a split_layer,

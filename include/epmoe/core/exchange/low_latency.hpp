@@ -176,8 +176,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
       {
         const auto writing = comm_->put();  // released before the meeting
         for (int r = 0; r < R; ++r) {
-          std::byte* at =
-              to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
+          std::byte* at = to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
           std::memcpy(at, this->msg_send_.data() + r * P,
                       static_cast<std::size_t>(P) * sizeof(index_t));
           if (const index_t n = p.send_rows_to(0, r); n > 0)
@@ -357,11 +356,11 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
           for (int j = 0; j < L; ++j) {
             const int b = p.block(0, q, j);
             if (p.recv_counts[b] == 0) continue;
-            std::memcpy(
-                to_send_.peers[q] +
-                    static_cast<std::size_t>(home + p.recv_offsets[b] - p.recv_offsets[q * L]) * row,
-                this->x_expert_.data() + p.regroup_offsets[b] * stride,
-                static_cast<std::size_t>(p.recv_counts[b]) * row);
+            std::memcpy(to_send_.peers[q] + static_cast<std::size_t>(home + p.recv_offsets[b] -
+                                                                     p.recv_offsets[q * L]) *
+                                                row,
+                        this->x_expert_.data() + p.regroup_offsets[b] * stride,
+                        static_cast<std::size_t>(p.recv_counts[b]) * row);
           }
         }
       }
@@ -441,9 +440,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   }
 
   Comm* comm_;
-  typename base::request req_;  // posts: the slots' round in flight
-  bool pending_ = false;        // posts: a deferred dispatch waits in wait_dispatch
-  int verdict_ = -1;            // a deferred dispatch's verdict
+  typename base::request req_;   // posts: the slots' round in flight
+  bool pending_ = false;         // posts: a deferred dispatch waits in wait_dispatch
+  int verdict_ = -1;             // a deferred dispatch's verdict
   std::exception_ptr mismatch_;  // ... or the different calls it found
   std::vector<index_t> sizes_;  // at most: [4][R] counts and displacements of one exchange
   typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts
