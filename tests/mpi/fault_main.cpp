@@ -5,7 +5,8 @@
 // rank prints one line, "epmoe-fault rank R: KIND after S s, y untouched|WRITTEN: WHAT", and
 // ends without MPI_Finalize (a collective cannot be cancelled). tests/mpi/faults.sh runs it
 // and checks the lines. EPMOE_FAULT_EXCHANGE=low_latency runs the low-latency exchange
-// (issue 38: its point-to-point round) instead of the default one.
+// (issue 38: its point-to-point round) instead of the default one; EPMOE_FAULT_SPLIT=1 runs
+// the pass split, start then finish (the low-latency round posted by start).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -31,7 +32,7 @@ struct low_latency_policies : policies {
 };
 
 template <class policies>
-int run(test::faulty_host::fault f, double timeout) {
+int run(test::faulty_host::fault f, double timeout, bool split) {
   comm::mpi c(MPI_COMM_WORLD);
   const int me = c.rank(), R = c.size(), culprit = R - 1;
   layer_config cfg{
@@ -50,7 +51,10 @@ int run(test::faulty_host::fault f, double timeout) {
   std::string kind = "none", what;
   const auto start = std::chrono::steady_clock::now();
   try {
-    layer.forward({x.data(), T, H}, {y.data(), T, H});
+    if (split)
+      layer.finish(layer.start({x.data(), T, H}, {y.data(), T, H}));
+    else
+      layer.forward({x.data(), T, H}, {y.data(), T, H});
   } catch (const comm_timeout& e) {
     kind = "comm_timeout", what = e.what();
   } catch (const comm_aborted& e) {
@@ -93,7 +97,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const char* exchange = std::getenv("EPMOE_FAULT_EXCHANGE");
+  const char* split = std::getenv("EPMOE_FAULT_SPLIT");
+  const bool is_split = split && std::string(split) == "1";
   if (exchange && std::string(exchange) == "low_latency")
-    return run<low_latency_policies>(f, timeout);
-  return run<policies>(f, timeout);
+    return run<low_latency_policies>(f, timeout, is_split);
+  return run<policies>(f, timeout, is_split);
 }

@@ -356,9 +356,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
           for (int j = 0; j < L; ++j) {
             const int b = p.block(0, q, j);
             if (p.recv_counts[b] == 0) continue;
-            std::memcpy(to_send_.peers[q] + static_cast<std::size_t>(home + p.recv_offsets[b] -
-                                                                     p.recv_offsets[q * L]) *
-                                                row,
+            const index_t at = home + p.recv_offsets[b] - p.recv_offsets[q * L];  // home row
+            std::memcpy(to_send_.peers[q] + static_cast<std::size_t>(at) * row,
                         this->x_expert_.data() + p.regroup_offsets[b] * stride,
                         static_cast<std::size_t>(p.recv_counts[b]) * row);
           }
