@@ -49,9 +49,6 @@ def parse():
 def run(rank, world, args):
     from epmoe.torch import MoE
     tokens = [int(t) for t in args.tokens.split(",")]
-    torch.manual_seed(0)  # every process builds the same model, then keeps its experts
-    layers = [MoE(args.hidden, args.ffn, args.experts, args.top_k, group=dist.group.WORLD,
-                  max_tokens=max(tokens), exchange=args.exchange).eval() for _ in range(args.layers)]
     wait = args.attention_ms * 1e-3
     ok = True
     if rank == 0:
@@ -61,6 +58,11 @@ def run(rank, world, args):
         print(f"{'T':>4} {'plain ms':>9} {'overlap ms':>11} {'ratio':>6} {'plain tok/s':>12} "
               f"{'overlap tok/s':>14} {'agree':>6}")
     for T in tokens:
+        # Every process builds the same model, then keeps its experts; max_tokens = T: the
+        # low-latency exchange's fixed slots are sized by it (a server sizes it to its batch).
+        torch.manual_seed(0)
+        layers = [MoE(args.hidden, args.ffn, args.experts, args.top_k, group=dist.group.WORLD,
+                      max_tokens=T, exchange=args.exchange).eval() for _ in range(args.layers)]
         torch.manual_seed(100 + rank)
         x0 = [torch.randn(T, args.hidden) for _ in range(2)]
         times, outs = [], []
