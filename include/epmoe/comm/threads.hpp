@@ -159,10 +159,14 @@ class threads_world {
     leave(lock);
   }
 
-  // Under the lock, the world aborted: this rank leaves the exchange once no rank is writing
-  // into a peer's window (put), so no late write lands in a buffer whose owner has gone on.
-  [[noreturn]] void leave(std::unique_lock<std::mutex>& lock) {
+  // Under the lock, the world aborted: returns once no rank is writing into a peer's window
+  // (put), so no late write lands in a buffer whose owner has gone on.
+  void drain(std::unique_lock<std::mutex>& lock) {
     cv_.wait(lock, [&] { return putting_ == 0; });
+  }
+  // ... and this rank leaves the exchange.
+  [[noreturn]] void leave(std::unique_lock<std::mutex>& lock) {
+    drain(lock);
     throw_abort();
   }
 
@@ -192,15 +196,15 @@ class threads_world {
   }
 
   // Rank `origin` failed (why: its error): every rank waiting, or arriving later, throws.
-  // The first reason is kept.
-  // Returns once no put is in flight: the caller may free what its peers write into.
+  // The first reason is kept. Returns once no put is in flight: the caller may then free what
+  // its peers write into.
   void abort(int origin, const std::string& why) {
     std::unique_lock lock(mutex_);
     abort_locked(
         origin,
         origin < 0 ? why : "epmoe: rank " + std::to_string(origin) + " failed mid-pass: " + why,
         false);
-    cv_.wait(lock, [&] { return putting_ == 0; });
+    drain(lock);
   }
   void abort_locked(int origin, std::string why, bool timed_out) {
     if (!aborted_) {
