@@ -22,6 +22,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -238,11 +239,20 @@ std::vector<ratio_row> bench_gemm(const options& o, const epmoe::space::cuda<bf1
     };
     const index_t dense_out = calls * n_out;  // up: [total, H] x [2F, H]^T
     const double flops = 2.0 * total * in * dense_out;
-    const double grouped = timer.median_seconds(s, o.warmup, o.reps, [&] {
-      space.enter();
-      for (int q = 0; q < calls; ++q) space.grouped_gemm_nt(x, weights(q), result(q));
-      space.leave();
-    });
+    // The grouped cuBLAS call and one cublasGemmEx per expert, side by side (the layer picks
+    // by the experts' mean rows: space::cuda::set_per_group_gemm_rows).
+    const auto time_experts = [&](index_t per_group_rows) {
+      space.set_per_group_gemm_rows(per_group_rows);
+      return timer.median_seconds(s, o.warmup, o.reps, [&] {
+        space.enter();
+        for (int q = 0; q < calls; ++q) space.grouped_gemm_nt(x, weights(q), result(q));
+        space.leave();
+      });
+    };
+    const index_t chosen = space.per_group_gemm_rows();
+    const double grouped = time_experts(std::numeric_limits<index_t>::max() / (4 * E));
+    const double per_expert = time_experts(0);
+    space.set_per_group_gemm_rows(chosen);
     const double dense = timer.median_seconds(s, o.warmup, o.reps, [&] {
       space.enter();
       space.gemm_nt(epmoe::matrix_view<const bf16>(a.data(), total, in),
@@ -253,8 +263,11 @@ std::vector<ratio_row> bench_gemm(const options& o, const epmoe::space::cuda<bf1
     out.push_back(
         {up ? "grouped GEMM up (W1, W3: 2 grouped calls of E)" : "grouped GEMM down (W2: E)",
          "TFLOP/s", flops / grouped / 1e12, flops / dense / 1e12,
-         "space::cuda::grouped_gemm_nt (cublasGemmGroupedBatchedEx, or one cublasGemmEx per "
-         "group where unsupported)"});
+         "space::cuda::grouped_gemm_nt as one cublasGemmGroupedBatchedEx"});
+    out.push_back({up ? "per-expert GEMMs up (W1, W3: 2 x E cublasGemmEx)"
+                      : "per-expert GEMMs down (W2: E cublasGemmEx)",
+                   "TFLOP/s", flops / per_expert / 1e12, flops / dense / 1e12,
+                   "space::cuda::grouped_gemm_nt as one cublasGemmEx per expert"});
   }
   return out;
 }

@@ -113,6 +113,35 @@ TEST_CASE("cuda: the backward GEMMs match space::host, empty groups, accumulate"
   CHECK(compared == 4);
 }
 
+TEST_CASE("cuda: the experts' GEMM, grouped and one GEMM per group, matches space::host",
+          "[cuda][gemm]") {
+  const auto off = offsets();
+  const device_buffer<index_t> doff = up(off);
+  const int G = static_cast<int>(counts.size());
+  const index_t rows = off.back(), K = 19, N = 13;
+  const std::vector<float> a = uniform(rows * K, 4), b = uniform(G * N * K, 5);
+  const device_buffer<float> da = up(a), db = up(b);
+  // c [rows, N] = a_g [., K] x b[g] [N, K]^T
+  std::vector<float> c(rows * N);
+  space::host{}.grouped_gemm_nt({a.data(), K, K, G, off.data(), off.data()},
+                                stacked_view<const float>{b.data(), G, N, K},
+                                {c.data(), N, N, G, off.data(), off.data()});
+  int compared = 0;
+  for (index_t per_group_rows : {index_t{0}, index_t{1} << 30}) {  // per group; grouped
+    CAPTURE(per_group_rows);
+    const auto s = ready_space(G);
+    s.set_per_group_gemm_rows(per_group_rows);
+    device_buffer<float> dc = nans<float>(c.size());
+    s.grouped_gemm_nt({da.data(), K, K, G, off.data(), doff.data()},
+                      stacked_view<const float>{db.data(), G, N, K},
+                      {dc.data(), N, N, G, off.data(), doff.data()});
+    s.synchronize();
+    CHECK(reference::max_relative_error(down(dc), c) <= 1e-4);
+    ++compared;
+  }
+  CHECK(compared == 2);
+}
+
 namespace {
 
 // Expert::backward on both spaces from the same random weights and rows; every output

@@ -1,9 +1,12 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
+#include <algorithm>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <climits>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -194,6 +197,42 @@ TEST_CASE("mpi: ialltoallv requests complete by wait, test or destruction", "[mp
       wrong += r3[2 * s + i] != tag(s, me, i);
     }
   CHECK(wrong == 0);
+}
+
+TEST_CASE("mpi: a timed-out low-latency round cancels its receives: a late message lands nowhere",
+          "[mpi][comm][low_latency]") {
+  mpi c(MPI_COMM_WORLD);
+  const int R = c.size(), me = c.rank();
+  if (R < 2) {
+    SUCCEED("needs two ranks");
+    return;
+  }
+  c.set_timeout(0.2);
+  constexpr index_t n = 4;
+  constexpr float sentinel = -7.f;
+  std::vector<index_t> sn(R, n), sd(R), rn(R, n), rd(R);
+  for (int r = 0; r < R; ++r) sd[r] = rd[r] = r * n;
+  std::vector<float> send(R * n, static_cast<float>(me)), recv(R * n, sentinel);
+  // Rank 1 posts its round after every other rank timed out waiting for it.
+  if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(700));
+  bool timed_out = false;
+  try {
+    c.exchange_at_most(send.data(), sn.data(), sd.data(), recv.data(), rn.data(), rd.data());
+  } catch (const epmoe::comm_timeout&) {
+    timed_out = true;
+    std::fill(recv.begin(), recv.end(), sentinel);  // as if the caller reused the buffer
+  }
+  // Rank 1's messages are sent by now; a receive still posted would take them in here.
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (int i = 0; i < 100; ++i) {
+    int flag = 0;
+    MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, MPI_STATUS_IGNORE);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (me != 1) {
+    CHECK(timed_out);
+    CHECK(std::count(recv.begin(), recv.end(), sentinel) == R * n);
+  }
 }
 
 TEST_CASE("mpi: a failing MPI call throws comm_error with the call and MPI's text",

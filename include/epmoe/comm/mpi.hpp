@@ -213,7 +213,18 @@ class mpi {
   /// aborts.
   void wait_at_most() {
     if (!std::exchange(p2p_posted_, false)) return;
-    wait_all(p2p_.data(), 2 * size_, "MPI_Isend/MPI_Irecv of the low-latency slots");
+    try {
+      wait_all(p2p_.data(), 2 * size_, "MPI_Isend/MPI_Irecv of the low-latency slots");
+    } catch (const comm_error&) {
+      // A late peer's message must not land in a buffer the caller frees after this throw:
+      // the round's receives are cancelled (a cancelled receive completes locally).
+      for (int r = 0; r < size_; ++r)
+        if (p2p_[r] != MPI_REQUEST_NULL) {
+          MPI_Cancel(&p2p_[r]);
+          MPI_Wait(&p2p_[r], MPI_STATUS_IGNORE);
+        }
+      throw;
+    }
   }
 
   /// Exchanges posted at each level so far (all, node, cross).

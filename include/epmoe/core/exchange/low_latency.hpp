@@ -54,6 +54,18 @@ struct slot_head {
            static_cast<std::size_t>(per_peer) * sizeof(index_t));
   }
 };
+/// Block b's first row in the slots (chunk 0: b = r * L + j): peer r's slot, past its head,
+/// at the block's offset among the rows to r. Computed where the plan is: on a device the
+/// host's copy of the send offsets lands only at the next synchronisation.
+struct slot_rows_of {
+  const index_t* send_offsets;
+  index_t local_experts, slot_rows, head_rows;
+  index_t* at;
+  EPMOE_HD void operator()(index_t b) const {
+    const index_t r = b / local_experts;
+    at[b] = r * slot_rows + head_rows + send_offsets[b] - send_offsets[r * local_experts];
+  }
+};
 }  // namespace exchange_ops
 
 namespace detail {
@@ -163,13 +175,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     if constexpr (puts || at_most)  // the row of this rank's send buffer the peer's rows return to
       for (int r = 0; r < R; ++r)
         this->msg_send_.data()[r * P + this->msg_.chunk_at(0) + 2 * L] = p.send_offsets[r * L];
-    index_t* send_at = at_.host();
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < L; ++j) {
-        const int b = p.block(0, r, j);
-        send_at[b] = r * slot_rows_ + head_rows_ + p.send_offsets[b] - p.send_offsets[r * L];
-      }
-    x.space.to_device(at_, 0, index_t{R} * L);
+    x.space.for_each(index_t{R} * L, exchange_ops::slot_rows_of{x.dev.send_offsets, L, slot_rows_,
+                                                                head_rows_, at_.device()});
     const index_t stride = w.row_stride, me = this->me_;
     if constexpr (puts) {  // the head and the used rows straight into each peer's slot
       const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);

@@ -3,7 +3,8 @@
 #pragma once
 
 // cuBLAS GEMMs of space::cuda. The experts' grouped GEMM is one cublasGemmGroupedBatchedEx
-// over every non-empty group (local expert), T in, fp32 accumulate. Each call of a pass has
+// over every non-empty group (local expert), T in, fp32 accumulate, or one cublasGemmEx per
+// group when the groups are large (set_per_group_rows). Each call of a pass has
 // its own pinned and device arrays (a call's upload never races with the next call's), and
 // the device pointer arrays are computed on the device from the groups' device offsets, so a
 // pass captured in a CUDA graph computes its own pointers when replayed.
@@ -76,6 +77,11 @@ class grouped_gemm {
   }
   int calls() const { return calls_; }
   void begin_pass() { next_ = 0; }
+  /// Groups averaging at least `rows` rows run as one cublasGemmEx each (cuBLAS picks each
+  /// problem's kernel: on an H200 the grouped call ran large problems at a third of the dense
+  /// rate); fewer, as one cublasGemmGroupedBatchedEx (one launch for many small problems).
+  void set_per_group_rows(index_t rows) { per_group_rows_ = rows; }
+  index_t per_group_rows() const { return per_group_rows_; }
 
   /// Per group g: c's rows of g = a's rows of g x b[g]^T.
   template <class T>
@@ -101,7 +107,8 @@ class grouped_gemm {
     if (q == 0) return;
     EPMOE_CUDA_CHECK(cublasSetWorkspace(h, workspace.first, workspace.second));
     const dtype_t ab = dtype<T>::cuda;
-    if (grouped_) {
+    const index_t rows = a.offsets[a.groups] - a.offsets[0];
+    if (grouped_ && rows < per_group_rows_ * q) {
       int* dg = dev_groups_.data() + call * cap_;
       const void** ptrs = dev_ptrs_.data() + static_cast<index_t>(call) * 3 * cap_;
       EPMOE_CUDA_CHECK(cudaMemcpyAsync(dg, groups, sizeof(int) * q, cudaMemcpyHostToDevice, s));
@@ -124,13 +131,14 @@ class grouped_gemm {
     }
   }
 
-  /// Whether the last call used the grouped cuBLAS call (false: the per-group fallback).
+  /// Whether this cuBLAS has the grouped call for the types used (false: one GEMM per group).
   bool grouped() const { return grouped_; }
 
  private:
   using dtype_t = cudaDataType_t;
   int calls_ = 0, cap_ = 0, next_ = 0;
   bool grouped_ = true;
+  index_t per_group_rows_ = 32;
   pinned_buffer<int> host_groups_;  // [calls][cap]: the non-empty groups of each call
   device_buffer<int> dev_groups_;
   device_buffer<const void*> dev_ptrs_;  // [calls][3][cap]: A, B, C per problem

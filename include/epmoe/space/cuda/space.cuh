@@ -171,6 +171,10 @@ class cuda : public allocates<cuda<T>> {
     cuda_detail::gemm_nt(ctx_->blas, dtype<T>::cuda, a.data, a.stride, b.data, b.stride,
                          dtype<C>::cuda, c.data, c.stride, c.rows, c.cols, a.cols, 0.f);
   }
+  /// The experts' GEMMs run one cublasGemmEx per expert when the experts average at least
+  /// `rows` rows (default 32), else as one grouped call (0: always per expert).
+  void set_per_group_gemm_rows(index_t rows) const { ctx_->grouped.set_per_group_rows(rows); }
+  index_t per_group_gemm_rows() const { return ctx_->grouped.per_group_rows(); }
   void grouped_gemm_nt(grouped_rows<const T> a, stacked_view<const T> b, grouped_rows<T> c) const {
     ctx_->grouped.run(ctx_->blas, a, b, c, ctx_->work, ctx_->next_workspace());
   }
@@ -269,6 +273,7 @@ class cuda : public allocates<cuda<T>> {
   void reserve(int grouped_calls, int max_groups, index_t scan_n) const {
     ctx_->grouped.reserve(grouped_calls, max_groups);
     ctx_->reserve_scan(scan_n);
+    ctx_->reserve_workspace();  // here, not in a pass: a captured pass may not allocate
   }
 
   /// The pass waits for the caller's stream; the caller's later work waits for the pass.
@@ -332,11 +337,15 @@ class cuda : public allocates<cuda<T>> {
     void* scan_temp() const { return scan_buffer.data(); }
     // Each cuBLAS call of a pass gets its own workspace slice, so GEMMs captured in graphs
     // that run side by side never share one.
+    static constexpr std::size_t slice_bytes = 4 << 20;
+    int workspace_slices() const { return std::max(1, grouped.calls()); }
+    void reserve_workspace() {
+      const index_t bytes = workspace_slices() * static_cast<index_t>(slice_bytes);
+      if (workspace.size() < bytes) workspace = device_buffer<char>(bytes);
+    }
     std::pair<void*, std::size_t> next_workspace() {
-      constexpr std::size_t slice_bytes = 4 << 20;
-      const int n = std::max(1, grouped.calls());
-      if (!workspace.data()) workspace = device_buffer<char>(n * static_cast<index_t>(slice_bytes));
-      void* p = workspace.data() + (slice++ % n) * slice_bytes;
+      reserve_workspace();  // a no-op once reserve() ran (the layer's constructor)
+      void* p = workspace.data() + (slice++ % workspace_slices()) * slice_bytes;
       return {p, slice_bytes};
     }
 
