@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "epmoe/core/macros.hpp"
 #include "epmoe/core/numeric.hpp"
@@ -14,6 +15,45 @@
 // take (row, h0, h1) and do columns [h0, h1) of that row: the host hands out whole rows, a
 // device pieces of rows. Sums run in float whatever the element type.
 namespace epmoe::rows {
+
+/// Copies n elements. On a device, a run of whole 16-byte words at 16-byte-aligned addresses
+/// moves as 16-byte loads and stores (a warp's piece is then one coalesced transaction); the
+/// host's loop vectorises as it is.
+template <class T>
+EPMOE_HD void copy_elements(T* dst, const T* src, index_t n) {
+#if defined(__CUDA_ARCH__)
+  constexpr index_t per = 16 / sizeof(T);
+  if constexpr (16 % sizeof(T) == 0)
+    if (n % per == 0 &&
+        ((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(src)) & 15) ==
+            0) {
+      for (index_t i = 0; i < n; i += per)
+        *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+      return;
+    }
+#endif
+  for (index_t h = 0; h < n; ++h) dst[h] = src[h];
+}
+
+/// acc[j] += w * src[j] for j < n, in float (on a device, whole aligned 16-byte words of src
+/// load as such, as in copy_elements).
+template <class T, index_t N>
+EPMOE_HD void add_scaled(float (&acc)[N], const T* src, index_t n, float w) {
+#if defined(__CUDA_ARCH__)
+  constexpr index_t per = 16 / sizeof(T);
+  if constexpr (16 % sizeof(T) == 0 && N % per == 0)
+    if (n == N && (reinterpret_cast<std::uintptr_t>(src) & 15) == 0) {
+      for (index_t i = 0; i < N; i += per) {
+        const uint4 word = *reinterpret_cast<const uint4*>(src + i);
+        alignas(16) T v[per];
+        memcpy(v, &word, 16);  // a register's bytes: moves, not a memory copy
+        for (index_t j = 0; j < per; ++j) acc[i + j] += w * to_float(v[j]);
+      }
+      return;
+    }
+#endif
+  for (index_t j = 0; j < n; ++j) acc[j] += w * to_float(src[j]);
+}
 
 /// Routes token t: router.route_token over what the router sees of it.
 template <class Router>
@@ -82,8 +122,7 @@ struct gather {
     if (t < 0) {
       for (index_t h = h0; h < h1; ++h) o[h] = from_float<T>(0.f);
     } else {
-      const T* src = x.row(t);
-      for (index_t h = h0; h < h1; ++h) o[h] = src[h];
+      copy_elements(o + h0, x.row(t) + h0, h1 - h0);
     }
   }
 };
@@ -94,9 +133,7 @@ struct copy {
   matrix_view<const T> x;
   matrix_view<T> out;
   EPMOE_HD void operator()(index_t i, index_t h0, index_t h1) const {
-    const T* src = x.row(i);
-    T* o = out.row(i);
-    for (index_t h = h0; h < h1; ++h) o[h] = src[h];
+    copy_elements(out.row(i) + h0, x.row(i) + h0, h1 - h0);
   }
 };
 
@@ -202,8 +239,7 @@ struct weighted_reduce {
         const std::int32_t s = slot[t * K + k];
         if (s < 0) continue;                                 // dropped: contributes nothing
         const float w = weights.data ? weights(t, k) : 1.f;  // none: a plain sum (backward)
-        const T* src = back.row(s) + h;
-        for (index_t j = 0; j < n; ++j) acc[j] += w * to_float(src[j]);
+        add_scaled(acc, back.row(s) + h, n, w);
       }
       T* out = y.row(t) + h;
       for (index_t j = 0; j < n; ++j)
