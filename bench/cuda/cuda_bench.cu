@@ -2,10 +2,10 @@
 // SPDX-License-Identifier: Apache-2.0
 //
 // The CUDA layer's pieces against their ceilings, measured side by side in one run (bf16):
-//   - grouped expert GEMM (cuda_detail::grouped_gemm, 8 experts, uneven rows) vs one dense
-//     cuBLAS GEMM of the same FLOPs;
-//   - permute (cuda_kernels::gather_rows) and un-permute + weighted reduce
-//     (cuda_kernels::combine_rows) vs a device-to-device cudaMemcpyAsync of the same bytes;
+//   - the experts' GEMMs (8 experts, uneven rows) as one grouped call and as one GEMM per
+//     expert, vs one dense cuBLAS GEMM of the same FLOPs;
+//   - permute (rows::gather) and un-permute + weighted reduce (rows::weighted_reduce) vs a
+//     device-to-device cudaMemcpyAsync of the same bytes;
 //   - the layer (H=4096, F=14336, E=8, K=2, comm::local) at T = 16, 512, 8192: dynamic
 //     (dropless) and static (padded capacity, CUDA-graph replay), time per stage and total.
 // Every time is the median of --reps runs after warm-up, each timed by CUDA events.
@@ -187,8 +187,7 @@ std::string num(double v) {
 
 // --- micro benchmarks --------------------------------------------------------------------
 
-// Row counts of the 8 experts: uneven (max/min 2.7, as a skewed router gives), summing to
-// `total`.
+// Row counts of the 8 experts: uneven (max/min 2.7, as a skewed router gives), sum `total`.
 std::vector<index_t> uneven_rows(index_t total, int experts) {
   std::vector<double> share(experts);
   for (int j = 0; j < experts; ++j) share[j] = 3.0 - 2.0 * j / std::max(1, experts - 1);
@@ -239,8 +238,7 @@ std::vector<ratio_row> bench_gemm(const options& o, const epmoe::space::cuda<bf1
     };
     const index_t dense_out = calls * n_out;  // up: [total, H] x [2F, H]^T
     const double flops = 2.0 * total * in * dense_out;
-    // The grouped cuBLAS call and one cublasGemmEx per expert, side by side (the layer picks
-    // by the experts' mean rows: space::cuda::set_per_group_gemm_rows).
+    // The layer picks one of the two by the experts' mean rows (set_per_group_gemm_rows).
     const auto time_experts = [&](index_t per_group_rows) {
       space.set_per_group_gemm_rows(per_group_rows);
       return timer.median_seconds(s, o.warmup, o.reps, [&] {
@@ -250,8 +248,8 @@ std::vector<ratio_row> bench_gemm(const options& o, const epmoe::space::cuda<bf1
       });
     };
     const index_t chosen = space.per_group_gemm_rows();
-    const double grouped = time_experts(std::numeric_limits<index_t>::max() / (4 * E));
-    const double per_expert = time_experts(0);
+    const double grouped = time_experts(std::numeric_limits<index_t>::max() / (4 * E)),
+                 per_expert = time_experts(0);
     space.set_per_group_gemm_rows(chosen);
     const double dense = timer.median_seconds(s, o.warmup, o.reps, [&] {
       space.enter();
@@ -278,8 +276,7 @@ std::vector<ratio_row> bench_rows(const options& o, const epmoe::space::cuda<bf1
                                   event_timer& timer) {
   const index_t T = largest(o.tokens), H = o.hidden, n = T * top_k;
   const cudaStream_t s = space.caller();
-  // Assignment a = t*K + k goes to send row order[a]: rows shuffled, as sorting by expert
-  // does to them.
+  // Assignment a = t*K + k goes to send row order[a]: shuffled, as sorting by expert does.
   std::vector<std::int32_t> order(static_cast<std::size_t>(n)), row_token(order.size());
   std::iota(order.begin(), order.end(), 0);
   std::shuffle(order.begin(), order.end(), std::mt19937_64(5));
