@@ -450,7 +450,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   bool pending_ = false;         // posts: a deferred dispatch waits in wait_dispatch
   int verdict_ = -1;             // a deferred dispatch's verdict
   std::exception_ptr mismatch_;  // ... or the different calls it found
-  std::vector<index_t> sizes_;  // at most: [4][R] counts and displacements of one exchange
+  std::vector<index_t> sizes_;   // at most: [4][R] counts and displacements of one exchange
   typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts
   index_t head_rows_ = 0;  // rows of a slot's head (the counts message to one peer)
   index_t slot_rows_ = 0;  // head + S rows
