@@ -199,6 +199,49 @@ TEST_CASE("mpi: ialltoallv requests complete by wait, test or destruction", "[mp
   CHECK(wrong == 0);
 }
 
+TEST_CASE("mpi: a low-latency round of two parts: each message lands in its own part's receive",
+          "[mpi][comm][low_latency]") {
+  mpi c(MPI_COMM_WORLD);
+  const int R = c.size(), me = c.rank();
+  // Part 0: one int64 header per peer; part 1: up to 8 floats per peer, rank s sends s + 1
+  // of them (shorter than the receive), as the low-latency dispatch sends heads and rows.
+  constexpr index_t S = 8;
+  std::vector<std::int64_t> head_send(R), head_recv(R, -1);
+  std::vector<float> rows_send(R * S), rows_recv(R * S, -1.f);
+  std::vector<index_t> hn(R, 1), hd(R), rn(R, S), rd(R), sn(R, me % S + 1);
+  for (int r = 0; r < R; ++r) {
+    hd[r] = r;
+    rd[r] = r * S;
+    head_send[r] = tag(me, r, 0);
+    for (index_t i = 0; i < S; ++i) rows_send[r * S + i] = static_cast<float>(tag(me, r, i + 1));
+  }
+  const auto heads = [&] {
+    c.post_at_most(head_send.data(), hn.data(), hd.data(), head_recv.data(), hn.data(), hd.data());
+  };
+  const auto rows = [&] {
+    c.post_at_most(rows_send.data(), sn.data(), rd.data(), rows_recv.data(), rn.data(), rd.data());
+  };
+  heads();
+  rows();
+  // A third part is refused before any MPI call (every rank alike: nobody waits for it).
+  CHECK_THROWS_WITH(heads(), Contains("at most 2 parts"));
+  c.wait_at_most();
+  int wrong = 0, checked = 0;
+  for (int s = 0; s < R; ++s) {
+    wrong += head_recv[s] != tag(s, me, 0);
+    const index_t sent = s % S + 1;
+    for (index_t i = 0; i < S; ++i, ++checked)
+      wrong += rows_recv[s * S + i] != (i < sent ? static_cast<float>(tag(s, me, i + 1)) : -1.f);
+  }
+  CHECK(checked == R * S);
+  CHECK(wrong == 0);
+  // The round is complete: the next one posts again.
+  std::fill(head_recv.begin(), head_recv.end(), -1);
+  c.exchange_at_most(head_send.data(), hn.data(), hd.data(), head_recv.data(), hn.data(),
+                     hd.data());
+  for (int s = 0; s < R; ++s) CHECK(head_recv[s] == tag(s, me, 0));
+}
+
 TEST_CASE("mpi: a timed-out low-latency round cancels its receives: a late message lands nowhere",
           "[mpi][comm][low_latency]") {
   mpi c(MPI_COMM_WORLD);

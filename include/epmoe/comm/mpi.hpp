@@ -54,6 +54,8 @@ namespace epmoe::comm {
 class mpi {
  public:
   class request;
+  /// Parts one low-latency round may have (post_at_most).
+  static constexpr int at_most_parts = 2;
 
   /// `max_in_flight`: how many ialltoallv may be pending at once (their int counts are kept
   /// in slots allocated here, so posting allocates nothing). 8: a pipelined hierarchical pass
@@ -72,7 +74,7 @@ class mpi {
       // Slot 0 serves the blocking calls; slots 1.. the pending non-blocking ones.
       ints_.resize(8 * static_cast<std::size_t>(size_) * (1 + max_in_flight));
       busy_.resize(static_cast<std::size_t>(max_in_flight));
-      p2p_.resize(2 * static_cast<std::size_t>(size_));
+      p2p_.resize(2 * at_most_parts * static_cast<std::size_t>(size_));
       // A receive for a peer's abort message, pending for the comm's life.
       state_ = std::make_unique<failure>();
       detail::mpi_check(MPI_Irecv(state_->inbox, sizeof state_->inbox, MPI_CHAR, MPI_ANY_SOURCE,
@@ -95,7 +97,7 @@ class mpi {
         ints_(std::move(o.ints_)),
         busy_(std::move(o.busy_)),
         p2p_(std::move(o.p2p_)),
-        p2p_posted_(std::exchange(o.p2p_posted_, false)),
+        p2p_posted_(std::exchange(o.p2p_posted_, 0)),
         state_(std::move(o.state_)),
         timeout_(o.timeout_) {}
   mpi& operator=(mpi&& o) noexcept {
@@ -111,7 +113,7 @@ class mpi {
       ints_ = std::move(o.ints_);
       busy_ = std::move(o.busy_);
       p2p_ = std::move(o.p2p_);
-      p2p_posted_ = std::exchange(o.p2p_posted_, false);
+      p2p_posted_ = std::exchange(o.p2p_posted_, 0);
       state_ = std::move(o.state_);
       timeout_ = o.timeout_;
     }
@@ -182,15 +184,19 @@ class mpi {
     wait_at_most();
   }
   /// The same round, posted: wait_at_most() completes it (one round in flight per comm; its
-  /// buffers and counts stay in use until then). A split start posts its dispatch so.
+  /// buffers stay in use until then). A split start posts its dispatch so. A round may have
+  /// up to at_most_parts parts, each posted by its own call before the wait (the slots'
+  /// heads and their rows, sent from where each lies: no copy into a send slot). Every rank
+  /// posts the parts in the same order; part i has its own tag, so its messages match only
+  /// part i's receives.
   template <class T>
   void post_at_most(const T* send, const index_t* send_n, const index_t* send_d, T* recv,
                     const index_t* recv_n, const index_t* recv_d) {
     usable();
-    if (p2p_posted_)
-      throw comm_error(
-          "epmoe: comm::mpi: a low-latency round is posted already: wait for it "
-          "(wait_at_most) before the next");
+    if (p2p_posted_ == at_most_parts)
+      throw comm_error("epmoe: comm::mpi: a low-latency round holds at most " +
+                       std::to_string(at_most_parts) +
+                       " parts: wait for it (wait_at_most) before the next");
     const auto bytes = [&](index_t n) {
       const index_t b = n * static_cast<index_t>(sizeof(T));
       if (b > int_limit_)
@@ -198,31 +204,34 @@ class mpi {
                          " bytes exceeds the int limit of one message");
       return static_cast<int>(b);
     };
-    MPI_Request* q = p2p_.data();
+    MPI_Request* q = p2p_.data() + 2 * size_ * p2p_posted_;
+    const int tag = slot_tag + p2p_posted_;
     for (int r = 0; r < size_; ++r)
       detail::mpi_check(
-          MPI_Irecv(recv + recv_d[r], bytes(recv_n[r]), MPI_BYTE, r, slot_tag, comm_, q + r),
+          MPI_Irecv(recv + recv_d[r], bytes(recv_n[r]), MPI_BYTE, r, tag, comm_, q + r),
           "MPI_Irecv");
     for (int r = 0; r < size_; ++r)
-      detail::mpi_check(MPI_Isend(send + send_d[r], bytes(send_n[r]), MPI_BYTE, r, slot_tag, comm_,
-                                  q + size_ + r),
-                        "MPI_Isend");
-    p2p_posted_ = true;
+      detail::mpi_check(
+          MPI_Isend(send + send_d[r], bytes(send_n[r]), MPI_BYTE, r, tag, comm_, q + size_ + r),
+          "MPI_Isend");
+    ++p2p_posted_;
   }
   /// Completes the posted round (none posted: returns), under the deadline and the peers'
   /// aborts.
   void wait_at_most() {
-    if (!std::exchange(p2p_posted_, false)) return;
+    const int parts = std::exchange(p2p_posted_, 0);
+    if (parts == 0) return;
     try {
-      wait_all(p2p_.data(), 2 * size_, "MPI_Isend/MPI_Irecv of the low-latency slots");
+      wait_all(p2p_.data(), 2 * size_ * parts, "MPI_Isend/MPI_Irecv of the low-latency slots");
     } catch (const comm_error&) {
       // A late peer's message must not land in a buffer the caller frees after this throw:
       // the round's receives are cancelled (a cancelled receive completes locally).
-      for (int r = 0; r < size_; ++r)
-        if (p2p_[r] != MPI_REQUEST_NULL) {
-          MPI_Cancel(&p2p_[r]);
-          MPI_Wait(&p2p_[r], MPI_STATUS_IGNORE);
-        }
+      for (int part = 0; part < parts; ++part)
+        for (MPI_Request& q : std::span(p2p_).subspan(2 * size_ * part, size_))
+          if (q != MPI_REQUEST_NULL) {
+            MPI_Cancel(&q);
+            MPI_Wait(&q, MPI_STATUS_IGNORE);
+          }
       throw;
     }
   }
@@ -277,7 +286,7 @@ class mpi {
   friend struct detail::mpi_test_access;
 
   static constexpr int abort_tag = 0x4550;  // "EP": the abort messages' tag on the duplicate
-  static constexpr int slot_tag = 0x4551;   // exchange_at_most's messages
+  static constexpr int slot_tag = 0x4551;   // exchange_at_most's messages (+ the part)
 
   // What a failure leaves: the pending receive for a peer's abort message, what this rank
   // sent, and the error every later call throws. On the heap: MPI holds their addresses.
@@ -352,6 +361,7 @@ class mpi {
   // The same for n requests (exchange_at_most's point-to-point ones).
   void wait_all(MPI_Request* reqs, int n, const char* call) {
     const auto start = std::chrono::steady_clock::now();
+    bool patient = false;  // waited past spin_seconds: sleep between polls
     for (int i = 0;; ++i) {
       int flag = 0;
       detail::mpi_check(MPI_Testall(n, reqs, &flag, MPI_STATUSES_IGNORE), "MPI_Testall");
@@ -360,6 +370,7 @@ class mpi {
         check_peers();
         const double waited =
             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        patient = waited > spin_seconds;
         if (timeout_ > 0 && waited > timeout_) {
           char secs[32];
           std::snprintf(secs, sizeof secs, "%g", timeout_);
@@ -371,8 +382,13 @@ class mpi {
           usable();
         }
       }
-      // Past the first microseconds, give the core to the rank's other threads.
-      if (i > 256) std::this_thread::sleep_for(std::chrono::microseconds(20));
+      // A decode step's rounds last microseconds, and a 20 us sleep wakes 60-100 us later on a
+      // loaded machine (3x a T = 1 step's time on 2 processes): for the first spin_seconds
+      // the wait yields the core to runnable threads between polls; past that, it sleeps.
+      if (patient)
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      else if (i > 256)
+        std::this_thread::yield();
     }
   }
 
@@ -442,10 +458,11 @@ class mpi {
                            //   same for the ranks of one level
   long posted_[3] = {0, 0, 0};
   std::vector<unsigned char> busy_;  // one flag per non-blocking slot
-  std::vector<MPI_Request> p2p_;     // exchange_at_most's 2R requests
-  bool p2p_posted_ = false;          // post_at_most's round waits for wait_at_most
+  std::vector<MPI_Request> p2p_;     // a low-latency round's 2R requests per part
+  int p2p_posted_ = 0;               // parts posted, waiting for wait_at_most
   std::unique_ptr<failure> state_;
   double timeout_ = 0;
+  static constexpr double spin_seconds = 2e-3;  // a wait polls without sleeping this long
 };
 
 /// A pending ialltoallv. Move-only; wait() completes it (throws comm_error on failure),

@@ -130,7 +130,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     head_rows_ = (head_bytes + row_bytes - 1) / row_bytes;
     slot_rows_ = head_rows_ + w.from_one_rank;
     const index_t R = w.ranks, L = w.local_experts;
-    if constexpr (!puts)  // (puts write straight from the send buffer)
+    if constexpr (!puts && !at_most)  // (puts and messages go from the send buffer)
       slots_send_ = space.template allocate<value_type>(R * slot_rows_ * w.row_stride);
     slots_recv_ = space.template allocate_mirror<value_type>(R * slot_rows_ * w.row_stride);
     at_ = space.template allocate_mirror<index_t>(2 * R * L);
@@ -144,9 +144,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   /// Elements of one (source, destination) slot: its head and S rows, at the row stride.
   index_t slot_elements() const { return slot_rows_ * this->w_.row_stride; }
   /// Bytes one rank's slot buffers take: R slots to receive, and R to send unless the comm
-  /// takes puts.
+  /// takes puts or messages (they go from the send buffer).
   index_t slot_buffer_bytes() const {
-    return (puts ? 1 : 2) * index_t{this->w_.ranks} * slot_elements() *
+    return (puts || at_most ? 1 : 2) * index_t{this->w_.ranks} * slot_elements() *
            static_cast<index_t>(sizeof(value_type));
   }
 
@@ -194,27 +194,16 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
       }
       comm_->barrier();
     } else {
-      x.space.for_each(
-          R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, slots_send_.data(), E});
-      copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
-                x.dev.send_counts);
-      [[maybe_unused]] index_t* n = sizes_.data();
-      if constexpr (at_most) {  // each message its head and used rows; each receive a slot
-        for (int r = 0; r < R; ++r) {
-          n[r] = (head_rows_ + p.send_rows_to(0, r)) * stride;  // send: counts, displacements
-          n[R + r] = n[3 * R + r] = r * E;
-          n[2 * R + r] = E;  // receive: the whole slot
-        }
-        // This rank's own slot is copied, not messaged.
-        std::memcpy(slots_recv_.device() + me * E, slots_send_.data() + me * E,
-                    static_cast<std::size_t>(n[me]) * sizeof(value_type));
-        n[me] = n[2 * R + me] = 0;
+      if constexpr (!at_most) {  // whole slots: heads and rows into the send slots
+        x.space.for_each(R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P,
+                                                                slots_send_.data(), E});
+        copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets,
+                  at_.device(), x.dev.send_counts);
       }
       if constexpr (posts) {
         this->marks_[0] = t0;
         if constexpr (at_most)
-          comm_->post_at_most(slots_send_.data(), n, n + R, slots_recv_.device(), n + 2 * R,
-                              n + 3 * R);
+          post_heads_and_rows(p);
         else
           post(slots_send_.data(), slots_recv_.device());
         this->marks_[1] = x.clock.now();
@@ -304,6 +293,38 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     } else {
       return this->tr_.wait(req_);
     }
+  }
+  // comm::mpi: one round of two parts, each peer's head (its counts message) and its used
+  // rows, sent from where they lie (the counts messages, the permuted send buffer: no copy
+  // into a send slot) into the peer's receive slot; each receive is the whole slot. This
+  // rank's own slot is copied, not messaged.
+  void post_heads_and_rows(const dispatch_plan& p) {
+    const int R = this->w_.ranks, L = p.local_experts, me = this->me_;
+    const index_t P = this->msg_.per_peer(), E = slot_elements(), stride = this->w_.row_stride;
+    const index_t head = P * static_cast<index_t>(sizeof(index_t));
+    const index_t row0 = head_rows_ * stride;  // a slot's first row, in elements
+    value_type* recv = slots_recv_.device();
+    const value_type* rows = this->x_send_.data();
+    index_t* n = sizes_.data();
+    for (int r = 0; r < R; ++r) {  // the heads, in bytes
+      n[r] = n[2 * R + r] = head;
+      n[R + r] = r * head;
+      n[3 * R + r] = r * E * static_cast<index_t>(sizeof(value_type));
+    }
+    std::memcpy(recv + me * E, this->msg_send_.data() + me * P, static_cast<std::size_t>(head));
+    n[me] = n[2 * R + me] = 0;
+    comm_->post_at_most(reinterpret_cast<const std::byte*>(this->msg_send_.data()), n, n + R,
+                        reinterpret_cast<std::byte*>(recv), n + 2 * R, n + 3 * R);
+    for (int r = 0; r < R; ++r) {  // the rows, in elements
+      n[r] = p.send_rows_to(0, r) * stride;
+      n[R + r] = p.send_offsets[r * L] * stride;
+      n[2 * R + r] = E - row0;
+      n[3 * R + r] = r * E + row0;
+    }
+    std::memcpy(recv + n[3 * R + me], rows + n[R + me],
+                static_cast<std::size_t>(n[me]) * sizeof(value_type));
+    n[me] = n[2 * R + me] = 0;
+    comm_->post_at_most(rows, n, n + R, recv, n + 2 * R, n + 3 * R);
   }
   // Every rank's slots as one all-to-all of whole slots, started (waited in the wait call).
   void post(value_type* send, value_type* recv) {
