@@ -197,8 +197,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
       if constexpr (!at_most) {  // whole slots: heads and rows into the send slots
         x.space.for_each(R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P,
                                                                 slots_send_.data(), E});
-        copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets,
-                  at_.device(), x.dev.send_counts);
+        copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
+                  x.dev.send_counts);
       }
       if constexpr (posts) {
         this->marks_[0] = t0;
