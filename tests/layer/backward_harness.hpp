@@ -32,7 +32,6 @@
 namespace layer_backward_tests {
 using namespace epmoe;
 
-
 inline constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 
 // Bit-identical, the same length; an empty vector's data() may be null, which memcmp forbids.
@@ -131,7 +130,7 @@ struct train_options {
 
 // Sums rank r's slot tensor (count L, `per` elements per slot) into its logical expert's.
 inline void add_slots(std::vector<float>& into, const std::vector<float>& slots, index_t per,
-               const std::vector<int>& expert_of) {
+                      const std::vector<int>& expert_of) {
   for (std::size_t j = 0; j < expert_of.size(); ++j)
     for (index_t i = 0; i < per; ++i) {
       float& o = into[static_cast<std::size_t>(expert_of[j] * per + i)];
@@ -349,6 +348,5 @@ inline layer_config train_layer(int ranks, int top_k = 2, int experts = 8) {
           .max_tokens = 32,
           .capacity_factor = 1.0};
 }
-
 
 }  // namespace layer_backward_tests
