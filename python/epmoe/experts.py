@@ -19,6 +19,9 @@ from torch import nn
 from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
 from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
+from .quantised import FORMATS as _MINIFLOAT
+from .quantised import Quantised, codes_of, format_group, give, minifloat_rows
+from .quantised import _check as check_minifloat
 
 __all__ = ["Experts"]
 
@@ -27,7 +30,7 @@ class _PassState:
     """The tensors bound (pointers and strides), the versions packed, the pass counters; for
     a copied layout, the copies and the caller's tensors (pointers, versions) they hold."""
 
-    bound = bound_params = packed = copies = copied = None
+    bound = bound_params = packed = copies = copied = given = None
     passes = consumed = 0
 
 # How the caller's tensors hold each expert kind's (w1, w3, w2 | w1, w2, b1, b2 | ...).
@@ -173,7 +176,12 @@ class Experts(nn.Module):
                 d["gate_bias"] = self._gate_bias
         return out
 
-    def _prepare(self, params):
+    def _layer_ranks(self) -> int:
+        return self._local
+
+    def _bind(self, params):
+        """The layer (built at the first call: collective) reading `params`' kind tensors;
+        returns them."""
         st = self._state
         if self._layer is None or tuple(t.data_ptr() for t in params) != st.bound_params:
             self._check(params)
@@ -193,6 +201,11 @@ class Experts(nn.Module):
             self._layer.rebind(self._rank_weights(tensors))
             st.packed = None
         st.bound = pointers
+        return tensors
+
+    def _prepare(self, params):
+        st = self._state
+        tensors = self._bind(params)
         _refuse_training(self._pack, self.training)
         packs = _packs(self._pack, self.training)
         versions = tuple(t._version for t in tensors)
@@ -202,6 +215,103 @@ class Experts(nn.Module):
         elif packs and versions != st.packed:
             self._layer.pack(True, _pack_format(self._pack))
             st.packed = versions
+            if st.given and st.given[1] == versions:  # the checkpoint's values, not requantised
+                give(self, st.given[0])
+            else:
+                st.given = None  # the tensors changed since: their values now
+
+    # --- quantised checkpoints ---------------------------------------------------------
+    @torch.no_grad()
+    def load_quantised(self, tensors: dict, *params: torch.Tensor):
+        """The packed copies hold a checkpoint's quantised expert weights as they are (no
+        re-quantisation; docs/quantisation.md, "Loaders") and `params` (this module's tensors
+        in its layout, the ones the forward is then given) take them dequantised. tensors maps
+        names to epmoe.quantised.Quantised stacks of the experts this process holds [n, N, K]
+        (slot order), all in one format, every weight matrix given: the layout's names
+        ("gate_up_proj" [n, 2F, H], gate rows then up rows, or interleaved in the gpt_oss
+        layout as GPT-OSS's *_blocks; "down_proj" [n, H, F]) or the kind's ("w1", "w3",
+        "w2"); mxfp4 blocks may keep GPT-OSS's [n, N, K / 32, 16]. fp8 and mxfp4: the module
+        then packs as that format; group-wise formats: pack_weights must name it (packed at the
+        first forward in eval mode). Collective (a first call builds the layer). Forwards with
+        the same, unchanged params read the checkpoint's values; once they change (an
+        optimizer step, an in-place write) their values are packed again. A wrong name, shape,
+        dtype or format raises before anything is written."""
+        from .quantised import split_gate_up
+
+        kinds, fmt = self._quantised_kinds(tensors, split_gate_up)
+        self._check(params)
+        views = dict(zip(EXPERT_TENSORS[self.expert_kind], self._kind_tensors(list(params))))
+        st = self._state
+        if fmt in _MINIFLOAT:
+            K = {n: views[n].shape[2] for n in kinds}
+            plan = {n: (codes_of(t.q).contiguous(), t.scales.contiguous(), K[n])
+                    for n, t in kinds.items()}
+            self._bind(params)
+            names = EXPERT_TENSORS[self.expert_kind]
+            self._layer.load_quantised(fmt, minifloat_rows(self, names, plan))  # (checks all)
+            self._pack, st.given = fmt, None
+        for n, t in kinds.items():
+            views[n].copy_(t.dequantise(views[n].shape[2]))
+        tensors = self._bind(params)  # (a copied layout: its copies refreshed)
+        versions = tuple(t._version for t in tensors)
+        if fmt in _MINIFLOAT:
+            st.packed = versions
+            return
+        st.given = ({(n, slot): Quantised(fmt, t.q[slot], t.scales[slot],
+                                          None if t.offsets is None else t.offsets[slot])
+                     for n, t in kinds.items() for slot in range(self.held)}, versions)
+        if not self.training:  # (in training mode: packed at the first forward in eval)
+            self._prepare(params)
+
+    def _quantised_kinds(self, tensors: dict, split_gate_up):
+        """load_quantised's tensors as {kind tensor name: Quantised [n, N, K]} and their
+        format, every entry checked."""
+        H, F, n = self.hidden, self.ffn, self.held
+        weights = {"w1": (F, H), "w3": (F, H), "w2": (H, F)}
+        weights = {k: v for k, v in weights.items() if k in EXPERT_TENSORS[self.expert_kind]}
+        fused = self.layout != "separate"
+        names = ("gate_up_proj", "down_proj") if fused else tuple(weights)
+        for key, t in tensors.items():
+            if not isinstance(t, Quantised):
+                raise TypeError(f"epmoe: load_quantised[{key!r}] is {type(t).__name__}: must "
+                                "be an epmoe.quantised.Quantised (format, q, scales[, offsets])")
+        formats = sorted({t.format for t in tensors.values()})
+        if len(formats) != 1:
+            raise ValueError(f"epmoe: load_quantised: formats {formats}: one format per call")
+        fmt = formats[0]
+        if fmt not in _MINIFLOAT and format_group(fmt) is None:
+            raise ValueError(f"epmoe: load_quantised: format {fmt!r}: must be fp8, mxfp4 or a "
+                             "group-wise format (int4[_asym][_g<group>], int8_g<group>)")
+        if fmt not in _MINIFLOAT and self._pack != fmt:
+            raise ValueError(f"epmoe: load_quantised: {fmt} tensors: pack_weights = "
+                             f"{self._pack!r} must name that format")
+        kinds = {}
+        for key, t in tensors.items():
+            if t.format == "mxfp4" and t.q.dim() == 4:  # GPT-OSS's [n, N, K / 32, 16]
+                t = t._replace(q=t.q.reshape(*t.q.shape[:2], -1))
+            if fused and key == "gate_up_proj":
+                if t.q.dim() != 3 or t.q.shape[:2] != (n, 2 * F):
+                    raise ValueError(f"epmoe: load_quantised[{key!r}] has shape "
+                                     f"{tuple(t.q.shape)}: must be [{n}, {2 * F}, ...]")
+                kinds["w1"], kinds["w3"] = split_gate_up(t, F, self.layout == "gpt_oss",
+                                                         f"load_quantised[{key!r}]")
+            elif key in names:
+                kinds["w2" if fused else key] = t
+            else:
+                raise KeyError(f"epmoe: load_quantised: no quantised tensor {key!r} (this "
+                               f"module's: {', '.join(names)})")
+        missing = [k for k in names if k not in tensors]
+        if missing:
+            raise ValueError(f"epmoe: load_quantised: {missing[0]!r} is not given (every "
+                             f"weight matrix: {', '.join(names)})")
+        for key, t in kinds.items():
+            rows, cols = weights[key]
+            if fmt in _MINIFLOAT:
+                check_minifloat(fmt, key, t.q, t.scales, n, rows, cols, "load_quantised")
+            elif tuple(t.q.shape) != (n, rows, cols) or t.q.dtype != torch.int8:
+                raise ValueError(f"epmoe: load_quantised[{key!r}] q is {t.q.dtype} "
+                                 f"{tuple(t.q.shape)}: {fmt} wants int8 {(n, rows, cols)}")
+        return kinds, fmt
 
     # --- forward --------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,

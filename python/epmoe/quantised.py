@@ -250,9 +250,21 @@ def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "
         if routed:  # this module's slots, in slot order
             codes, scales = codes[moe.expert_ids], scales[moe.expert_ids]
         plan[name] = (codes.contiguous(), scales.contiguous(), p.shape[2])
-    L = moe.experts // moe.ranks
+    moe._layer.load_quantised(fmt, minifloat_rows(moe, names, plan))  # (checks them all first)
+    for name, (c, s, k) in plan.items():
+        getattr(moe, name).copy_(dequantise(fmt, c, s, k))
+    moe._pack = fmt
+    moe._packed_versions = moe._versions()
+    moe._given = None  # (group-wise matrices given before: replaced)
+
+
+def minifloat_rows(module, names, plan: dict) -> list:
+    """Layer.load_quantised's lists: per local rank, per expert tensor in `names` order, its
+    slots' (codes, scales, cols) from plan {name: slot-ordered stacks} (shared_...: every rank
+    all of them), or None (not given)."""
+    L = module.experts // module.ranks
     per_rank = []
-    for r in range(moe._layer_ranks()):
+    for r in range(module._layer_ranks()):
         row = []
         for name in names:
             if name not in plan:
@@ -263,12 +275,24 @@ def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "
                 c, s = c[r * L:(r + 1) * L].contiguous(), s[r * L:(r + 1) * L].contiguous()
             row.append((c, s, int(k)))
         per_rank.append(row)
-    moe._layer.load_quantised(fmt, per_rank)  # checks every code and scale first
-    for name, (c, s, k) in plan.items():
-        getattr(moe, name).copy_(dequantise(fmt, c, s, k))
-    moe._pack = fmt
-    moe._packed_versions = moe._versions()
-    moe._given = None  # (group-wise matrices given before: replaced)
+    return per_rank
+
+
+def split_gate_up(t: Quantised, F: int, interleaved: bool, key: str):
+    """The gate's and the up's halves (Quantised stacks [n, F, K]) of a fused gate_up stack
+    [n, 2F, K]: rows [0, F) and [F, 2F), or even and odd rows (interleaved, GPT-OSS). fp8's
+    scale rows are each projection's own ceil(F / 128) blocks (as checkpoints store them);
+    interleaved rows share 128-row blocks, which no half's blocks can hold."""
+    if t.format == "fp8":
+        if interleaved:
+            raise ValueError(f"epmoe: {key}: fp8 with gate and up rows interleaved: a 128-row "
+                             "block would mix both projections (give w1 and w3 apart)")
+        s1, s3 = _fp8_halves(t.scales, F, key + " scales")
+        return Quantised("fp8", t.q[:, :F], s1), Quantised("fp8", t.q[:, F:], s3)
+    halves = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, F),
+                                                                          slice(F, None))
+    return tuple(Quantised(t.format, t.q[:, h], t.scales[:, h],
+                           None if t.offsets is None else t.offsets[:, h]) for h in halves)
 
 
 def packed_values(fmt: str, w: torch.Tensor) -> torch.Tensor:

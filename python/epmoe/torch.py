@@ -105,7 +105,7 @@ class MoE(nn.Module):
     dispatch_rows: how the dispatch carries the tokens to the expert ranks: "activations" (the
     default: float32 rows) or "int8" (each token quantised once to int8 with one float32 scale
     per row, about a quarter of the bytes; the experts compute on the dequantised rows, the
-    combine stays float32; docs/quantisation.md, "8-bit rows on the wire"), inference only:
+    combine stays float32; docs/wire.md), inference only:
     a forward in training mode raises (call .eval()).
     """
 

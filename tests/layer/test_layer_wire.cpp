@@ -291,7 +291,7 @@ double rms_error(const std::vector<float>& got, const std::vector<float>& want) 
   return std::sqrt(d / std::max(n, 1e-300));
 }
 
-// The wire's error bound (docs/quantisation.md, "8-bit rows on the wire"). Rounding a token x
+// The wire's error bound (docs/wire.md). Rounding a token x
 // to steps s = max |x| / 127 errs by at most s / 2, about uniformly: rms s / sqrt(12), so the
 // row's relative rms error is rho(x) = max |x| sqrt(H) / (127 sqrt(12) |x|_2) <= sqrt(H) /
 // (127 sqrt(12)). Through a SwiGLU expert the gate's relative error passes silu with a gain

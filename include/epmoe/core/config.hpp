@@ -9,8 +9,8 @@
 
 namespace epmoe {
 
-/// How the dispatch carries its rows (layer_config::dispatch_rows; docs/quantisation.md,
-/// "8-bit rows on the wire"): at the activation type, or as int8 with one fp32 scale per row
+/// How the dispatch carries its rows (layer_config::dispatch_rows; docs/wire.md):
+/// at the activation type, or as int8 with one fp32 scale per row
 /// (symmetric, scale = max |x| / 127), quantised once per token at the sender and dequantised
 /// into the experts' input rows on receipt. The combine stays at the activation type.
 enum class row_format : unsigned char { activations, int8 };

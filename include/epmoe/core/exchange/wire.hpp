@@ -9,7 +9,7 @@
 #include "epmoe/core/numeric.hpp"
 #include "epmoe/core/view.hpp"
 
-// 8-bit rows on the wire (layer_config::dispatch_rows = row_format::int8; docs/quantisation.md):
+// 8-bit rows on the wire (layer_config::dispatch_rows = row_format::int8; docs/wire.md):
 // a dispatch row is one fp32 scale (bytes [0, 4)) and the token's H values as int8 (bytes
 // [4, 4 + H)), rows 16 bytes apart at least. A token is quantised once at the sender (its
 // copies to every destination are bytes), and dequantised into the experts' input rows on
