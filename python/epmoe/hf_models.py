@@ -93,7 +93,12 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
     if ex.training != self.training:  # eval packs the expert weights, train reads them
         ex.train(self.training)
     x, ids, w = hidden_states, top_k_index, top_k_weights
-    tensors = [getattr(self, n) for n in LAYOUTS[ex.layout]]
+    if "fp8" in st:  # the codes' dequantised values (loaded again when the codes change)
+        if _fp8_key(self) != st["fp8"][0]:
+            st["fp8"] = _load_fp8(self, ex)
+        tensors = st["fp8"][1]
+    else:
+        tensors = [getattr(self, n) for n in LAYOUTS[ex.layout]]
     if group is None:
         return ex(x, ids, w, *tensors)
     R, r = group.size(), group.rank()
@@ -108,10 +113,73 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights, **kwargs):
 
 
 def register():
-    """Registers the "epmoe" experts implementation with transformers (idempotent)."""
+    """Registers the "epmoe" experts implementation with transformers (idempotent), in the
+    experts registry and in FP8Experts' own."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, _experts_forward)
+    try:
+        from transformers.integrations.finegrained_fp8 import FP8ExpertsInterface
+    except ImportError:  # (a transformers without FP8 experts)
+        return
+    FP8ExpertsInterface.register(IMPLEMENTATION, _experts_forward)
+
+
+# --- FP8 experts (transformers' FineGrainedFP8Config): the codes packed as they are ---------------
+
+_FP8_TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
+
+
+def _is_fp8(m) -> bool:
+    return getattr(m.gate_up_proj, "dtype", None) == torch.float8_e4m3fn
+
+
+def _fp8_key(m):
+    return tuple((getattr(m, n).data_ptr(), getattr(m, n)._version) for n in _FP8_TENSORS)
+
+
+def _load_fp8(m, ex):
+    """(the codes' key, float32 tensors [n, 2F, H] and [n, H, F]): ex's packed copies hold m's
+    fp8 codes and scales as they are, the tensors their values (what ex's forwards read)."""
+    from .quantised import Quantised
+
+    gu, down = m.gate_up_proj.detach(), m.down_proj.detach()
+    tensors = [torch.empty(gu.shape), torch.empty(down.shape)]
+    ex.load_quantised({"gate_up_proj": Quantised("fp8", gu, m.gate_up_proj_scale_inv.detach()
+                                                 .float()),
+                       "down_proj": Quantised("fp8", down, m.down_proj_scale_inv.detach().float())},
+                      *tensors)
+    return _fp8_key(m), tensors
+
+
+def _check_fp8(where: str, m):
+    """transformers' FP8Experts: e4m3 codes with 128 x 128 scale_inv blocks and dynamic
+    activations, SwiGLU (DeepSeek-V4's clamp at 10: deepseek_v4); else ValueError."""
+    from .hf import _act_name
+    from .hf_fused import _DSV4_LIMIT
+
+    block = getattr(m, "block_size", None)
+    for attr, got, want, rule in (
+            ("block_size", tuple(block) if block is not None else None, (128, 128),
+             "epmoe's fp8 blocks are 128 x 128"),
+            ("activation_scheme", getattr(m, "activation_scheme", "dynamic"), "dynamic",
+             "static activation scales are not applied"),
+            ("has_bias", bool(getattr(m, "has_bias", False)), False, "no biases"),
+            ("gate_softcap", getattr(m, "gate_softcap", None), None, "no softcapped gate"),
+            ("swiglu_alpha", getattr(m, "swiglu_alpha", None), None, "no GPT-OSS gate")):
+        if got != want:
+            raise ValueError(_err(f"{where}: {attr} = {got!r}: {rule} ({want!r})"))
+    limit = getattr(m, "limit", None)
+    if limit is not None and float(limit) != _DSV4_LIMIT:
+        raise ValueError(_err(f"{where}: limit = {limit!r}: epmoe's deepseek_v4 expert clamps "
+                              f"at {_DSV4_LIMIT}"))
+    if _act_name(m.act_fn) != "silu":
+        raise ValueError(_err(f"{where}: act_fn = {_act_name(m.act_fn)!r}: epmoe's experts "
+                              "compute silu"))
+    if m.gate_up_proj.device.type != "cpu":
+        raise TypeError(_err(f"{where}: fp8 experts on {m.gate_up_proj.device}: load the "
+                             "checkpoint onto the CPU first (epmoe reads the codes there)"))
+    return ("swiglu" if limit is None else "deepseek_v4"), "gate_up"
 
 
 # --- finding and checking the experts ---------------------------------------------------------
@@ -167,6 +235,8 @@ def _check(name: str, m):
     where = f"{name} ({cls})"
     if cls == "GptOssExperts":
         return _check_gpt_oss(where, m)
+    if _is_fp8(m):
+        return _check_fp8(where, m)
     expert = "swiglu"
     if cls in _DSV4_GATES:
         attr = _DSV4_GATES[cls]
@@ -258,10 +328,11 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
             raise ValueError(_err(f"{name}: {E} experts: must be a multiple of the group's "
                                   f"{R} ranks"))
         K = top_k or _top_k(name, model=model, m=m)
+        fp8 = _is_fp8(m)
         ex = _et.Experts(H, F, E, K, expert=expert, layout=layout, group=group,
                         placement=placement, exchange=exchange, max_tokens=max_tokens,
-                        exchange_timeout=exchange_timeout, pack_weights=pack_weights,
-                        exchange_group=shared)
+                        exchange_timeout=exchange_timeout,
+                        pack_weights="auto" if fp8 else pack_weights, exchange_group=shared)
         shared = ex._exchange[0]
         ex.train(m.training)
         L = E // R
@@ -269,12 +340,14 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
         if group is not None:  # keep this rank's slots, in slot order
             idx = torch.tensor(held, dtype=torch.long)
             with torch.no_grad():
-                for pname in LAYOUTS[layout]:
+                for pname in _FP8_TENSORS if fp8 else LAYOUTS[layout]:
                     old = getattr(m, pname)
                     setattr(m, pname, torch.nn.Parameter(old.detach().index_select(0, idx),
                                                          requires_grad=old.requires_grad))
         # Outside the module tree: no new state_dict keys or parameters.
         m.__dict__["_epmoe"] = dict(experts=ex, group=group, held=held, experts_total=E)
+        if fp8:  # (collective: the layer is built here)
+            m.__dict__["_epmoe"]["fp8"] = _load_fp8(m, ex)
     model.set_experts_implementation(IMPLEMENTATION)
     return model
 

@@ -254,3 +254,79 @@ def test_from_hf_state_dict_gpt_oss_mxfp4_blocks():
         y, _ = moe(x)
     assert moe.packed
     assert rel(y, want) < TOKENS
+
+
+def _fp8_codes(w):
+    """w [..., N, K] (N, K multiples of 128) as a checkpoint's e4m3 codes and scale_inv."""
+    blocks = w.reshape(*w.shape[:-2], w.shape[-2] // 128, 128, w.shape[-1] // 128, 128)
+    inv = blocks.abs().amax((-3, -1)) / 448
+    return (w / inv.repeat_interleave(128, -2).repeat_interleave(128, -1)).to(FP8), inv
+
+
+def test_use_epmoe_runs_a_model_with_fp8_experts():
+    """A tiny DeepSeek-V3 model whose experts transformers quantised (FineGrainedFP8Config;
+    its other Linear layers left in float32: transformers' FP8 Linear needs the hub's kernel):
+    epmoe.hf.use_epmoe packs the experts' codes as they are, against the unquantised model
+    holding their dequantised values; the codes changed in place are loaded again."""
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    c = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, experts_implementation="eager")
+    qc = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
+    torch.manual_seed(5)
+    plain = m.DeepseekV3ForCausalLM(c).eval()
+    linears = [n for n, mod in plain.named_modules() if isinstance(mod, torch.nn.Linear)]
+    c8 = transformers.DeepseekV3Config(**{**c.to_dict(), "experts_implementation": "eager"})
+    c8.quantization_config = qc
+    model = replace_with_fp8_linear(m.DeepseekV3ForCausalLM(c8), modules_to_not_convert=linears,
+                                    quantization_config=qc)
+    g = torch.Generator().manual_seed(6)
+    sd, plain_sd = {}, {}
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if v.dtype == FP8:
+                codes, inv = _fp8_codes(torch.randn(v.shape, generator=g) * 0.05)
+                sd[k], sd[k + "_scale_inv"] = codes, inv
+                plain_sd[k] = dequantise("fp8", codes, inv, v.shape[-1])
+            elif "scale_inv" not in k:
+                sd[k] = plain_sd[k] = torch.randn(v.shape, generator=g) * 0.05
+        model.load_state_dict(sd, assign=True)
+        plain.load_state_dict(plain_sd)
+    model.eval()
+    experts = model.model.layers[1].mlp.experts
+    assert type(experts).__name__ == "FP8Experts"
+    hf.use_epmoe(model)
+    ids = torch.randint(0, 64, (2, 9), generator=g)
+    checked = 0
+    for step in range(2):
+        with torch.no_grad():
+            got, want = model(ids).logits, plain(ids).logits
+        # The codes as they are: the tokens' bf16 rounding alone, diluted by the residual.
+        assert rel(got, want) < TOKENS, step
+        ex = experts.__dict__["_epmoe"]["experts"]
+        assert ex._pack == "fp8" and ex._state.packed is not None
+        assert torch.equal(ex._layer.packed_values(0, 2, 3),
+                           plain.model.layers[1].mlp.experts.down_proj[3])
+        checked += 1
+        with torch.no_grad():  # new codes in place: loaded again at the next forward
+            codes, inv = _fp8_codes(torch.randn(experts.down_proj.shape, generator=g) * 0.05)
+            experts.down_proj.copy_(codes)
+            experts.down_proj_scale_inv.copy_(inv)
+            plain.model.layers[1].mlp.experts.down_proj.copy_(dequantise("fp8", codes, inv, 128))
+    assert checked == 2
+    model.train()
+    with pytest.raises(RuntimeError, match="for inference"):
+        model(ids)
+    for field, value, message in (("weight_block_size", (64, 64), "block_size = \\(64, 64\\)"),
+                                  ("activation_scheme", "static", "activation_scheme = 'static'")):
+        q = transformers.FineGrainedFP8Config(**{"weight_block_size": (128, 128), field: value})
+        c8.quantization_config = q
+        other = replace_with_fp8_linear(m.DeepseekV3ForCausalLM(c8),
+                                        modules_to_not_convert=linears, quantization_config=q)
+        with pytest.raises(ValueError, match=message):
+            hf.use_epmoe(other)
