@@ -228,10 +228,11 @@ def _check(fmt: str, name: str, codes: torch.Tensor, scales: torch.Tensor, lead:
 
 
 @torch.no_grad()
-def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "tensors"):
+def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "tensors",
+                    in_slots=()):
     """load_quantised in fp8 or mxfp4: tensors maps w1, w3, w2 (logical order, every expert:
-    [E, rows, ...]) and shared_w1 ... ([N, ...]) to (codes, scales); the others keep their
-    values."""
+    [E, rows, ...]; the names in_slots: the experts held here, slot order) and shared_w1 ...
+    ([N, ...]) to (codes, scales); the others keep their values."""
     if fmt not in FORMATS:
         raise ValueError(f"epmoe: load_quantised format = {fmt!r}: must be one of {FORMATS}")
     kinds = EXPERT_TENSORS[moe.expert_kind]
@@ -244,10 +245,10 @@ def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "
     for name, (codes, scales) in tensors.items():
         p = getattr(moe, name)
         routed = not name.startswith("shared_")
-        lead = moe.experts if routed else moe.shared_experts
+        lead = p.shape[0] if name in in_slots or not routed else moe.experts
         _check(fmt, name, codes, scales, lead, p.shape[1], p.shape[2], source)
         codes = codes_of(codes)
-        if routed:  # this module's slots, in slot order
+        if routed and name not in in_slots:  # this module's slots, in slot order
             codes, scales = codes[moe.expert_ids], scales[moe.expert_ids]
         plan[name] = (codes.contiguous(), scales.contiguous(), p.shape[2])
     moe._layer.load_quantised(fmt, minifloat_rows(moe, names, plan))  # (checks them all first)
@@ -362,8 +363,9 @@ def checkpoint_tensors(family: str, state_dict: Mapping[str, torch.Tensor], pref
 def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
     """MoE.load_quantised: tensors maps (name, expert) to one Quantised matrix, or name to a
     stack of them [E, ...] (every expert, logical order; shared_...: [S, ...]), all in one
-    format. Group-wise stacks are split into the experts held here; fp8 and mxfp4 take stacks
-    only (the layer packs every matrix of a tensor from them at once)."""
+    format. Group-wise stacks are split into the experts held here; fp8 and mxfp4 matrices
+    given one at a time are stacked (every expert held here: the layer packs a tensor's
+    matrices at once)."""
     if not tensors:
         return
     for key, t in tensors.items():
@@ -375,12 +377,10 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
         raise ValueError(f"epmoe: {source} mixes formats {formats}: one format per call")
     fmt = formats[0]
     if fmt in FORMATS:
-        pairs = [k for k in tensors if not isinstance(k, str)]
-        if pairs:
-            raise ValueError(f"epmoe: {source}[{pairs[0]!r}]: {fmt} tensors are given whole, "
-                             "every expert stacked, under the parameter's name ('w1', ...)")
-        return _load_minifloat(moe, fmt, {n: (t.q, t.scales) for n, t in tensors.items()},
-                               source)
+        stacks = {n: (t.q, t.scales) for n, t in tensors.items() if isinstance(n, str)}
+        pairs = {k: t for k, t in tensors.items() if not isinstance(k, str)}
+        held = _stack_held(moe, pairs, stacks, source)
+        return _load_minifloat(moe, fmt, {**stacks, **held}, source, in_slots=set(held))
     if format_group(fmt) is None:
         raise ValueError(f"epmoe: {source}: format {fmt!r}: must be fp8, mxfp4 or a group-wise "
                          "format (int4[_asym][_g<group>], int8_g<group>)")
@@ -398,6 +398,33 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
             given[(key, e)] = Quantised(fmt, t.q[e], t.scales[e],
                                         None if t.offsets is None else t.offsets[e])
     moe._load_grouped(given)
+
+
+def _stack_held(moe, pairs: dict, stacks: dict, source: str) -> dict:
+    """fp8 / mxfp4 matrices given one at a time ({(name, expert): Quantised}, as checkpoints
+    that store each expert apart name them) as {name: (codes, scales)} stacked in slot order:
+    every expert this process holds (shared_...: every shared expert), each name once."""
+    by_name = {}
+    for (name, expert), t in pairs.items():
+        by_name.setdefault(name, {})[expert] = t
+    out = {}
+    for name, given in by_name.items():
+        if name in stacks:
+            raise ValueError(f"epmoe: {source}: {name!r} is given both whole and one expert at a "
+                             "time")
+        shared = name.startswith("shared_")
+        want = list(range(moe.shared_experts)) if shared else moe.expert_ids.tolist()
+        if sorted(given) != sorted(want):
+            raise ValueError(f"epmoe: {source}: {name!r} is given for experts "
+                             f"{sorted(given)}: a format packed from codes needs every expert "
+                             f"this process holds ({sorted(want)}), or a stack of all")
+        ts = [given[e] for e in want]
+        shapes = {(tuple(t.q.shape), tuple(t.scales.shape)) for t in ts}
+        if len(shapes) != 1:
+            raise ValueError(f"epmoe: {source}: {name!r}'s matrices have shapes {sorted(shapes)}: "
+                             "one shape for all")
+        out[name] = (torch.stack([codes_of(t.q) for t in ts]), torch.stack([t.scales for t in ts]))
+    return out
 
 
 def plan_given(moe, tensors: dict) -> list:

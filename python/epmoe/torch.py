@@ -249,8 +249,8 @@ class MoE(nn.Module):
         "w3", "w2" (the expert's tensors) or "shared_w1" .... Group-wise formats (from_gptq,
         from_awq, from_gguf): either key, in the format pack_weights names. "fp8"
         (Quantised("fp8", float8_e4m3fn or uint8 codes, float32 scale_inv)) and "mxfp4"
-        (Quantised("mxfp4", uint8 blocks, uint8 E8M0 scales)): stacks only; the module then
-        packs as that format. A wrong name, shape, dtype or format raises ValueError (KeyError:
+        (Quantised("mxfp4", uint8 blocks, uint8 E8M0 scales)): either key (one matrix at a
+        time: every expert held here); the module then packs as that format. A wrong name, shape, dtype or format raises ValueError (KeyError:
         an fp8 / mxfp4 name that is no expert tensor); a NaN code or scale, ValueError from the
         layer. A later change of the parameters packs their values again (quantising them)."""
         from .quantised import load_quantised

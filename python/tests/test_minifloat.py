@@ -148,8 +148,27 @@ def test_load_quantised_packs_the_codes_as_they_are(fmt, ranks):
         moe.load_quantised(_given(fmt, {"w1": (q["w1"][0][:, :-1], q["w1"][1])}))
     with pytest.raises(KeyError, match="no quantised parameter 'gate'"):
         moe.load_quantised(_given(fmt, {"gate": q["w1"]}))
-    with pytest.raises(ValueError, match="given whole"):  # (one expert's matrix: group-wise only)
+    with pytest.raises(ValueError, match="needs every expert this process holds"):
         moe.load_quantised({("w1", 0): Quantised(fmt, q["w1"][0][0], q["w1"][1][0])})
+    # One matrix at a time (checkpoints that store each expert apart): the experts held here,
+    # any order; the same packed copies and parameters as the stacks gave.
+    held = moe.expert_ids.tolist()
+    with torch.no_grad():
+        for name in shapes:
+            getattr(moe, name).fill_(float("nan"))
+    moe.load_quantised({(name, e): Quantised(fmt, q[name][0][e], q[name][1][e])
+                        for name in shapes for e in reversed(held)})
+    checked = 0
+    for i, (name, (rows, cols)) in enumerate(shapes.items()):
+        want = dequantise(fmt, q[name][0], q[name][1], cols)[moe.expert_ids]
+        assert torch.equal(getattr(moe, name).detach(), want)
+        L = E // ranks
+        for slot in range(E):
+            assert torch.equal(moe._layer.packed_values(slot // L, i, slot % L), want[slot])
+            checked += 1
+    assert checked == 3 * E
+    with torch.no_grad():
+        assert torch.equal(moe(x)[0], y)
     with pytest.raises(TypeError, match="must be an epmoe.quantised.Quantised"):
         moe.load_quantised({"w1": q["w1"]})
 
