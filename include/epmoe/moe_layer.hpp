@@ -313,6 +313,14 @@ class moe_layer {
                     "order (then the shared experts'), slot < the tensor's count");
     return *m;
   }
+  /// Refills the packed copy of matrix `slot` of expert tensor `tensor` by fill(m), e.g.
+  /// m.repack_grouped(...) and m.set_input_order(...) for an act-order checkpoint, then sizes
+  /// the room the passes need for it (so they do not allocate). Local.
+  template <class Fill>
+  void refill_packed(int tensor, index_t slot, Fill&& fill) {
+    fill(packed_matrix(tensor, slot));
+    store_.reserve_inputs(space_, input_rows());
+  }
   /// Back to reading the weights themselves; frees the packed copies.
   void unpack_weights() { store_.unpack(); }
   bool weights_packed() const { return store_.packed(); }

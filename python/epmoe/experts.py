@@ -257,9 +257,8 @@ class Experts(nn.Module):
         if fmt in _MINIFLOAT:
             st.packed = versions
             return
-        st.given = ({(n, slot): Quantised(fmt, t.q[slot], t.scales[slot],
-                                          None if t.offsets is None else t.offsets[slot])
-                     for n, t in kinds.items() for slot in range(self.held)}, versions)
+        st.given = ({(n, slot): t.matrix(slot) for n, t in kinds.items()
+                     for slot in range(self.held)}, versions)
         if not self.training:  # (in training mode: packed at the first forward in eval)
             self._prepare(params)
 
@@ -311,6 +310,9 @@ class Experts(nn.Module):
             elif tuple(t.q.shape) != (n, rows, cols) or t.q.dtype != torch.int8:
                 raise ValueError(f"epmoe: load_quantised[{key!r}] q is {t.q.dtype} "
                                  f"{tuple(t.q.shape)}: {fmt} wants int8 {(n, rows, cols)}")
+            if t.order is not None and (fmt in _MINIFLOAT or tuple(t.order.shape) != (n, cols)):
+                raise ValueError(f"epmoe: load_quantised[{key!r}].order: an act order is a "
+                                 f"group-wise format's, int64 [{n}, {cols}]")
         return kinds, fmt
 
     # --- forward --------------------------------------------------------------------------

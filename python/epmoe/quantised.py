@@ -15,7 +15,7 @@ A `Quantised` matrix [N, K] (N outputs, K inputs, as an nn.Linear weight; or a s
 [E, N, K], one per expert) holds, by format:
 - group-wise: q int8 [N, K], scales float32 [N, G] and, for int4_asym, offsets float32 [N, G],
   G = ceil(K / group); input k of row n is scales[n, k // group] * q[n, k] + offsets[n, k //
-  group];
+  group]; with an order (act order: GPTQ's desc_act) int64 [K], column k holds input order[k];
 - "fp8": q float8_e4m3fn (or uint8) [N, K], scales float32 scale_inv [ceil(N / 128), ceil(K /
   128)]; w = fp8 * scale_inv of its 128 x 128 block;
 - "mxfp4": q uint8 blocks [N, ceil(K / 32) * 16] (two E2M1 codes a byte, low nibble first),
@@ -55,6 +55,12 @@ class Quantised(NamedTuple):
     q: torch.Tensor
     scales: torch.Tensor
     offsets: Optional[torch.Tensor] = None
+    order: Optional[torch.Tensor] = None  # group-wise act order: column k is input order[k]
+
+    def matrix(self, e: int) -> "Quantised":
+        """Matrix e of a stack [E, N, K]."""
+        offsets, order = (None if v is None else v[e] for v in (self.offsets, self.order))
+        return Quantised(self.format, self.q[e], self.scales[e], offsets, order)
 
     @property
     def group(self) -> int:
@@ -75,6 +81,8 @@ class Quantised(NamedTuple):
         w = s * self.q.double()
         if self.offsets is not None:
             w = w + self.offsets.double().repeat_interleave(g, dim=-1)[..., :self.q.shape[-1]]
+        if self.order is not None:  # column k back to input order[k]
+            w = torch.empty_like(w).scatter_(-1, self.order.unsqueeze(-2).expand(w.shape), w)
         return w.float()
 
 
@@ -110,8 +118,8 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, checkpoint_format: str = "
     int32 [G, N / 8] (column 8c + i at bits 4i), scales float16 [G, N], g_idx [K] or None.
     checkpoint_format "gptq" (v1: the stored zero point is z - 1, so z = stored + 1, 1..16)
     or "gptq_v2" (z itself). w[n, k] = scales[g, n] (q[k, n] - z[g, n]), g = k // (K / G).
-    Act-order checkpoints (desc_act: a g_idx other than k // group) are refused: their groups
-    are not contiguous runs of inputs."""
+    Act-order checkpoints (desc_act: g_idx other than k // group, each group K / G inputs
+    anywhere) give the inputs sorted by group in q and their order in `order`."""
     if checkpoint_format not in ("gptq", "gptq_v2"):
         raise ValueError(f"epmoe: checkpoint_format = {checkpoint_format!r}: must be 'gptq' or "
                          "'gptq_v2'")
@@ -121,13 +129,21 @@ def from_gptq(qweight, qzeros, scales, g_idx=None, *, checkpoint_format: str = "
     if checkpoint_format == "gptq":
         z = z + 1
     G = scales.shape[0]
-    if g_idx is not None:
-        trivial = torch.arange(K, dtype=torch.int64) // (K // max(G, 1))
-        if g_idx.shape != (K,) or not torch.equal(g_idx.to(torch.int64), trivial):
-            raise ValueError("epmoe: g_idx is not k // group_size (an act-order, desc_act "
-                             "checkpoint): its groups are not contiguous inputs, which epmoe's "
-                             "group-wise formats need; quantise without act order")
-    return _asym(q, z, scales, K, N)
+    if g_idx is None:
+        return _asym(q, z, scales, K, N)
+    g = g_idx.to(torch.int64)
+    if g.shape != (K,) or K % max(G, 1):
+        raise ValueError(f"epmoe: g_idx has shape {tuple(g.shape)}: must be [K = {K}], K a "
+                         f"multiple of the {G} groups")
+    if torch.equal(g, torch.arange(K) // (K // G)):
+        return _asym(q, z, scales, K, N)
+    # Act order (desc_act): input k is in group g_idx[k]; the copy holds the inputs sorted by
+    # group (column j: input order[j]), so that each group is a run of K / G columns.
+    if g.min() < 0 or g.max() >= G or not bool((torch.bincount(g, minlength=G) == K // G).all()):
+        raise ValueError(f"epmoe: g_idx puts other than K / G = {K // G} inputs in a group (or "
+                         f"names a group outside [0, {G})): not a GPTQ act order")
+    order = torch.argsort(g, stable=True)
+    return _asym(q[order], z, scales, K, N)._replace(order=order)
 
 
 _AWQ_REVERSE_ORDER = [0, 4, 1, 5, 2, 6, 3, 7]  # column c of 8 at nibble _AWQ_REVERSE_ORDER[c]
@@ -293,7 +309,8 @@ def split_gate_up(t: Quantised, F: int, interleaved: bool, key: str):
     halves = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, F),
                                                                           slice(F, None))
     return tuple(Quantised(t.format, t.q[:, h], t.scales[:, h],
-                           None if t.offsets is None else t.offsets[:, h]) for h in halves)
+                           None if t.offsets is None else t.offsets[:, h], t.order)
+                 for h in halves)
 
 
 def packed_values(fmt: str, w: torch.Tensor) -> torch.Tensor:
@@ -376,6 +393,10 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
     if len(formats) != 1:
         raise ValueError(f"epmoe: {source} mixes formats {formats}: one format per call")
     fmt = formats[0]
+    ordered = [k for k, t in tensors.items() if t.order is not None]
+    if fmt in FORMATS and ordered:
+        raise ValueError(f"epmoe: {source}[{ordered[0]!r}].order: an input order (act order) "
+                         "is a group-wise format's; fp8 and mxfp4 take none")
     if fmt in FORMATS:
         stacks = {n: (t.q, t.scales) for n, t in tensors.items() if isinstance(n, str)}
         pairs = {k: t for k, t in tensors.items() if not isinstance(k, str)}
@@ -395,8 +416,7 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
             raise ValueError(f"epmoe: {source}[{key!r}] has shape {tuple(t.q.shape)}: a stack "
                              f"of {count} matrices [{count}, N, K]")
         for e in range(count) if shared else moe.expert_ids.tolist():
-            given[(key, e)] = Quantised(fmt, t.q[e], t.scales[e],
-                                        None if t.offsets is None else t.offsets[e])
+            given[(key, e)] = t.matrix(e)
     moe._load_grouped(given)
 
 
@@ -449,6 +469,9 @@ def plan_given(moe, tensors: dict) -> list:
         if tuple(t.q.shape) != tuple(p.shape[1:]):
             raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}] has shape "
                              f"{tuple(t.q.shape)}: must be {tuple(p.shape[1:])}")
+        if t.order is not None and tuple(t.order.shape) != (p.shape[2],):
+            raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}].order has shape "
+                             f"{tuple(t.order.shape)}: must be [K = {p.shape[2]}]")
         planned.append((name, expert if shared else held.index(expert), t))
     return planned
 
@@ -464,4 +487,5 @@ def give(moe, given: dict):
         for r in range(local) if shared else [slot // L]:
             moe._layer.pack_given(r, tensor, slot if shared else slot % L, t.format,
                                   t.q.contiguous(), t.scales.float().contiguous(),
-                                  None if t.offsets is None else t.offsets.float().contiguous())
+                                  None if t.offsets is None else t.offsets.float().contiguous(),
+                                  None if t.order is None else t.order.long().contiguous())

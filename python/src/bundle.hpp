@@ -117,13 +117,15 @@ class layer_of final : public any_layer {
     layer_.pack_weights(format_named(format));
   }
   void pack_given(int tensor, index_t slot, const std::string& format,
-                  matrix_view<const std::int8_t> q, const float* scales,
-                  const float* offsets) override {
-    space::packed_nt& m = layer_.packed_matrix(tensor, slot);
-    const weights_format as = format_named(format);
-    detail::require(m.precision() == as, "format", format,
-                    "must be the format the layer packs (pack_weights)");
-    m.repack_grouped(as, q, scales, offsets);
+                  matrix_view<const std::int8_t> q, const float* scales, const float* offsets,
+                  std::span<const index_t> order) override {
+    layer_.refill_packed(tensor, slot, [&](space::packed_nt& m) {
+      const weights_format as = format_named(format);
+      detail::require(m.precision() == as, "format", format,
+                      "must be the format the layer packs (pack_weights)");
+      m.repack_grouped(as, q, scales, offsets);
+      m.set_input_order(order);
+    });
   }
   std::vector<float> packed_values(int tensor, index_t slot, index_t& rows,
                                    index_t& cols) override {

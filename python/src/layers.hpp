@@ -149,10 +149,11 @@ class any_layer {
   /// Replaces the packed copy of matrix `slot` of expert tensor `tensor` (rank_tensors'
   /// experts order, then the shared ones) with weights quantised already in group-wise
   /// `format`, the one packed (space::packed_nt::repack_grouped: q [N, K], scales and
-  /// offsets [N, G]).
+  /// offsets [N, G]; an act-order checkpoint's input order [K], or empty:
+  /// packed_nt::set_input_order).
   virtual void pack_given(int tensor, index_t slot, const std::string& format,
                           matrix_view<const std::int8_t> q, const float* scales,
-                          const float* offsets) = 0;
+                          const float* offsets, std::span<const index_t> order) = 0;
   /// The values that packed copy holds (its format's dequantise), [N, K] row-major, with N
   /// and K.
   virtual std::vector<float> packed_values(int tensor, index_t slot, index_t& rows,

@@ -188,10 +188,12 @@ class layer {
   /// Local: local rank `rank`'s packed copy of matrix `slot` of expert tensor `tensor` (the
   /// bundle's expert_tensors order, then the shared ones) replaced by weights quantised
   /// already (epmoe/quantised.py): q int8 [N, K], scales and offsets (int4_asym; else None)
-  /// float32 [N, G], in `format`, the format packed.
+  /// float32 [N, G], in `format`, the format packed; order: an act-order checkpoint's input
+  /// order, int64 [K] (q's column j is input order[j]), or None.
   void pack_given(int rank, int tensor, index_t slot, const std::string& format,
                   const at::Tensor& q, const at::Tensor& scales,
-                  const std::optional<at::Tensor>& offsets) {
+                  const std::optional<at::Tensor>& offsets,
+                  const std::optional<at::Tensor>& order) {
     if (rank < 0 || rank >= local_ranks())
       value_error("pack_given: rank " + std::to_string(rank) + " is not a local rank");
     const auto dense = [](const at::Tensor& t, at::ScalarType type, const char* name) {
@@ -213,10 +215,19 @@ class layer {
       value_error("pack_given: scales have " + std::to_string(G) + " groups: " + format +
                   " over K = " + std::to_string(K) + " has " +
                   std::to_string((K + f.group - 1) / f.group));
+    std::span<const index_t> in_order;
+    if (order) {
+      if (order->scalar_type() != at::kLong || !order->device().is_cpu() ||
+          !order->is_contiguous() || order->dim() != 1)
+        type_error("pack_given: order must be a contiguous 1-D CPU int64 tensor");
+      static_assert(sizeof(index_t) == sizeof(std::int64_t));
+      in_order = {reinterpret_cast<const index_t*>(order->data_ptr<std::int64_t>()),
+                  static_cast<std::size_t>(order->numel())};
+    }
     ::py::gil_scoped_release free;
     layers_[rank]->pack_given(tensor, slot, format, {q.data_ptr<std::int8_t>(), N, K},
                               scales.data_ptr<float>(),
-                              offsets ? offsets->data_ptr<float>() : nullptr);
+                              offsets ? offsets->data_ptr<float>() : nullptr, in_order);
   }
 
   /// Local rank `rank`'s packed copy of matrix `slot` of expert tensor `tensor` as the values
@@ -536,7 +547,7 @@ PYBIND11_MODULE(_epmoe, m) {
       .def("pack", &ep::layer::pack, ::py::arg("on"), ::py::arg("format") = "fp32")
       .def("pack_given", &ep::layer::pack_given, ::py::arg("rank"), ::py::arg("tensor"),
            ::py::arg("slot"), ::py::arg("format"), ::py::arg("q"), ::py::arg("scales"),
-           ::py::arg("offsets") = ::py::none())
+           ::py::arg("offsets") = ::py::none(), ::py::arg("order") = ::py::none())
       .def("packed_values", &ep::layer::packed_values, ::py::arg("rank"), ::py::arg("tensor"),
            ::py::arg("slot"))
       .def("load_quantised", &ep::layer::load_quantised, ::py::arg("format"), ::py::arg("tensors"))

@@ -177,3 +177,27 @@ def test_wrong_tensors_are_named_and_nothing_is_written():
     fp8 = {"gate_up_proj": _stack("fp8", E, 2 * F, H, g), "down_proj": _stack("fp8", E, H, F, g)}
     with pytest.raises(ValueError, match="interleaved"):
         gpt.load_quantised(fp8, *_tensors("gpt_oss", None, g))
+
+
+def test_act_order_stacks_load_in_their_inputs_order():
+    # GPTQ act order (Quantised.order [n, K]: column k of each matrix is input order[k]), in
+    # the fused layout: the gate's and up's halves share their matrix's order.
+    g = torch.Generator().manual_seed(9)
+    q, _ = _checkpoint("int4_asym_g32", "gate_up", g)
+    q = {k: t._replace(order=torch.stack([torch.randperm(t.q.shape[-1], generator=g)
+                                          for _ in range(E)])) for k, t in q.items()}
+    values = {k: t.dequantise().double() for k, t in q.items()}
+    plain = {k: t._replace(order=None).dequantise().double() for k, t in q.items()}
+    assert not torch.equal(values["down_proj"], plain["down_proj"])
+    ex = _module("int4_asym_g32", "gate_up", 2)
+    params = _tensors("gate_up", None, g)
+    ex.load_quantised(q, *params)
+    assert torch.equal(params[0].double(), values["gate_up_proj"])
+    assert torch.equal(params[1].double(), values["down_proj"])
+    for i, want in enumerate((values["gate_up_proj"][:, :F], values["gate_up_proj"][:, F:],
+                              values["down_proj"])):
+        for e in range(E):
+            assert torch.equal(ex._layer.packed_values(e // 2, i, e % 2).double(), want[e])
+    bad = dict(q, down_proj=q["down_proj"]._replace(order=q["down_proj"].order[:, 1:]))
+    with pytest.raises(ValueError, match="'w2'.*order"):
+        ex.load_quantised(bad, *params)

@@ -133,11 +133,45 @@ def test_gptq_tensors_load_exactly(checkpoint_format):
     _check_loaded(moe, {k: w for k, (_, w) in given.items()})
 
 
+def test_gptq_act_order_tensors_load_exactly():
+    # Act order (desc_act): input k belongs to group g_idx[k], each group K / G inputs spread
+    # over K (GPTQ quantised them in order of the Hessian's diagonal); the packed copies hold
+    # w[n, k] = s[g_idx[k], n] (q[k, n] - z[g_idx[k], n]) exactly, and a forward within the
+    # tokens' rounding.
+    moe = _module("int4_asym_g32")
+    given = {}
+    for e in range(E):
+        for name, (N, K) in (("w1", (F, H)), ("w3", (F, H)), ("w2", (H, F))):
+            q, z, s = _checkpoint(N, K, 32, 20 * e + len(name) + K)
+            perm = torch.randperm(K, generator=torch.Generator().manual_seed(e + K))
+            g_idx = torch.empty(K, dtype=torch.int32)
+            g_idx[perm] = (torch.arange(K) // 32).to(torch.int32)
+            t = from_gptq(_pack_rows(q), _pack_cols(z), s, g_idx=g_idx,
+                          checkpoint_format="gptq_v2")
+            assert t.order is not None and t.order.shape == (K,)
+            g = g_idx.long()
+            want = (s.double()[g] * (q.double() - z.double()[g])).t()
+            assert torch.equal(t.dequantise().double(), want)
+            given[(name, e)] = (t, want)
+    moe.load_quantised({k: t for k, (t, _) in given.items()})
+    _check_loaded(moe, {k: w for k, (_, w) in given.items()})
+    # The same tensors with the order dropped are other weights: the forward moves.
+    x = torch.randn(7, H, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y, _ = moe(x)
+        moe.load_quantised({k: t._replace(order=None) for k, (t, _) in given.items()})
+        assert not torch.allclose(moe(x)[0], y, rtol=0.05, atol=0)
+
+
 def test_gptq_act_order_and_wrong_formats_are_refused():
     q, z, s = _checkpoint(F, H, 32, 1)
     g_idx = torch.arange(H) // 32
-    with pytest.raises(ValueError, match="g_idx is not k // group_size.*act-order"):
-        from_gptq(_pack_rows(q), _pack_cols(z), s, g_idx=g_idx.flip(0))
+    g_idx[0] = 1  # group 1 holds 33 inputs
+    with pytest.raises(ValueError, match="g_idx puts other than K / G = 32 inputs in a group"):
+        from_gptq(_pack_rows(q), _pack_cols(z), s, g_idx=g_idx)
+    t = from_gptq(_pack_rows(q), _pack_cols(z), s, g_idx=torch.arange(H).flip(0) // 32)
+    with pytest.raises(ValueError, match=r"order has shape \(63,\)"):
+        _module("int4_asym_g32").load_quantised({("w1", 0): t._replace(order=t.order[1:])})
     with pytest.raises(ValueError, match="checkpoint_format = 'exllama'"):
         from_gptq(_pack_rows(q), _pack_cols(z), s, checkpoint_format="exllama")
     t = from_gptq(_pack_rows(q), _pack_cols(z), s)

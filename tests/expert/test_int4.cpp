@@ -269,3 +269,68 @@ TEST_CASE("int4 loader: repack_grouped checks the integers, scales, offsets and 
   for (int8_kernel kernel : kernels_here()) cells += check(kernel, g64, 7, 33, 150);
   CHECK(cells == index_t(kernels_here().size()) * 7 * 33);
 }
+
+TEST_CASE("int4 act order: a copy holding its inputs in another order multiplies them gathered") {
+  // An act-order checkpoint (GPTQ's desc_act) quantises the inputs in the order `order`: the
+  // copy's column j is input order[j]. c = a wᵀ must then equal the definition over a's
+  // inputs gathered in that order, on every kernel, and unpack() give w in its own order.
+  index_t cells = 0;
+  for (weights_format f : {weights_format::int4_asym_g32, weights_format::int8_g32})
+    for (const index_t K : {37, 96, 131}) {
+      const index_t M = 5, N = 33;
+      const std::vector<float> a = test::uniform(std::size_t(M * K), 7 + K);
+      const std::vector<float> b = test::uniform(std::size_t(N * K), 9 + K);
+      std::vector<index_t> order(static_cast<std::size_t>(K));
+      for (index_t j = 0; j < K; ++j) order[std::size_t(j)] = (j * 17 + 5) % K;  // (17 ⊥ K)
+      std::vector<float> gathered(a.size());
+      for (index_t i = 0; i < M; ++i)
+        for (index_t j = 0; j < K; ++j)
+          gathered[std::size_t(i * K + j)] = a[std::size_t(i * K + order[std::size_t(j)])];
+      const auto ref = group_weights::quantise({b.data(), N, K}, f);
+      epmoe::space::packed_nt packed = given(ref);
+      packed.set_input_order(order);
+      std::vector<float> values(std::size_t(N * K)), plain(values.size());
+      packed.unpack(values.data());
+      given(ref).unpack(plain.data());
+      for (index_t n = 0; n < N; ++n)
+        for (index_t j = 0; j < K; ++j)
+          REQUIRE(values[std::size_t(n * K + order[std::size_t(j)])] ==
+                  plain[std::size_t(n * K + j)]);
+      for (int8_kernel kernel : kernels_here()) {
+        CAPTURE(name_of(kernel, f), K);
+        const bool a8 = kernel == int8_kernel::avx512_vnni;
+        std::vector<double> mag;
+        const auto want = epmoe::reference::gemm_grouped({gathered.data(), M, K}, ref, a8, &mag);
+        std::vector<float> c(std::size_t(M * N), std::numeric_limits<float>::quiet_NaN());
+        epmoe::space::gemm_nt_grouped({a.data(), M, K}, packed, {c.data(), M, N}, kernel);
+        const double tol = (a8 ? double(ref.groups()) + 5 : double(K) + 3) * std::ldexp(1.0, -24);
+        for (std::size_t i = 0; i < c.size(); ++i) {
+          CHECK(std::abs(c[i] - want[i]) <= tol * mag[i] + 1e-30);  // false for NaN
+          ++cells;
+        }
+      }
+      packed.repack({b.data(), N, K}, f);  // packed from values: their own order again
+      CHECK(packed.input_order().empty());
+    }
+  CHECK(cells == 2 * 3 * 5 * 33 * index_t(kernels_here().size()));
+
+  const index_t N = 3, K = 40;
+  std::vector<std::int8_t> q(std::size_t(N * K), 1);
+  std::vector<float> s(std::size_t(N * 2), 0.5f);
+  epmoe::space::packed_nt p;
+  p.repack_grouped(weights_format::int8_g32, {q.data(), N, K}, s.data());
+  std::vector<index_t> order(static_cast<std::size_t>(K));
+  for (index_t j = 0; j < K; ++j) order[std::size_t(j)] = K - 1 - j;
+  order[3] = order[4];  // twice
+  CHECK_THROWS_WITH(p.set_input_order(order), Catch::Contains("repack_grouped.order") &&
+                                                  Catch::Contains("permutation of [0, K)"));
+  order[3] = K;  // out of range
+  CHECK_THROWS_WITH(p.set_input_order(order), Catch::Contains("permutation"));
+  CHECK_THROWS_WITH(p.set_input_order(std::span(order).first(K - 1)),
+                    Catch::Contains("one index per input"));
+  CHECK(p.input_order().empty());  // (nothing set by a refused order)
+  std::vector<float> w(std::size_t(N * K), 1.f);
+  p.repack({w.data(), N, K}, weights_format::bf16);
+  order[3] = K - 4;
+  CHECK_THROWS_WITH(p.set_input_order(order), Catch::Contains("group-wise"));
+}

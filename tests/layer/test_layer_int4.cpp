@@ -216,3 +216,62 @@ TEST_CASE("int4 layer: packed_matrix takes a checkpoint's quantised values, matr
     CHECK(yb[i] == yc[i]);
   }
 }
+
+TEST_CASE("int4 layer: act-order matrices (GPTQ desc_act) compute with their inputs gathered") {
+  // Layer B is given, through refill_packed, every matrix of weights v quantised in an input
+  // order of its own (column j of the copy is input order[j]); layer C holds the values B's
+  // copies unpack to (each weight in its own order) and computes in fp32. They agree to fp32
+  // sums on W4A16, within the token's int8 rounding on W4A8; without the orders they do not.
+  const layer_config cfg{.hidden = 64, .ffn = 96, .experts = 4, .top_k = 2, .max_tokens = 9};
+  const auto w = reference::full_weights::random(cfg, 3);
+  const auto v = reference::full_weights::random(cfg, 4);
+  const auto mine = reference::slice(w, placement::block(cfg), 0);
+  const auto theirs = reference::slice(v, placement::block(cfg), 0);
+  const weights_format f = weights_format::int4_asym_g32;
+  const index_t H = cfg.hidden, F = cfg.ffn, T = 9;
+  const std::vector<float>* given[] = {&theirs.w1, &theirs.w3, &theirs.w2};
+  const auto x = reference::random_tokens(T, H, 5);
+  std::vector<float> values[3];
+  const auto run = [&](bool ordered) {
+    using L = moe_layer<default_policies>;
+    L b(cfg, comm::local{}, {w.gate_view(), mine.experts(), w.shared()});
+    b.pack_weights(f);
+    int filled = 0;
+    for (int t = 0; t < 3; ++t) {
+      const index_t rows = t == 2 ? H : F, cols = t == 2 ? F : H;
+      values[t].assign(std::size_t(cfg.experts * rows * cols), 0.f);
+      for (index_t j = 0; j < cfg.experts; ++j) {
+        std::vector<index_t> order(static_cast<std::size_t>(cols));
+        for (index_t k = 0; k < cols; ++k) order[std::size_t(k)] = (k * 37 + 11 * j + t) % cols;
+        std::vector<float> permuted(std::size_t(rows * cols));  // columns in that order
+        const float* src = given[t]->data() + j * rows * cols;
+        for (index_t n = 0; n < rows; ++n)
+          for (index_t k = 0; k < cols; ++k)
+            permuted[std::size_t(n * cols + k)] = src[n * cols + order[std::size_t(k)]];
+        const auto q = reference::group_weights::quantise({permuted.data(), rows, cols}, f);
+        b.refill_packed(t, j, [&](space::packed_nt& m) {
+          m.repack_grouped(f, {q.q.data(), rows, cols}, q.scale.data(), q.offset.data());
+          if (ordered) m.set_input_order(order);
+        });
+        b.packed_matrix(t, j).unpack(values[t].data() + j * rows * cols);
+        ++filled;
+      }
+    }
+    CHECK(filled == 3 * cfg.experts);
+    std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+    b.forward({x.data(), T, H}, {y.data(), T, H});
+    return y;
+  };
+  const std::vector<float> yb = run(true);
+  const stacked_view<const float> vw1{values[0].data(), cfg.experts, F, H},
+      vw3{values[1].data(), cfg.experts, F, H}, vw2{values[2].data(), cfg.experts, H, F};
+  moe_layer<default_policies> c(cfg, comm::local{}, {w.gate_view(), {vw1, vw3, vw2}, w.shared()});
+  std::vector<float> yc(x.size(), std::numeric_limits<float>::quiet_NaN());
+  c.forward({x.data(), T, H}, {yc.data(), T, H});
+  const bool a8 = space::int8_kernel_for(space::best_cpu_path()) == space::int8_kernel::avx512_vnni;
+  const double tol = a8 ? 3 * std::sqrt(6.0) * token_rounding(F) : 1e-5;
+  INFO("act order: " << space::name_of(space::int8_kernel_for(space::best_cpu_path()), f)
+                     << " error " << rms_error(yb, yc) << " tolerance " << tol);
+  CHECK(rms_error(yb, yc) <= tol);
+  CHECK(rms_error(run(false), yc) > 3 * tol);  // the control: the orders matter
+}

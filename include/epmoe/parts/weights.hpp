@@ -111,6 +111,11 @@ class weights_store {
     }
   }
   packed_precision precision() const { return pack_as_; }
+  /// Sizes what the passes read beside the packed copies for `input_rows` rows (after a
+  /// copy was refilled: an act-order copy gathers its inputs).
+  void reserve_inputs(const Space& s, index_t input_rows) {
+    if constexpr (packs) packed_.reserve_inputs(input_rows, s.kernel_path());
+  }
   /// The packed copy of matrix j of tensor t (Expert::tensors order, the shared experts'
   /// after the routed ones), or nullptr when there is none.
   auto* packed_matrix(std::size_t t, index_t j) requires packs {

@@ -169,6 +169,25 @@ class packed_nt {
                                });
   }
 
+  /// Act order (a GPTQ checkpoint's desc_act): this copy holds the weight's inputs in
+  /// `order` (its column j is input order[j]), so that each group is a run of that order; a
+  /// product gathers its inputs the same way (gather_inputs). A group-wise copy only; a
+  /// permutation of [0, K), else config_error; empty: the inputs' own order. Every repack
+  /// clears it (a copy packed from values holds them in their own order).
+  void set_input_order(std::span<const index_t> order) {
+    if (order.empty()) return order_.clear();
+    epmoe::detail::require(as_.grouped(), "repack_grouped.order", as_.name(),
+                           "act order applies to group-wise formats");
+    epmoe::detail::require(index_t(order.size()) == k_, "repack_grouped.order",
+                           index_t(order.size()), "must hold one index per input (K)");
+    std::vector<char> seen(static_cast<std::size_t>(k_), 0);
+    for (const index_t v : order)
+      epmoe::detail::require(v >= 0 && v < k_ && !seen[std::size_t(v)]++, "repack_grouped.order", v,
+                             "must be a permutation of [0, K)");
+    order_.assign(order.begin(), order.end());
+  }
+  std::span<const index_t> input_order() const { return order_; }
+
   index_t rows() const { return n_; }  // N: output columns of c
   index_t cols() const { return k_; }  // K
   weights_format precision() const { return as_; }
@@ -202,6 +221,13 @@ class packed_nt {
               : pairs ? bf16_value(panel<std::uint16_t>(p)[k / 2 * 2 * panel_cols + 2 * j + k % 2])
                       : panel<float>(p)[k * panel_cols + j];
     }
+    if (order_.empty()) return;
+    std::vector<float> row(static_cast<std::size_t>(k_));  // back to the inputs' own order
+    for (index_t n = 0; n < n_; ++n) {
+      float* r = out + n * k_;
+      for (index_t j = 0; j < k_; ++j) row[std::size_t(order_[std::size_t(j)])] = r[j];
+      std::copy(row.begin(), row.end(), r);
+    }
   }
   /// Bytes of the panels (weights, scales and zero padding): what one pass reads.
   index_t packed_bytes() const { return panels() * panel_bytes(); }
@@ -216,6 +242,7 @@ class packed_nt {
                                                  : k_ * panel_cols * 4;
   }
   void shape(index_t n, index_t k, weights_format as) {
+    order_.clear();
     epmoe::detail::require(as != weights_format::int8_channel || k <= int8_max_cols,
                            "pack_weights(int8_channel)", k,
                            "K (a weight's inputs) must be at most 66311: vpdpbusd sums in int32");
@@ -256,7 +283,19 @@ class packed_nt {
   std::unique_ptr<std::byte, aligned_delete> data_;
   index_t n_ = 0, k_ = 0;
   weights_format as_ = weights_format::fp32;
+  std::vector<index_t> order_;  // set_input_order
 };
+
+/// out [M, K] row-major = a's rows with their inputs in b's order (out(i, j) = a(i, order[j]);
+/// a's own order when b has none): what an act-order copy multiplies.
+inline matrix_view<const float> gather_inputs(matrix_view<const float> a, const packed_nt& b,
+                                              float* out) {
+  const std::span<const index_t> order = b.input_order();
+  for (index_t i = 0; i < a.rows; ++i)
+    for (index_t j = 0; j < a.cols; ++j)
+      out[i * a.cols + j] = order.empty() ? a(i, j) : a(i, order[std::size_t(j)]);
+  return {out, a.rows, a.cols};
+}
 
 static_assert(packed_nt::panel_cols == detail::panel_width,
               "the micro-kernels (host_packed_kernels.hpp) compute panels of panel_cols columns");
@@ -423,6 +462,8 @@ inline void gemm_nt_packed(matrix_view<const float> a, converted_rows a16, const
 /// allocates: the space converts once into storage packed_weights holds).
 inline void gemm_nt_packed(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
                            index_t p0, index_t p1, cpu_path path = best_cpu_path()) {
+  std::vector<float> gathered(b.input_order().empty() ? 0 : std::size_t(a.rows * a.cols));
+  if (!gathered.empty()) a = gather_inputs(a, b, gathered.data());
   std::vector<std::uint32_t> words;
   std::vector<float> scales;
   converted_rows a16;
@@ -462,6 +503,8 @@ inline void gemm_nt_int8(matrix_view<const float> a, const packed_nt& b, matrix_
 /// converting a where it reads it quantised (VNNI).
 inline void gemm_nt_grouped(matrix_view<const float> a, const packed_nt& b, matrix_view<float> c,
                             int8_kernel kernel) {
+  std::vector<float> gathered(b.input_order().empty() ? 0 : std::size_t(a.rows * a.cols));
+  if (!gathered.empty()) a = gather_inputs(a, b, gathered.data());
   std::vector<std::uint32_t> words;
   std::vector<float> scales;
   converted_rows a8;

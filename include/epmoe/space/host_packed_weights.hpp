@@ -84,20 +84,31 @@ class packed_weights {
     words_ = {};
     scales_ = {};
     unpacked_ = {};
+    gathered_ = {};
   }
   bool empty() const { return entries_.empty(); }
 
   /// Room for `rows` rows of the widest input of the packed tensors converted (bf16 pairs on
   /// AVX512-BF16, u8 quads and their scales for int8 on VNNI: packed_input_words): sized
   /// when the layer packs, so that its passes do not allocate.
+  /// Act-order copies (packed_nt::input_order) add room for the rows gathered in order.
   void reserve_inputs(index_t rows, cpu_path path) {
-    index_t words = 0;
-    for (const entry& x : entries_)
+    index_t words = 0, ordered = 0;
+    for (const entry& x : entries_) {
       if (!x.mats.empty())
         words = std::max(words, packed_input_words(x.mats[0].precision(), x.source.cols, path));
+      for (const packed_nt& m : x.mats)
+        if (!m.input_order().empty()) ordered = std::max(ordered, m.cols());
+    }
+    if (ordered > 0) gathered_inputs(rows * ordered);
     if (words == 0) return;
     input_words(rows, words);
     input_scales(rows);
+  }
+  /// Room for n floats of inputs gathered in an act-order copy's order (grown when short).
+  float* gathered_inputs(index_t n) const {
+    if (gathered_.size() < static_cast<std::size_t>(n)) gathered_.resize(std::size_t(n));
+    return gathered_.data();
   }
   /// That room for rows x `words` words (grown when it is short: a caller that did not
   /// reserve), and for one scale per row.
@@ -146,6 +157,7 @@ class packed_weights {
   mutable std::vector<std::uint32_t> words_;  // scratch of the pass that reads these copies
   mutable std::vector<float> scales_;         // (u8 quads: a scale per row)
   mutable std::vector<float> unpacked_;       // the same: one bf16 matrix, unpacked
+  mutable std::vector<float> gathered_;       // the same: inputs in act order
 };
 
 }  // namespace epmoe::space
