@@ -20,7 +20,7 @@ from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
 from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
 from .quantised import FORMATS as _MINIFLOAT
-from .quantised import Quantised, codes_of, format_group, give, minifloat_rows
+from .quantised import codes_of, give, minifloat_rows, one_format
 from .quantised import _check as check_minifloat
 
 __all__ = ["Experts"]
@@ -270,17 +270,7 @@ class Experts(nn.Module):
         weights = {k: v for k, v in weights.items() if k in EXPERT_TENSORS[self.expert_kind]}
         fused = self.layout != "separate"
         names = ("gate_up_proj", "down_proj") if fused else tuple(weights)
-        for key, t in tensors.items():
-            if not isinstance(t, Quantised):
-                raise TypeError(f"epmoe: load_quantised[{key!r}] is {type(t).__name__}: must "
-                                "be an epmoe.quantised.Quantised (format, q, scales[, offsets])")
-        formats = sorted({t.format for t in tensors.values()})
-        if len(formats) != 1:
-            raise ValueError(f"epmoe: load_quantised: formats {formats}: one format per call")
-        fmt = formats[0]
-        if fmt not in _MINIFLOAT and format_group(fmt) is None:
-            raise ValueError(f"epmoe: load_quantised: format {fmt!r}: must be fp8, mxfp4 or a "
-                             "group-wise format (int4[_asym][_g<group>], int8_g<group>)")
+        fmt = one_format(tensors, "load_quantised")
         if fmt not in _MINIFLOAT and self._pack != fmt:
             raise ValueError(f"epmoe: load_quantised: {fmt} tensors: pack_weights = "
                              f"{self._pack!r} must name that format")

@@ -385,14 +385,7 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
     matrices at once)."""
     if not tensors:
         return
-    for key, t in tensors.items():
-        if not isinstance(t, Quantised):
-            raise TypeError(f"epmoe: {source}[{key!r}] is {type(t).__name__}: must be an "
-                            "epmoe.quantised.Quantised (format, q, scales[, offsets])")
-    formats = sorted({t.format for t in tensors.values()})
-    if len(formats) != 1:
-        raise ValueError(f"epmoe: {source} mixes formats {formats}: one format per call")
-    fmt = formats[0]
+    fmt = one_format(tensors, source)
     ordered = [k for k, t in tensors.items() if t.order is not None]
     if fmt in FORMATS and ordered:
         raise ValueError(f"epmoe: {source}[{ordered[0]!r}].order: an input order (act order) "
@@ -402,9 +395,6 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
         pairs = {k: t for k, t in tensors.items() if not isinstance(k, str)}
         held = _stack_held(moe, pairs, stacks, source)
         return _load_minifloat(moe, fmt, {**stacks, **held}, source, in_slots=set(held))
-    if format_group(fmt) is None:
-        raise ValueError(f"epmoe: {source}: format {fmt!r}: must be fp8, mxfp4 or a group-wise "
-                         "format (int4[_asym][_g<group>], int8_g<group>)")
     given = {}
     for key, t in tensors.items():
         if not isinstance(key, str):
@@ -445,6 +435,22 @@ def _stack_held(moe, pairs: dict, stacks: dict, source: str) -> dict:
                              "one shape for all")
         out[name] = (torch.stack([codes_of(t.q) for t in ts]), torch.stack([t.scales for t in ts]))
     return out
+
+
+def one_format(tensors: Mapping, source: str) -> str:
+    """The one format of load_quantised's Quantised values (TypeError, ValueError naming the
+    entry or the formats otherwise): fp8, mxfp4 or a group-wise one."""
+    for key, t in tensors.items():
+        if not isinstance(t, Quantised):
+            raise TypeError(f"epmoe: {source}[{key!r}] is {type(t).__name__}: must be an "
+                            "epmoe.quantised.Quantised (format, q, scales[, offsets])")
+    formats = sorted({t.format for t in tensors.values()})
+    if len(formats) != 1:
+        raise ValueError(f"epmoe: {source} mixes formats {formats}: one format per call")
+    if formats[0] not in FORMATS and format_group(formats[0]) is None:
+        raise ValueError(f"epmoe: {source}: format {formats[0]!r}: must be fp8, mxfp4 or a "
+                         "group-wise format (int4[_asym][_g<group>], int8_g<group>)")
+    return formats[0]
 
 
 def plan_given(moe, tensors: dict) -> list:
