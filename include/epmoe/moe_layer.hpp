@@ -195,9 +195,9 @@ class moe_layer {
   /// Split phase (docs/decode.md): the forward above in two calls, for two-batch overlap.
   /// start posts the dispatch of y = MoE(x) and returns (x and y must stay valid until
   /// finish); the caller computes meanwhile; finish(h) runs the experts and the combine and
-  /// writes y (or experts(h) first). Collective like forward, with the same input checks (a rejected input: every
-  /// rank throws at start, nothing is written); forward only (the pass keeps nothing for a
-  /// backward). One split pass per layer; epmoe::split_layer keeps several in flight.
+  /// writes y (or experts(h) first). Collective like forward, with the same input checks (a
+  /// rejected input: every rank throws at start, nothing is written); forward only (the pass keeps
+  /// nothing for a backward). One split pass per layer; epmoe::split_layer keeps several in flight.
   split_handle start(matrix_view<const value_type> x, matrix_view<value_type> y,
                      std::span<const std::int64_t> token_ids = {}) {
     return parts::split_stages<moe_layer>::start_pass(*this, x, y, token_ids, [&] {
