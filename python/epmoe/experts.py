@@ -20,7 +20,7 @@ from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
 from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
 from .quantised import FORMATS as _MINIFLOAT
-from .quantised import codes_of, give, minifloat_rows, one_format
+from .quantised import check_grouped, codes_of, give, minifloat_rows, one_format, split_gate_up
 from .quantised import _check as check_minifloat
 
 __all__ = ["Experts"]
@@ -235,10 +235,8 @@ class Experts(nn.Module):
         first forward in eval mode). Collective (a first call builds the layer). Forwards with
         the same, unchanged params read the checkpoint's values; once they change (an
         optimizer step, an in-place write) their values are packed again. A wrong name, shape,
-        dtype or format raises before anything is written."""
-        from .quantised import split_gate_up
-
-        kinds, fmt = self._quantised_kinds(tensors, split_gate_up)
+        dtype, format or value raises before anything is written."""
+        kinds, fmt = self._quantised_kinds(tensors)
         self._check(params)
         views = dict(zip(EXPERT_TENSORS[self.expert_kind], self._kind_tensors(list(params))))
         st = self._state
@@ -262,7 +260,7 @@ class Experts(nn.Module):
         if not self.training:  # (in training mode: packed at the first forward in eval)
             self._prepare(params)
 
-    def _quantised_kinds(self, tensors: dict, split_gate_up):
+    def _quantised_kinds(self, tensors: dict):
         """load_quantised's tensors as {kind tensor name: Quantised [n, N, K]} and their
         format, every entry checked."""
         H, F, n = self.hidden, self.ffn, self.held
@@ -300,6 +298,8 @@ class Experts(nn.Module):
             elif tuple(t.q.shape) != (n, rows, cols) or t.q.dtype != torch.int8:
                 raise ValueError(f"epmoe: load_quantised[{key!r}] q is {t.q.dtype} "
                                  f"{tuple(t.q.shape)}: {fmt} wants int8 {(n, rows, cols)}")
+            else:
+                check_grouped(t, f"load_quantised[{key!r}]")
             if t.order is not None and (fmt in _MINIFLOAT or tuple(t.order.shape) != (n, cols)):
                 raise ValueError(f"epmoe: load_quantised[{key!r}].order: an act order is a "
                                  f"group-wise format's, int64 [{n}, {cols}]")

@@ -453,6 +453,21 @@ def one_format(tensors: Mapping, source: str) -> str:
     return formats[0]
 
 
+_GROUP_RANGE = {"int4": (-8, 7), "int4_asym": (0, 15), "int8": (-128, 127)}
+
+
+def check_grouped(t: Quantised, where: str):
+    """A group-wise Quantised's values as the layer will take them (packed_nt::repack_grouped's
+    rules: q within the kind's range, finite scales and offsets), checked before anything is
+    written (ValueError naming the entry)."""
+    lo, hi = _GROUP_RANGE[format_group(t.format)[0]]
+    if t.q.numel() and (int(t.q.min()) < lo or int(t.q.max()) > hi):
+        raise ValueError(f"epmoe: {where}.q holds values outside [{lo}, {hi}] ({t.format})")
+    for name, v in (("scales", t.scales), ("offsets", t.offsets)):
+        if v is not None and not bool(torch.isfinite(v).all()):
+            raise ValueError(f"epmoe: {where}.{name} must be finite")
+
+
 def plan_given(moe, tensors: dict) -> list:
     """[(parameter name, slot, Quantised)] for load_quantised's {(name, expert): Quantised},
     every entry checked (ValueError naming it) before any is used."""
@@ -478,6 +493,7 @@ def plan_given(moe, tensors: dict) -> list:
         if t.order is not None and tuple(t.order.shape) != (p.shape[2],):
             raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}].order has shape "
                              f"{tuple(t.order.shape)}: must be [K = {p.shape[2]}]")
+        check_grouped(t, f"load_quantised[{name!r}, {expert}]")
         planned.append((name, expert if shared else held.index(expert), t))
     return planned
 

@@ -201,3 +201,21 @@ def test_act_order_stacks_load_in_their_inputs_order():
     bad = dict(q, down_proj=q["down_proj"]._replace(order=q["down_proj"].order[:, 1:]))
     with pytest.raises(ValueError, match="'w2'.*order"):
         ex.load_quantised(bad, *params)
+
+
+def test_group_wise_values_are_checked_before_anything_is_written():
+    g = torch.Generator().manual_seed(10)
+    q, values = _checkpoint("int4_asym_g32", "gate_up", g)
+    ex = _module("int4_asym_g32", "gate_up", 1)
+    params = _tensors("gate_up", values, g)
+    before = [p.clone() for p in params]
+    big = q["down_proj"].q.clone()
+    big[0, 1, 2] = 16
+    nan = q["down_proj"].scales.clone()
+    nan[1, 0, 0] = float("nan")
+    for bad, message in ((q["down_proj"]._replace(q=big), r"q holds values outside \[0, 15\]"),
+                         (q["down_proj"]._replace(scales=nan), "scales must be finite")):
+        with pytest.raises(ValueError, match=message):
+            ex.load_quantised(dict(q, down_proj=bad), *params)
+        for p, b in zip(params, before):
+            assert torch.equal(p, b)
