@@ -125,13 +125,29 @@ def register():
     FP8ExpertsInterface.register(IMPLEMENTATION, _experts_forward)
 
 
-# --- FP8 experts (transformers' FineGrainedFP8Config): the codes packed as they are ---------------
+# --- FP8 / FP4 experts (transformers' FineGrainedFP8Config): the codes packed as they are ---------
 
 _FP8_TENSORS = ("gate_up_proj", "gate_up_proj_scale_inv", "down_proj", "down_proj_scale_inv")
 
 
 def _is_fp8(m) -> bool:
-    return getattr(m.gate_up_proj, "dtype", None) == torch.float8_e4m3fn
+    """FP8Experts' codes: e4m3 (expert_dtype "fp8") or two e2m1 a byte (int8, "fp4")."""
+    dtype = getattr(m.gate_up_proj, "dtype", None)
+    return dtype == torch.float8_e4m3fn or (dtype == torch.int8 and
+                                            hasattr(m, "gate_up_proj_scale_inv"))
+
+
+def _e8m0(scale: torch.Tensor, where: str) -> torch.Tensor:
+    """FP4 experts' per-32-input scales as E8M0 bytes (mxfp4's): ue8m0 (float8_e8m0fnu) as it
+    is, float32 when every scale is a power of two (else ValueError: not MXFP4)."""
+    if scale.dtype in (torch.uint8, getattr(torch, "float8_e8m0fnu", torch.uint8)):
+        return scale.view(torch.uint8)
+    s = scale.float()
+    mant, e = torch.frexp(s)  # s = mant 2^e, mant in [0.5, 1)
+    if not bool(((mant == 0.5) & (e >= -126) & (e <= 128)).all()):
+        raise ValueError(_err(f"{where}: float scales that are not powers of two in [2^-127, "
+                              "2^127]: epmoe's mxfp4 copies hold E8M0 scales"))
+    return (e - 1 + 127).to(torch.uint8)
 
 
 def _fp8_key(m):
@@ -144,24 +160,32 @@ def _load_fp8(m, ex):
     from .quantised import Quantised
 
     gu, down = m.gate_up_proj.detach(), m.down_proj.detach()
-    tensors = [torch.empty(gu.shape), torch.empty(down.shape)]
-    ex.load_quantised({"gate_up_proj": Quantised("fp8", gu, m.gate_up_proj_scale_inv.detach()
-                                                 .float()),
-                       "down_proj": Quantised("fp8", down, m.down_proj_scale_inv.detach().float())},
-                      *tensors)
+    gs, ds = m.gate_up_proj_scale_inv.detach(), m.down_proj_scale_inv.detach()
+    if gu.dtype == torch.int8:  # FP4: two e2m1 a byte, low nibble first, a scale per 32 inputs
+        q = {"gate_up_proj": Quantised("mxfp4", gu.view(torch.uint8), _e8m0(gs, "gate_up_proj")),
+             "down_proj": Quantised("mxfp4", down.view(torch.uint8), _e8m0(ds, "down_proj"))}
+        shapes = [(*gu.shape[:2], 2 * gu.shape[2]), (*down.shape[:2], 2 * down.shape[2])]
+    else:
+        q = {"gate_up_proj": Quantised("fp8", gu, gs.float()),
+             "down_proj": Quantised("fp8", down, ds.float())}
+        shapes = [gu.shape, down.shape]
+    tensors = [torch.empty(s) for s in shapes]
+    ex.load_quantised(q, *tensors)
     return _fp8_key(m), tensors
 
 
 def _check_fp8(where: str, m):
-    """transformers' FP8Experts: e4m3 codes with 128 x 128 scale_inv blocks and dynamic
-    activations, SwiGLU (DeepSeek-V4's clamp at 10: deepseek_v4); else ValueError."""
+    """transformers' FP8Experts: e4m3 codes with 128 x 128 scale_inv blocks, or FP4 (two e2m1
+    a byte, an E8M0 scale per 32 inputs: mxfp4), dynamic activations, SwiGLU (DeepSeek-V4's
+    clamp at 10: deepseek_v4); else ValueError."""
     from .hf import _act_name
     from .hf_fused import _DSV4_LIMIT
 
     block = getattr(m, "block_size", None)
+    fp4 = m.gate_up_proj.dtype == torch.int8
     for attr, got, want, rule in (
-            ("block_size", tuple(block) if block is not None else None, (128, 128),
-             "epmoe's fp8 blocks are 128 x 128"),
+            ("block_size", (128, 128) if fp4 else tuple(block) if block is not None else None,
+             (128, 128), "epmoe's fp8 blocks are 128 x 128"),
             ("activation_scheme", getattr(m, "activation_scheme", "dynamic"), "dynamic",
              "static activation scales are not applied"),
             ("has_bias", bool(getattr(m, "has_bias", False)), False, "no biases"),
@@ -324,6 +348,7 @@ def use_epmoe(model, group=None, *, placement: Union[str, Sequence[int]] = "bloc
     for (name, m), (expert, layout) in zip(found, kinds):
         E = m.gate_up_proj.shape[0]
         H, F = m.down_proj.shape[1:] if layout == "gate_up" else m.down_proj.shape[:0:-1]
+        F *= 2 if m.down_proj.dtype == torch.int8 else 1  # (FP4: two inputs a byte)
         if E % R:
             raise ValueError(_err(f"{name}: {E} experts: must be a multiple of the group's "
                                   f"{R} ranks"))

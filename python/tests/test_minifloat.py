@@ -349,3 +349,67 @@ def test_use_epmoe_runs_a_model_with_fp8_experts():
                                         modules_to_not_convert=linears, quantization_config=q)
         with pytest.raises(ValueError, match=message):
             hf.use_epmoe(other)
+
+
+def test_use_epmoe_runs_fp4_experts_as_mxfp4():
+    """FineGrainedFP8Config(expert_dtype="fp4") experts (DeepSeek-V4's: two e2m1 a byte, low
+    nibble first, a UE8M0 scale per 32 inputs) are MXFP4: packed as they are, against the
+    unquantised model holding transformers' own dequantised values."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, replace_with_fp8_linear
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    c = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, experts_implementation="eager")
+    torch.manual_seed(6)
+    plain = m.DeepseekV3ForCausalLM(c).eval()
+    linears = [n for n, mod in plain.named_modules() if isinstance(mod, torch.nn.Linear)]
+    c4 = transformers.DeepseekV3Config(**c.to_dict())
+    qc = transformers.FineGrainedFP8Config(expert_dtype="fp4", scale_fmt="ue8m0")
+    c4.quantization_config = qc
+    model = replace_with_fp8_linear(m.DeepseekV3ForCausalLM(c4), modules_to_not_convert=linears,
+                                    quantization_config=qc)
+    g = torch.Generator().manual_seed(7)
+    deq = Fp8Dequantize(None)._dequantize_one
+    sd, plain_sd = {}, {}
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            if k.endswith("_scale_inv"):
+                continue
+            if v.dtype == torch.int8:  # FP4 codes and their E8M0 scales
+                codes = torch.randint(-128, 128, v.shape, generator=g, dtype=torch.int8)
+                scale = torch.randint(120, 126, (*v.shape[:-1], v.shape[-1] // 16), generator=g,
+                                      dtype=torch.uint8).view(torch.float8_e8m0fnu)
+                sd[k], sd[k + "_scale_inv"] = codes, scale
+                plain_sd[k] = deq(codes, scale.view(torch.uint8), torch.float32)
+            else:
+                sd[k] = plain_sd[k] = torch.randn(v.shape, generator=g) * 0.05
+        model.load_state_dict(sd, assign=True, strict=False)
+        plain.load_state_dict(plain_sd)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.int8
+    hf.use_epmoe(model.eval())
+    ids = torch.randint(0, 64, (2, 7), generator=g)
+    with torch.no_grad():
+        got, want = model(ids).logits, plain(ids).logits
+    assert rel(got, want) < TOKENS
+    ex = experts.__dict__["_epmoe"]["experts"]
+    assert ex._pack == "mxfp4"
+    checked = 0
+    for i, w in enumerate((plain.model.layers[1].mlp.experts.gate_up_proj[:, :32],
+                           plain.model.layers[1].mlp.experts.gate_up_proj[:, 32:],
+                           plain.model.layers[1].mlp.experts.down_proj)):
+        for e in range(4):
+            assert torch.equal(ex._layer.packed_values(0, i, e), w[e])
+            checked += 1
+    assert checked == 12
+    # Float32 scales (scale_fmt="float") are E8M0 when every one is a power of two.
+    from epmoe import hf_models
+
+    assert hf_models._e8m0(torch.tensor([0.25, 1.0, 2.0 ** -127, 2.0 ** 127]), "s").tolist() == \
+        [125, 127, 0, 254]
+    with pytest.raises(ValueError, match="not powers of two"):
+        hf_models._e8m0(torch.tensor([0.25, 0.3]), "s")
