@@ -282,12 +282,14 @@ def _fp8_codes(w):
     return (w / inv.repeat_interleave(128, -2).repeat_interleave(128, -1)).to(FP8), inv
 
 
-def test_use_epmoe_runs_a_model_with_fp8_experts():
-    """A tiny DeepSeek-V3 model whose experts transformers quantised (FineGrainedFP8Config;
-    its other Linear layers left in float32: transformers' FP8 Linear needs the hub's kernel):
-    epmoe.hf.use_epmoe packs the experts' codes as they are, against the unquantised model
-    holding their dequantised values; the codes changed in place are loaded again."""
-    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+def _quantised_deepseek(expert_dtype: str, seed: int = 5):
+    """A tiny DeepSeek-V3 model whose experts transformers quantised (FineGrainedFP8Config:
+    "fp8", e4m3 with 128 x 128 scale_inv; or "fp4", two e2m1 a byte with a UE8M0 scale per 32
+    inputs; its other Linear layers left in float32: transformers' FP8 Linear needs the hub's
+    kernel), seeded codes and weights, and the unquantised model holding the codes' values
+    (transformers' own dequantiser for FP4). Returns (model, plain, generator, config,
+    the Linear layers' names)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, replace_with_fp8_linear
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
 
     c = transformers.DeepseekV3Config(
@@ -296,27 +298,46 @@ def test_use_epmoe_runs_a_model_with_fp8_experts():
         num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
         num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=16, experts_implementation="eager")
-    qc = transformers.FineGrainedFP8Config(weight_block_size=(128, 128))
-    torch.manual_seed(5)
+    qc = (transformers.FineGrainedFP8Config(weight_block_size=(128, 128)) if expert_dtype == "fp8"
+          else transformers.FineGrainedFP8Config(expert_dtype="fp4", scale_fmt="ue8m0"))
+    torch.manual_seed(seed)
     plain = m.DeepseekV3ForCausalLM(c).eval()
     linears = [n for n, mod in plain.named_modules() if isinstance(mod, torch.nn.Linear)]
-    c8 = transformers.DeepseekV3Config(**{**c.to_dict(), "experts_implementation": "eager"})
-    c8.quantization_config = qc
-    model = replace_with_fp8_linear(m.DeepseekV3ForCausalLM(c8), modules_to_not_convert=linears,
+    cq = transformers.DeepseekV3Config(**c.to_dict())
+    cq.quantization_config = qc
+    model = replace_with_fp8_linear(m.DeepseekV3ForCausalLM(cq), modules_to_not_convert=linears,
                                     quantization_config=qc)
-    g = torch.Generator().manual_seed(6)
+    g = torch.Generator().manual_seed(seed + 1)
+    deq = Fp8Dequantize(None)._dequantize_one
     sd, plain_sd = {}, {}
     with torch.no_grad():
         for k, v in model.state_dict().items():
+            if k.endswith("_scale_inv"):
+                continue
             if v.dtype == FP8:
                 codes, inv = _fp8_codes(torch.randn(v.shape, generator=g) * 0.05)
                 sd[k], sd[k + "_scale_inv"] = codes, inv
                 plain_sd[k] = dequantise("fp8", codes, inv, v.shape[-1])
-            elif "scale_inv" not in k:
+            elif v.dtype == torch.int8:  # FP4 codes and their E8M0 scales
+                codes = torch.randint(-128, 128, v.shape, generator=g, dtype=torch.int8)
+                scale = torch.randint(118, 122, (*v.shape[:-1], v.shape[-1] // 16), generator=g,
+                                      dtype=torch.uint8)
+                sd[k], sd[k + "_scale_inv"] = codes, scale.view(torch.float8_e8m0fnu)
+                plain_sd[k] = deq(codes, scale, torch.float32)
+            else:
                 sd[k] = plain_sd[k] = torch.randn(v.shape, generator=g) * 0.05
         model.load_state_dict(sd, assign=True)
         plain.load_state_dict(plain_sd)
-    model.eval()
+    return model.eval(), plain, g, cq, linears
+
+
+def test_use_epmoe_runs_a_model_with_fp8_experts():
+    """epmoe.hf.use_epmoe packs FP8 experts' codes as they are, against the unquantised model
+    holding their dequantised values; the codes changed in place are loaded again."""
+    from transformers.integrations.finegrained_fp8 import replace_with_fp8_linear
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+
+    model, plain, g, c8, linears = _quantised_deepseek("fp8")
     experts = model.model.layers[1].mlp.experts
     assert type(experts).__name__ == "FP8Experts"
     hf.use_epmoe(model)
@@ -355,40 +376,7 @@ def test_use_epmoe_runs_fp4_experts_as_mxfp4():
     """FineGrainedFP8Config(expert_dtype="fp4") experts (DeepSeek-V4's: two e2m1 a byte, low
     nibble first, a UE8M0 scale per 32 inputs) are MXFP4: packed as they are, against the
     unquantised model holding transformers' own dequantised values."""
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize, replace_with_fp8_linear
-    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
-
-    c = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-        num_hidden_layers=2, first_k_dense_replace=1, num_attention_heads=4,
-        num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, experts_implementation="eager")
-    torch.manual_seed(6)
-    plain = m.DeepseekV3ForCausalLM(c).eval()
-    linears = [n for n, mod in plain.named_modules() if isinstance(mod, torch.nn.Linear)]
-    c4 = transformers.DeepseekV3Config(**c.to_dict())
-    qc = transformers.FineGrainedFP8Config(expert_dtype="fp4", scale_fmt="ue8m0")
-    c4.quantization_config = qc
-    model = replace_with_fp8_linear(m.DeepseekV3ForCausalLM(c4), modules_to_not_convert=linears,
-                                    quantization_config=qc)
-    g = torch.Generator().manual_seed(7)
-    deq = Fp8Dequantize(None)._dequantize_one
-    sd, plain_sd = {}, {}
-    with torch.no_grad():
-        for k, v in model.state_dict().items():
-            if k.endswith("_scale_inv"):
-                continue
-            if v.dtype == torch.int8:  # FP4 codes and their E8M0 scales
-                codes = torch.randint(-128, 128, v.shape, generator=g, dtype=torch.int8)
-                scale = torch.randint(120, 126, (*v.shape[:-1], v.shape[-1] // 16), generator=g,
-                                      dtype=torch.uint8).view(torch.float8_e8m0fnu)
-                sd[k], sd[k + "_scale_inv"] = codes, scale
-                plain_sd[k] = deq(codes, scale.view(torch.uint8), torch.float32)
-            else:
-                sd[k] = plain_sd[k] = torch.randn(v.shape, generator=g) * 0.05
-        model.load_state_dict(sd, assign=True, strict=False)
-        plain.load_state_dict(plain_sd)
+    model, plain, g, _, _ = _quantised_deepseek("fp4")
     experts = model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == torch.int8
     hf.use_epmoe(model.eval())
@@ -399,13 +387,13 @@ def test_use_epmoe_runs_fp4_experts_as_mxfp4():
     ex = experts.__dict__["_epmoe"]["experts"]
     assert ex._pack == "mxfp4"
     checked = 0
-    for i, w in enumerate((plain.model.layers[1].mlp.experts.gate_up_proj[:, :32],
-                           plain.model.layers[1].mlp.experts.gate_up_proj[:, 32:],
+    for i, w in enumerate((plain.model.layers[1].mlp.experts.gate_up_proj[:, :128],
+                           plain.model.layers[1].mlp.experts.gate_up_proj[:, 128:],
                            plain.model.layers[1].mlp.experts.down_proj)):
-        for e in range(4):
+        for e in range(8):
             assert torch.equal(ex._layer.packed_values(0, i, e), w[e])
             checked += 1
-    assert checked == 12
+    assert checked == 24
     # Float32 scales (scale_fmt="float") are E8M0 when every one is a power of two.
     from epmoe import hf_models
 
@@ -413,3 +401,34 @@ def test_use_epmoe_runs_fp4_experts_as_mxfp4():
         [125, 127, 0, 254]
     with pytest.raises(ValueError, match="not powers of two"):
         hf_models._e8m0(torch.tensor([0.25, 0.3]), "s")
+
+
+def _quantised_rank(rank, world, group, dtypes):
+    """Each quantised model split over the group (expert_parallel): half the codes' bytes
+    each, the logits of the unquantised model, a decode step of one token too."""
+    torch.set_num_threads(1)
+    out = []
+    for dtype in dtypes:
+        model, plain, g, _, _ = _quantised_deepseek(dtype)
+        full = hf.expert_bytes(model)
+        hf.expert_parallel(model, group)
+        errors = []
+        for ids in (torch.randint(0, 64, (2, 9), generator=g), torch.tensor([[5]])):
+            with torch.no_grad():
+                errors.append(rel(model(ids).logits, plain(ids).logits))
+        out.append((dtype, hf.expert_bytes(model), full, max(errors),
+                    sorted(hf.local_experts(model).values())))
+    return out
+
+
+def test_expert_parallel_quantised_experts_on_two_processes():
+    from ranks import run_ranks
+
+    results = run_ranks(_quantised_rank, 2, args=(("fp8", "fp4"),))
+    checked = 0
+    for (d0, b0, full, e0, h0), (d1, b1, _, e1, h1) in zip(*results):
+        assert d0 == d1 and b0 == b1 == full // 2, (d0, b0, b1, full)
+        assert max(e0, e1) < TOKENS, (d0, e0, e1)
+        assert sorted(h0[0] + h1[0]) == list(range(8)), (h0, h1)
+        checked += 1
+    assert checked == 2
