@@ -182,10 +182,10 @@ def _check_fp8(where: str, m):
     from .hf_fused import _DSV4_LIMIT
 
     block = getattr(m, "block_size", None)
-    fp4 = m.gate_up_proj.dtype == torch.int8
-    for attr, got, want, rule in (
-            ("block_size", (128, 128) if fp4 else tuple(block) if block is not None else None,
-             (128, 128), "epmoe's fp8 blocks are 128 x 128"),
+    fp8_blocks = () if m.gate_up_proj.dtype == torch.int8 else (  # (FP4: a scale per 32 inputs)
+        ("block_size", tuple(block) if block is not None else None, (128, 128),
+         "epmoe's fp8 blocks are 128 x 128"),)
+    for attr, got, want, rule in fp8_blocks + (
             ("activation_scheme", getattr(m, "activation_scheme", "dynamic"), "dynamic",
              "static activation scales are not applied"),
             ("has_bias", bool(getattr(m, "has_bias", False)), False, "no biases"),
