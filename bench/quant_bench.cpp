@@ -11,7 +11,8 @@
 // (a 64 MB read evicts the caches).
 //
 // Then the group-wise formats (int4, int4_asym groups 32 and 128, int8_g32) against bf16 in a
-// table of their own (group_table; --group: that table only), and bf16 against fp8_block and
+// table of their own (group_table; --group: that table only; its last row, "ao", int4_asym_g128
+// with an act order on every matrix), and bf16 against fp8_block and
 // mxfp4 copies the same way (minifloat_table; --minifloat: that table only).
 //
 //   epmoe_bench_quant [--shapes mixtral,deepseek] [--tokens 1,16,128,1024] [--reps N]
@@ -105,10 +106,14 @@ std::vector<index_t> offsets_of(const std::vector<index_t>& rows) {
 bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
                  const std::vector<index_t>& tokens, int reps, const sp::host& space0, double gbs,
                  int streams, bool prefetch, double given_gbs, int cpus) {
+  // The last entry: int4_asym_g128 with an act order (GPTQ's desc_act) on every matrix, whose
+  // products gather their inputs first (packed_nt::set_input_order).
   const weights_format formats[] = {weights_format::bf16,           weights_format::int4_g32,
                                     weights_format::int4_g128,      weights_format::int4_asym_g32,
-                                    weights_format::int4_asym_g128, weights_format::int8_g32};
+                                    weights_format::int4_asym_g128, weights_format::int8_g32,
+                                    weights_format::int4_asym_g128};
   constexpr int nf = std::size(formats);
+  const auto act_order = [&](int f) { return f == nf - 1; };
   const index_t H = s.H, F = s.F, E = s.E;
   const sp::int8_kernel kernel = sp::int8_kernel_for(space0.kernel_path());
   index_t max_rows = 0;
@@ -126,7 +131,17 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   std::vector<sp::host> spaces(nf, space0);
   double per_expert[nf];
   for (int f = 0; f < nf; ++f) {
-    for (auto v : {w.w1, w.w3, w.w2}) packed[f].pack(v, formats[f]);
+    for (auto v : {w.w1, w.w3, w.w2}) {
+      packed[f].pack(v, formats[f]);
+      if (!act_order(f)) continue;
+      std::vector<index_t> order(static_cast<std::size_t>(v.cols));
+      for (std::size_t k = 0; k < order.size(); ++k) order[k] = index_t(k);
+      sp::packed_nt* m = packed[f].find(v);
+      for (index_t j = 0; j < v.count; ++j) {
+        std::shuffle(order.begin(), order.end(), rng);
+        m[j].set_input_order(order);
+      }
+    }
     packed[f].reserve_inputs(max_rows, space0.kernel_path());
     spaces[f].use_packed(&packed[f]);
     per_expert[f] = double(packed[f].bytes()) / double(E);
@@ -175,7 +190,8 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
       const double roof = 1e3 * bytes / (std::max(here, gbs) * 1e9);
       const std::string label =
           std::string(formats[f].name()) +
-          (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "");
+          (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "") +
+          (act_order(f) ? " ao" : "");
       std::printf("%6lld %6lld %6.1f | %-15s %9.3f %7.2fx %8.1f %9.3f %5.0f%%\n",
                   static_cast<long long>(T), static_cast<long long>(active), here, label.c_str(),
                   ms[f], ms[0] / ms[f], bytes / 1e6, roof, 100 * roof / ms[f]);
