@@ -268,14 +268,6 @@ class host : public allocates<host> {
   void grouped_gemm_nt_packed(grouped_rows<const float> a, stacked_view<const float> weights,
                               const packed_nt* b, grouped_rows<float> c) const {
     const index_t panels = b[0].panels(), K = b[0].cols();
-    // Act-order copies (packed_nt::input_order) multiply their inputs gathered in that order:
-    // every group's rows, once per call, into the store's room (reserved with the order).
-    if (std::any_of(b, b + a.groups, [](const packed_nt& m) { return !m.input_order().empty(); })) {
-      float* room = packed_->gathered_inputs(a.rows() * K);
-      for (int g = 0; g < a.groups; ++g)
-        gather_inputs(a.group(g), b[g], room + (a.offsets[g] - a.offsets[0]) * K);
-      a = {room, K, K, a.groups, a.offsets, a.device_offsets, 1};
-    }
     // A group of many rows goes to sgemm (which packs b itself, and then runs a little
     // faster than the panel kernel: epmoe_bench_gemm); the others to one packed job.
     // (fp32 copies only: bf16 ones compute with their rounded values at every row count.)
@@ -294,6 +286,18 @@ class host : public allocates<host> {
     }
     if (active == 0) return;
     const int threads = detail::stream_threads(std::max<index_t>(rows, 2), b[0].rows(), K);
+    // Act-order copies (packed_nt::input_order; group-wise, so none went to sgemm above)
+    // multiply their inputs gathered in that order: every group's rows, once per call, over
+    // the helper threads, into the store's room (reserved with the order).
+    if (std::any_of(b, b + a.groups, [](const packed_nt& m) { return !m.input_order().empty(); })) {
+      float* room = packed_->gathered_inputs(a.rows() * K);
+      const auto gather = [&](int g) {
+        gather_inputs(a.group(g), b[g], room + (a.offsets[g] - a.offsets[0]) * K);
+      };
+      if (!(threads > 1 && helpers_->run(threads, a.groups, gather)))
+        for (int g = 0; g < a.groups; ++g) gather(g);
+      a = {room, K, K, a.groups, a.offsets, a.device_offsets, 1};
+    }
     // AVX512-BF16 multiplies bf16 by bf16, int8 VNNI u8 by s8: the rows converted once,
     // here, for every panel of every piece.
     converted_rows a16;
