@@ -11,7 +11,7 @@
 // (a 64 MB read evicts the caches).
 //
 // Then the group-wise formats (int4, int4_asym groups 32 and 128, int8_g32) against bf16 in a
-// table of their own (group_table; --group: that table only; its last row, "ao", int4_asym_g128
+// table of their own (group_table; --group: that table only; its last row, "_ao", int4_asym_g128
 // with an act order on every matrix), and bf16 against fp8_block and
 // mxfp4 copies the same way (minifloat_table; --minifloat: that table only).
 //
@@ -191,7 +191,7 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
       const std::string label =
           std::string(formats[f].name()) +
           (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "") +
-          (act_order(f) ? " ao" : "");
+          (act_order(f) ? "_ao" : "");
       std::printf("%6lld %6lld %6.1f | %-15s %9.3f %7.2fx %8.1f %9.3f %5.0f%%\n",
                   static_cast<long long>(T), static_cast<long long>(active), here, label.c_str(),
                   ms[f], ms[0] / ms[f], bytes / 1e6, roof, 100 * roof / ms[f]);

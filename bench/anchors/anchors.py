@@ -75,7 +75,7 @@ def parse_quant_bench(text, H, F):
             rec("int8", parts[1][2], float(parts[3][0]) * 1e6, path.get("int8", ""))
         elif table == "group":
             fmt = parts[1][0].replace("int8_group_g32", "int8_g32")
-            if fmt != "bf16":
+            if fmt != "bf16" and not fmt.endswith("_ao"):  # (act order: no anchor has it)
                 rec(fmt, parts[1][1], float(parts[1][3]) * 1e6, path.get("group", ""))
         else:
             rec("fp8_block", parts[1][1], float(parts[3][0]) * 1e6, path.get("minifloat", ""))
