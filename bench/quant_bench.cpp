@@ -100,9 +100,9 @@ std::vector<index_t> offsets_of(const std::vector<index_t>& rows) {
 }
 
 // The group-wise formats against bf16: per point, the formats back to back in every rep
-// (caches evicted before each pass: a 512 MB read), the time, the ratio to bf16 and the share of the bytes
-// roofline (the active experts' weights + scales + offsets / the faster of `gbs` and a read
-// beside the point). Returns false on a non-finite output.
+// (caches evicted before each pass: a 512 MB read), the time, the ratio to bf16 and the share of
+// the bytes roofline (the active experts' weights + scales + offsets / the faster of `gbs` and a
+// read beside the point). Returns false on a non-finite output.
 bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
                  const std::vector<index_t>& tokens, int reps, const sp::host& space0, double gbs,
                  int streams, bool prefetch, double given_gbs, int cpus) {
