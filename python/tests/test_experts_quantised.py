@@ -147,12 +147,28 @@ def test_group_wise_given_in_training_mode_are_packed_at_the_first_eval_forward(
         assert torch.equal(ex._layer.packed_values(0, i, 2).double(), values[name][2])
 
 
-def test_wrong_tensors_are_named_and_nothing_is_written():
-    g = torch.Generator().manual_seed(8)
-    q, values = _checkpoint("fp8", "gate_up", g)
-    ex = _module("fp8", "gate_up", 2)
-    params = _tensors("gate_up", values, g)
+def _loaded(fmt, ranks, seed):
+    """(generator, checkpoint, module, the caller's tensors holding the checkpoint's values)."""
+    g = torch.Generator().manual_seed(seed)
+    q, values = _checkpoint(fmt, "gate_up", g)
+    return g, q, _module(fmt, "gate_up", ranks), _tensors("gate_up", values, g)
+
+
+def _refused(ex, params, cases):
+    """Each (tensors, error, message) refused by name, the caller's tensors unchanged."""
     before = [p.clone() for p in params]
+    checked = 0
+    for given, error, message in cases:
+        with pytest.raises(error, match=message):
+            ex.load_quantised(given, *params)
+        for p, b in zip(params, before):
+            assert torch.equal(p, b)
+        checked += 1
+    assert checked == len(cases) > 0
+
+
+def test_wrong_tensors_are_named_and_nothing_is_written():
+    g, q, ex, params = _loaded("fp8", 2, 8)
     cases = [
         ({"gate_up_proj": q["gate_up_proj"]}, ValueError, "'down_proj' is not given"),
         (dict(q, w1=q["down_proj"]), KeyError, "no quantised tensor 'w1'"),
@@ -168,11 +184,7 @@ def test_wrong_tensors_are_named_and_nothing_is_written():
     bad = q["down_proj"].q.view(torch.uint8).clone()
     bad[1, 2, 3] = 0x7F  # an e4m3fn NaN code: refused by the layer before anything is written
     cases.append((dict(q, down_proj=q["down_proj"]._replace(q=bad)), ValueError, "NaN"))
-    for given, error, message in cases:
-        with pytest.raises(error, match=message):
-            ex.load_quantised(given, *params)
-        for p, b in zip(params, before):
-            assert torch.equal(p, b)
+    _refused(ex, params, cases)
     gpt = _module("mxfp4", "gpt_oss", 1)
     fp8 = {"gate_up_proj": _stack("fp8", E, 2 * F, H, g), "down_proj": _stack("fp8", E, H, F, g)}
     with pytest.raises(ValueError, match="interleaved"):
@@ -204,18 +216,13 @@ def test_act_order_stacks_load_in_their_inputs_order():
 
 
 def test_group_wise_values_are_checked_before_anything_is_written():
-    g = torch.Generator().manual_seed(10)
-    q, values = _checkpoint("int4_asym_g32", "gate_up", g)
-    ex = _module("int4_asym_g32", "gate_up", 1)
-    params = _tensors("gate_up", values, g)
-    before = [p.clone() for p in params]
+    _, q, ex, params = _loaded("int4_asym_g32", 1, 10)
     big = q["down_proj"].q.clone()
     big[0, 1, 2] = 16
     nan = q["down_proj"].scales.clone()
     nan[1, 0, 0] = float("nan")
-    for bad, message in ((q["down_proj"]._replace(q=big), r"q holds values outside \[0, 15\]"),
-                         (q["down_proj"]._replace(scales=nan), "scales must be finite")):
-        with pytest.raises(ValueError, match=message):
-            ex.load_quantised(dict(q, down_proj=bad), *params)
-        for p, b in zip(params, before):
-            assert torch.equal(p, b)
+    _refused(ex, params, [
+        (dict(q, down_proj=q["down_proj"]._replace(q=big)), ValueError,
+         r"q holds values outside \[0, 15\]"),
+        (dict(q, down_proj=q["down_proj"]._replace(scales=nan)), ValueError,
+         "scales must be finite")])
