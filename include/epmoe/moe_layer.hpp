@@ -300,6 +300,21 @@ class moe_layer {
                   "epmoe: this space has no packed weight layout (space::host has one)");
     store_.pack(space_, as, input_rows(), cfg_.shared_experts > 0, load);
   }
+  /// Codes only (a quantised checkpoint served without its values): packs every expert matrix
+  /// by load(t, j, m), as pack_weights' loader, which must fill each one. The views are then
+  /// never read, so they may have no memory behind them (space::unbacked_tensors' views, bound
+  /// at construction or by set_weights before any pass). Until set_weights binds views that
+  /// hold values, the layer refuses what would read them: pack_weights() and unpack_weights(),
+  /// backward, apply_placement, exclude_ranks. A load that throws leaves the layer refusing
+  /// passes until a pack_codes succeeds. Local.
+  template <class Load>
+  void pack_codes(packed_precision as, Load&& load) {
+    static_assert(decltype(store_)::packs,
+                  "epmoe: this space has no packed weight layout (space::host has one)");
+    store_.pack_codes(space_, as, input_rows(), cfg_.shared_experts > 0, load);
+  }
+  /// Whether the weights' views hold values (false after pack_codes).
+  bool weights_hold_values() const { return store_.holds_values(); }
   /// The packed copy of matrix `slot` of expert tensor `tensor` (Expert::tensors order, the
   /// shared experts' after the routed ones), to refill with weights quantised already (a
   /// checkpoint's: space::packed_nt::repack_grouped, repack_int8) in the format packed.
@@ -337,6 +352,7 @@ class moe_layer {
     c.exclude(m);
   }
   {
+    store_.require_values("exclude_ranks");  // (the new layer packs or copies the views)
     epmoe::placement::table where = epmoe::placement::surviving(where_.get(), lost);
     layer_config cfg = cfg_;
     cfg.ranks = where.ranks();
@@ -410,7 +426,7 @@ class moe_layer {
       const placement::table& next) requires std::same_as<placement_type, placement::table> {
     index_t received = 0;
     stages::side_call(
-        *this, call_kind::apply_placement, [] {},
+        *this, call_kind::apply_placement, [&] { store_.require_values("apply_placement"); },
         [&] {
           received = store_.relocate(
               space_,
@@ -513,6 +529,7 @@ class moe_layer {
                       const backward_options& opt) const {
     detail::require(cfg_.training, "config.training", cfg_.training,
                     "must be true for backward (forward then keeps what backward needs)");
+    store_.require_values("backward");
     detail::require(!(store_.packed() && store_.precision().inference_only()), "pack_weights",
                     store_.precision().name(),
                     "computes the forward only (inference): unpack_weights() or pack as fp32 "

@@ -20,7 +20,9 @@ from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
 from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
 from .quantised import FORMATS as _MINIFLOAT
-from .quantised import check_grouped, codes_of, give, minifloat_rows, one_format, split_gate_up
+from . import _codes
+from .quantised import Quantised, check_grouped, codes_of, give, minifloat_rows, one_format
+from .quantised import split_gate_up
 from .quantised import _check as check_minifloat
 
 __all__ = ["Experts"]
@@ -31,6 +33,7 @@ class _PassState:
     a copied layout, the copies and the caller's tensors (pointers, versions) they hold."""
 
     bound = bound_params = packed = copies = copied = given = None
+    codes = None  # load_quantised without tensors: the format of the codes the layer holds alone
     passes = consumed = 0
 
 # How the caller's tensors hold each expert kind's (w1, w3, w2 | w1, w2, b1, b2 | ...).
@@ -199,12 +202,14 @@ class Experts(nn.Module):
                                        0 if self.group is not None else self.ranks, store, key)
         elif pointers != st.bound:
             self._layer.rebind(self._rank_weights(tensors))
-            st.packed = None
+            st.packed = st.codes = None  # (codes only ends: these tensors' values)
         st.bound = pointers
         return tensors
 
     def _prepare(self, params):
         st = self._state
+        if st.codes and not params:  # codes only: the layer's copies are the weights
+            return _refuse_training(self._pack, self.training)
         tensors = self._bind(params)
         _refuse_training(self._pack, self.training)
         packs = _packs(self._pack, self.training)
@@ -235,8 +240,14 @@ class Experts(nn.Module):
         first forward in eval mode). Collective (a first call builds the layer). Forwards with
         the same, unchanged params read the checkpoint's values; once they change (an
         optimizer step, an in-place write) their values are packed again. A wrong name, shape,
-        dtype, format or value raises before anything is written."""
-        kinds, fmt = self._quantised_kinds(tensors)
+        dtype, format or value raises before anything is written.
+        Without params: codes only (docs/quantisation.md, "Codes only"): the layer's packed
+        codes are the only copy of the weights and forwards are given no tensors (inference
+        only; not the gpt_oss layout, whose biases are values); a later forward given tensors
+        reads their values instead."""
+        kinds, fmt = self._quantised_kinds(tensors, codes=not params)
+        if not params:
+            return self._load_codes(kinds, fmt)
         self._check(params)
         views = dict(zip(EXPERT_TENSORS[self.expert_kind], self._kind_tensors(list(params))))
         st = self._state
@@ -260,7 +271,34 @@ class Experts(nn.Module):
         if not self.training:  # (in training mode: packed at the first forward in eval)
             self._prepare(params)
 
-    def _quantised_kinds(self, tensors: dict):
+    def _load_codes(self, kinds: dict, fmt: str):
+        if self.layout in COPIED:
+            raise ValueError(f"epmoe: load_quantised without tensors (codes only): the "
+                             f"{self.layout} layout's biases are read as values: pass its "
+                             "tensors")
+        st = self._state
+        if self._layer is None:  # built on views the codes replace: memory never touched
+            H, F, n = self.hidden, self.ffn, self.held
+            self._bind([torch.empty(n, 2 * F, H), torch.empty(n, H, F)] if self.layout == "gate_up"
+                       else [torch.empty(n, *(F, H) if k != "w2" else (H, F))
+                             for k in EXPERT_TENSORS[self.expert_kind]])
+        names = EXPERT_TENSORS[self.expert_kind]
+        if fmt in _MINIFLOAT:
+            K = {"w1": self.hidden, "w3": self.hidden, "w2": self.ffn}
+            rows = minifloat_rows(self, names, {n: (codes_of(t.q).contiguous(),
+                                                    t.scales.contiguous(), K[n])
+                                                for n, t in kinds.items()})
+        else:
+            rows = _codes.layer_rows(self, fmt, {n: Quantised(
+                fmt, t.q.contiguous(), t.scales.float().contiguous(),
+                None if t.offsets is None else t.offsets.float().contiguous(),
+                None if t.order is None else t.order.long().contiguous())
+                for n, t in kinds.items()})
+        self._layer.load_quantised(fmt, rows, True)  # (checks every entry first)
+        self._pack, st.codes, st.given, st.packed = fmt, fmt, None, None
+        st.bound = st.bound_params = None  # (a forward given tensors binds them again)
+
+    def _quantised_kinds(self, tensors: dict, codes: bool = False):
         """load_quantised's tensors as {kind tensor name: Quantised [n, N, K]} and their
         format, every entry checked."""
         H, F, n = self.hidden, self.ffn, self.held
@@ -269,7 +307,7 @@ class Experts(nn.Module):
         fused = self.layout != "separate"
         names = ("gate_up_proj", "down_proj") if fused else tuple(weights)
         fmt = one_format(tensors, "load_quantised")
-        if fmt not in _MINIFLOAT and self._pack != fmt:
+        if fmt not in _MINIFLOAT and self._pack != fmt and not codes:
             raise ValueError(f"epmoe: load_quantised: {fmt} tensors: pack_weights = "
                              f"{self._pack!r} must name that format")
         kinds = {}

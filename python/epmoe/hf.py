@@ -540,13 +540,14 @@ def from_hf(block, *, shared_mlp=None, **kw):
 
 
 def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family: str,
-                       prefix: str = "", **kw):
+                       prefix: str = "", *, values: bool = True, **kw):
     """An epmoe.torch.MoE for the `family` block whose weights are state_dict's keys under
     `prefix` (e.g. "model.layers.3.block_sparse_moe."), hf_config the model's config. kw as
     from_hf. Every tensor is checked (KeyError / ValueError naming the key) before the
     module is built. Quantised experts (GPT-OSS's experts.*_blocks / *_scales; FP8 experts
     with *_scale_inv, DeepSeek-V3's) are packed as they are, pack_weights "mxfp4" / "fp8"
-    unless kw gives another (which then packs their dequantised values)."""
+    unless kw gives another (which then packs their dequantised values). values=False: codes
+    only (MoE.load_quantised): the module keeps no float32 copy of the quantised experts."""
     from .torch import MoE
 
     _check_family(family)
@@ -557,6 +558,9 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     # A quantised checkpoint (GPT-OSS's MXFP4 blocks, FP8 with block scales): the parameters
     # take the values, the packed copies the codes as they are (MoE.load_quantised).
     quantised = checkpoint_tensors(family, state_dict, prefix, o)
+    if quantised is None and not values:
+        raise ValueError(f"epmoe: from_hf_state_dict(values=False): the {family} state dict "
+                         f"under {prefix!r} holds no quantised experts (codes only needs them)")
     if quantised is not None:
         state_dict = quantised[1]
         o.setdefault("pack_weights", quantised[0])
@@ -571,7 +575,7 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     if quantised is not None and o["pack_weights"] == quantised[0]:
         fmt = quantised[0]
         moe.load_quantised({n: Quantised(fmt, c, s) for n, (c, s) in quantised[2].items()},
-                           source=source)
+                           source=source, values=values)
     return moe
 
 

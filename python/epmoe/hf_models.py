@@ -155,8 +155,8 @@ def _fp8_key(m):
 
 
 def _load_fp8(m, ex):
-    """(the codes' key, float32 tensors [n, 2F, H] and [n, H, F]): ex's packed copies hold m's
-    fp8 codes and scales as they are, the tensors their values (what ex's forwards read)."""
+    """(the codes' key, []): ex's packed copies hold m's fp8 codes and scales as they are, the
+    only copy epmoe keeps (codes only: its forwards are given no tensors)."""
     from .quantised import Quantised
 
     gu, down = m.gate_up_proj.detach(), m.down_proj.detach()
@@ -164,14 +164,11 @@ def _load_fp8(m, ex):
     if gu.dtype == torch.int8:  # FP4: two e2m1 a byte, low nibble first, a scale per 32 inputs
         q = {"gate_up_proj": Quantised("mxfp4", gu.view(torch.uint8), _e8m0(gs, "gate_up_proj")),
              "down_proj": Quantised("mxfp4", down.view(torch.uint8), _e8m0(ds, "down_proj"))}
-        shapes = [(*gu.shape[:2], 2 * gu.shape[2]), (*down.shape[:2], 2 * down.shape[2])]
     else:
         q = {"gate_up_proj": Quantised("fp8", gu, gs.float()),
              "down_proj": Quantised("fp8", down, ds.float())}
-        shapes = [gu.shape, down.shape]
-    tensors = [torch.empty(s) for s in shapes]
-    ex.load_quantised(q, *tensors)
-    return _fp8_key(m), tensors
+    ex.load_quantised(q)
+    return _fp8_key(m), []
 
 
 def _check_fp8(where: str, m):

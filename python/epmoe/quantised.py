@@ -245,10 +245,11 @@ def _check(fmt: str, name: str, codes: torch.Tensor, scales: torch.Tensor, lead:
 
 @torch.no_grad()
 def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "tensors",
-                    in_slots=()):
+                    in_slots=(), values: bool = True):
     """load_quantised in fp8 or mxfp4: tensors maps w1, w3, w2 (logical order, every expert:
     [E, rows, ...]; the names in_slots: the experts held here, slot order) and shared_w1 ...
-    ([N, ...]) to (codes, scales); the others keep their values."""
+    ([N, ...]) to (codes, scales); the others keep their values (values=False: codes only,
+    every weight given)."""
     if fmt not in FORMATS:
         raise ValueError(f"epmoe: load_quantised format = {fmt!r}: must be one of {FORMATS}")
     kinds = EXPERT_TENSORS[moe.expert_kind]
@@ -267,6 +268,13 @@ def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "
         if routed and name not in in_slots:  # this module's slots, in slot order
             codes, scales = codes[moe.expert_ids], scales[moe.expert_ids]
         plan[name] = (codes.contiguous(), scales.contiguous(), p.shape[2])
+    if not values:
+        from . import _codes
+
+        _codes.require_routed(_codes.weight_names(moe), plan, source)
+        moe._layer.load_quantised(fmt, minifloat_rows(moe, names, plan), True)
+        moe._pack = fmt
+        return _codes.drop_values(moe, list(plan))
     moe._layer.load_quantised(fmt, minifloat_rows(moe, names, plan))  # (checks them all first)
     for name, (c, s, k) in plan.items():
         getattr(moe, name).copy_(dequantise(fmt, c, s, k))
@@ -377,12 +385,15 @@ def checkpoint_tensors(family: str, state_dict: Mapping[str, torch.Tensor], pref
 # --- MoE.load_quantised's parts (epmoe/torch.py) ----------------------------------------------
 
 @torch.no_grad()
-def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
+def load_quantised(moe, tensors: Mapping, source: str = "tensors", values: bool = True):
     """MoE.load_quantised: tensors maps (name, expert) to one Quantised matrix, or name to a
     stack of them [E, ...] (every expert, logical order; shared_...: [S, ...]), all in one
     format. Group-wise stacks are split into the experts held here; fp8 and mxfp4 matrices
     given one at a time are stacked (every expert held here: the layer packs a tensor's
-    matrices at once)."""
+    matrices at once). values=False: codes only (epmoe/_codes.py)."""
+    from . import _codes
+
+    _codes.refuse_again(moe, source)
     if not tensors:
         return
     fmt = one_format(tensors, source)
@@ -394,7 +405,8 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
         stacks = {n: (t.q, t.scales) for n, t in tensors.items() if isinstance(n, str)}
         pairs = {k: t for k, t in tensors.items() if not isinstance(k, str)}
         held = _stack_held(moe, pairs, stacks, source)
-        return _load_minifloat(moe, fmt, {**stacks, **held}, source, in_slots=set(held))
+        return _load_minifloat(moe, fmt, {**stacks, **held}, source, in_slots=set(held),
+                               values=values)
     given = {}
     for key, t in tensors.items():
         if not isinstance(key, str):
@@ -407,7 +419,12 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors"):
                              f"of {count} matrices [{count}, N, K]")
         for e in range(count) if shared else moe.expert_ids.tolist():
             given[(key, e)] = t.matrix(e)
-    moe._load_grouped(given)
+    if values:
+        return moe._load_grouped(given)
+    stacks = _codes.grouped_stacks(moe, plan_given(moe, given, fmt), source)
+    moe._layer.load_quantised(fmt, _codes.layer_rows(moe, fmt, stacks), True)
+    moe._pack = fmt
+    _codes.drop_values(moe, list(stacks))
 
 
 def _stack_held(moe, pairs: dict, stacks: dict, source: str) -> dict:
@@ -468,9 +485,10 @@ def check_grouped(t: Quantised, where: str):
             raise ValueError(f"epmoe: {where}.{name} must be finite")
 
 
-def plan_given(moe, tensors: dict) -> list:
+def plan_given(moe, tensors: dict, fmt=None) -> list:
     """[(parameter name, slot, Quantised)] for load_quantised's {(name, expert): Quantised},
-    every entry checked (ValueError naming it) before any is used."""
+    every entry checked (ValueError naming it) before any is used; in format `fmt` (by
+    default the one pack_weights names)."""
     kinds = EXPERT_TENSORS[moe.expert_kind]
     held = moe.expert_ids.tolist()
     planned = []
@@ -479,7 +497,7 @@ def plan_given(moe, tensors: dict) -> list:
         if base not in kinds or not hasattr(moe, name):
             raise ValueError(f"epmoe: load_quantised: {name!r} is not an expert tensor of this "
                              f"module ({', '.join(kinds)}, shared_...)")
-        if t.format != moe._pack:
+        if t.format != (fmt or moe._pack):
             raise ValueError(f"epmoe: load_quantised[{name!r}, {expert}] is {t.format}: "
                              f"pack_weights = {moe._pack!r} must name that format")
         shared = name != base

@@ -219,6 +219,7 @@ class MoE(nn.Module):
         self._pack = _pack_option(pack_weights)
         self._packed_versions = None  # packed at the first forward that packs
         self._given = None  # load_quantised: ({(name, expert): Quantised}, versions after)
+        self._codes_only = False  # load_quantised(values=False): no expert weight parameters
 
     @property
     def packed(self) -> bool:
@@ -232,7 +233,7 @@ class MoE(nn.Module):
     def pack_weights(self):
         """Packs the expert weights again now (after writing them through `p.data`, which torch's
         version counter does not see); a no-op when this mode reads the parameters."""
-        if self._wants_packing():
+        if self._wants_packing() and not self._codes_only:  # (codes only: nothing to pack)
             self._layer.pack(True, _pack_format(self._pack))
             self._packed_versions = self._versions()
             if self._given and self._given[1] == self._packed_versions:
@@ -240,7 +241,7 @@ class MoE(nn.Module):
             else:
                 self._given = None  # the parameters changed since: their values now
 
-    def load_quantised(self, tensors: dict, *, source: str = "tensors"):
+    def load_quantised(self, tensors: dict, *, source: str = "tensors", values: bool = True):
         """The packed copies hold a checkpoint's quantised expert weights as they are (no
         re-quantisation; docs/quantisation.md, "Loaders"); the parameters take them
         dequantised. tensors maps keys to epmoe.quantised.Quantised values, all in one format:
@@ -252,10 +253,13 @@ class MoE(nn.Module):
         (Quantised("mxfp4", uint8 blocks, uint8 E8M0 scales)): either key (one matrix at a
         time: every expert held here); the module then packs as that format. A wrong name, shape, dtype or format raises ValueError (KeyError:
         an fp8 / mxfp4 name that is no expert tensor); a NaN code or scale, ValueError from the
-        layer. A later change of the parameters packs their values again (quantising them)."""
+        layer. A later change of the parameters packs their values again (quantising them).
+        values=False: codes only, for serving (docs/quantisation.md, "Codes only"): every
+        expert weight matrix given, the packed codes become the only copy and the expert
+        weight parameters are dropped (biases stay); inference only, once per module."""
         from .quantised import load_quantised
 
-        load_quantised(self, tensors, source)
+        load_quantised(self, tensors, source, values)
 
     @torch.no_grad()
     def _load_grouped(self, tensors: dict):
@@ -329,8 +333,9 @@ class MoE(nn.Module):
             p.copy_(t)
 
     @torch.no_grad()
-    def _experts(self, prefix: str, first: int, n: int):
-        return [getattr(self, prefix + name)[first:first + n] for name in EXPERT_TENSORS[self.expert_kind]]
+    def _experts(self, prefix: str, first: int, n: int):  # (None: codes only's, kept by the layer)
+        return [getattr(self, prefix + name)[first:first + n] if hasattr(self, prefix + name)
+                else None for name in EXPERT_TENSORS[self.expert_kind]]
 
     def _rank_weights(self):
         """One dict of views per local rank (thread ranks: each rank's slots of the tensors)."""
@@ -347,7 +352,8 @@ class MoE(nn.Module):
                 w["shared_gate"] = self.shared_gate
             if self.config["output_bias"]:
                 w["output_bias"] = self.output_bias
-            out.append({k: (v.detach() if isinstance(v, torch.Tensor) else [t.detach() for t in v])
+            out.append({k: (v.detach() if isinstance(v, torch.Tensor)
+                            else [t if t is None else t.detach() for t in v])
                         for k, v in w.items()})
         return out
 

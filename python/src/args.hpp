@@ -54,8 +54,12 @@ std::vector<stacked_view<T>> stacked_list(const ::py::dict& d, const char* key,
   if (!d.contains(key) || d[key].is_none()) return out;
   int i = 0;
   for (const ::py::handle h : d[key]) {
-    const at::Tensor t = h.cast<at::Tensor>();
     const std::string name = who + "." + key + "[" + std::to_string(i++) + "]";
+    if (h.is_none()) {  // (rebind of a layer of codes only: the view it has)
+      out.emplace_back();
+      continue;
+    }
+    const at::Tensor t = h.cast<at::Tensor>();
     // A strided stack of row-major matrices is a view too (w1 and w3: the halves of a fused
     // gate_up_proj [E, 2F, H]).
     std::string why = unviewable(t, 3);
@@ -88,10 +92,56 @@ rank_grads grads_of(const ::py::dict& d, const std::string& who) {
   return tensors_of<float>(d, who);
 }
 
+/// A group-wise stack (q int8 [n, N, K], scales fp32 [n, N, G], offsets as scales or None,
+/// order int64 [n, K] or None) as a view; `name` for errors.
+quantised_tensor grouped_of(const ::py::handle& h, const std::string& format,
+                            const std::string& name) {
+  const auto [q, scales, offsets, order] = h.cast<
+      std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>>>();
+  const auto bad = [&](const std::string& what, const at::Tensor& t, at::ScalarType type, int dim) {
+    if (t.scalar_type() != type || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != dim)
+      type_error(name + "." + what + " is " + c10::toString(t.scalar_type()) + " " +
+                 std::to_string(t.dim()) + "-d: must be a contiguous CPU " + c10::toString(type) +
+                 " tensor of " + std::to_string(dim) + " dimensions");
+  };
+  const weights_format f = format_named(format);
+  if (!f.grouped())
+    value_error("load_quantised: format = '" + format +
+                "': must be fp8, mxfp4 or a group-wise "
+                "format (int4, int4_asym_g128, int8_g32, ...)");
+  bad("q", q, at::kChar, 3);
+  bad("scales", scales, at::kFloat, 3);
+  const index_t n = q.size(0), rows = q.size(1), cols = q.size(2);
+  const std::vector<index_t> groups{n, rows, (cols + f.group - 1) / f.group};
+  if (scales.sizes().vec() != groups)
+    value_error(name + ": scales " + c10::str(scales.sizes()) + " do not fit q " +
+                c10::str(q.sizes()) + ": " + format + " wants [n, rows, ceil(K / " +
+                std::to_string(f.group) + ")]");
+  if (offsets) {
+    bad("offsets", *offsets, at::kFloat, 3);
+    if (offsets->sizes().vec() != groups)
+      value_error(name + ": offsets must have the shape of scales");
+  }
+  if (order) {
+    bad("order", *order, at::kLong, 2);
+    if (order->size(0) != n || order->size(1) != cols)
+      value_error(name + ": order must be [n, K] = [" + std::to_string(n) + ", " +
+                  std::to_string(cols) + "]");
+  }
+  return {reinterpret_cast<const std::uint8_t*>(q.data_ptr<std::int8_t>()),
+          scales.data_ptr<float>(),
+          n,
+          rows,
+          cols,
+          offsets ? offsets->data_ptr<float>() : nullptr,
+          order ? order->data_ptr<std::int64_t>() : nullptr};
+}
+
 /// A checkpoint's quantised tensor (codes, scales, cols) as a view; `name` for errors.
 quantised_tensor quantised_of(const ::py::handle& h, const std::string& format,
                               const std::string& name) {
   if (h.is_none()) return {};
+  if (format != "fp8" && format != "mxfp4") return grouped_of(h, format, name);
   const auto [codes, scales, cols] = h.cast<std::tuple<at::Tensor, at::Tensor, index_t>>();
   const auto bad = [&](const std::string& what, const at::Tensor& t, at::ScalarType type) {
     if (t.scalar_type() != type || !t.device().is_cpu() || !t.is_contiguous() || t.dim() != 3)

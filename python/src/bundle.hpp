@@ -79,6 +79,7 @@ class layer_of final : public any_layer {
  public:
   layer_of(const layer_args& a, comm::any comm, const rank_weights& w)
       : args_(a),
+        bound_(w),
         layer_(a.cfg, std::move(comm), weights_of(w), make_router<Router>(args_.router), Capacity{},
                placement::table(a.cfg.experts, a.cfg.ranks, a.phy_to_log)) {}
 
@@ -111,7 +112,17 @@ class layer_of final : public any_layer {
   }
 
   const pass_stats& stats() const override { return layer_.stats(); }
-  void rebind(const rank_weights& w) override { layer_.set_weights(weights_of(w)); }
+  /// An expert tensor given as None keeps the view bound (codes only: its unbacked one).
+  void rebind(const rank_weights& given) override {
+    rank_weights w = given;
+    for (auto [to, from] :
+         {std::pair(&w.experts, &bound_.experts), std::pair(&w.shared, &bound_.shared)})
+      for (std::size_t k = 0; k < to->size() && k < from->size(); ++k)
+        if (!(*to)[k].data) (*to)[k] = (*from)[k];
+    layer_.set_weights(weights_of(w));
+    bound_ = w;
+    if (layer_.weights_hold_values()) coded_.clear();
+  }
   void pack(bool on, const std::string& format) override {
     if (!on) return layer_.unpack_weights();
     layer_.pack_weights(format_named(format));
@@ -135,17 +146,39 @@ class layer_of final : public any_layer {
     m.unpack(out.data());
     return out;
   }
-  void load_quantised(const std::string& format, const std::vector<quantised_tensor>& q) override {
-    detail::require(format == "fp8" || format == "mxfp4", "load_quantised", format,
-                    "must be fp8 or mxfp4");
-    const bool fp8 = format == "fp8";
+  void load_quantised(const std::string& format, const std::vector<quantised_tensor>& q,
+                      bool codes_only) override {
+    const weights_format as = format_named(format);
+    detail::require(as.grouped() || format == "fp8" || format == "mxfp4", "load_quantised", format,
+                    "must be fp8, mxfp4 or a group-wise format");
+    codes_only = codes_only || !layer_.weights_hold_values();  // (into a layer of codes only)
+    for (std::size_t t = 0; t < coded_.size(); ++t)            // (checked before anything changes)
+      detail::require(!coded_[t] || (t < q.size() && q[t].codes), "load_quantised",
+                      "tensor " + std::to_string(t),
+                      "holds codes only (an earlier load): give its codes again");
+    std::vector<stacked_view<const float>> all = bound_.experts;  // tensors() order
+    if (args_.cfg.shared_experts > 0)
+      all.insert(all.end(), bound_.shared.begin(), bound_.shared.end());
     const auto load = [&](std::size_t t, index_t j, space::packed_nt& m) {
-      if (t >= q.size() || !q[t].codes) return false;
+      if (t >= q.size() || !q[t].codes) {
+        if (!codes_only) return false;
+        m.repack(all.at(t)[j], as);  // (a bias: its values, which it keeps)
+        return true;
+      }
       const quantised_tensor& s = q[t];
       detail::require(j < s.count, "load_quantised.count", s.count,
                       "must hold every slot of the tensor");
       const index_t R = s.rows, K = s.cols;
-      if (fp8) {
+      if (as.grouped()) {
+        const index_t G = (K + as.group - 1) / as.group;
+        m.repack_grouped(as, {reinterpret_cast<const std::int8_t*>(s.codes) + j * R * K, R, K},
+                         static_cast<const float*>(s.scales) + j * R * G,
+                         s.offsets ? s.offsets + j * R * G : nullptr);
+        static_assert(sizeof(index_t) == sizeof(std::int64_t));
+        m.set_input_order(s.order ? std::span(reinterpret_cast<const index_t*>(s.order) + j * K,
+                                              static_cast<std::size_t>(K))
+                                  : std::span<const index_t>{});
+      } else if (format == "fp8") {
         const index_t blocks = (R + 127) / 128 * ((K + 127) / 128);
         m.repack_fp8({s.codes + j * R * K, R, K}, static_cast<const float*>(s.scales) + j * blocks);
       } else {
@@ -155,8 +188,26 @@ class layer_of final : public any_layer {
       }
       return true;
     };
-    layer_.pack_weights(fp8 ? weights_format::fp8_block : weights_format::mxfp4, load);
+    if (!codes_only) return layer_.pack_weights(as, load);
+    if (layer_.weights_hold_values()) {  // the tensors given codes: views of no memory
+      rank_weights w = bound_;
+      space::unbacked_tensors none;
+      std::vector<char> coded(all.size(), 0);
+      for (std::size_t t = 0; t < q.size() && t < all.size(); ++t)
+        if (q[t].codes) {
+          auto& v = t < w.experts.size() ? w.experts[t] : w.shared.at(t - w.experts.size());
+          v = none.add(v.count, v.rows, v.cols);
+          coded[t] = 1;
+        }
+      layer_.unpack_weights();
+      layer_.set_weights(weights_of(w));  // (unpacked: nothing read)
+      unbacked_ = std::move(none);
+      bound_ = w;
+      coded_ = std::move(coded);
+    }
+    layer_.pack_codes(as, load);
   }
+  bool holds_values() const override { return layer_.weights_hold_values(); }
   moe_load global_load() override {
     auto g = layer_.gather_load();
     return {std::move(g.per_expert), std::move(g.per_rank)};
@@ -209,6 +260,9 @@ class layer_of final : public any_layer {
   }
 
   layer_args args_;  // the router's bias points into it
+  rank_weights bound_;                // the caller's views (load_quantised's biases)
+  space::unbacked_tensors unbacked_;  // codes only: the views of the experts (before layer_)
+  std::vector<char> coded_;           // codes only: which expert tensors' views are unbacked
   layer layer_;
   split_handle held_{};  // the split pass between start and finish
 };

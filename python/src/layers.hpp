@@ -104,10 +104,14 @@ using rank_grads = rank_tensors<float>;
 /// mxfp4: GPT-OSS's blocks, ceil(cols / 32) * 16 bytes, two E2M1 codes a byte) and scales
 /// [count, ...] (fp8: fp32 [ceil(rows / 128), ceil(cols / 128)]; mxfp4: E8M0 bytes [rows,
 /// ceil(cols / 32)]), both contiguous; cols: the weights' inputs K.
+/// Group-wise formats: q int8 [count, rows, cols], scales (and offsets: int4_asym) fp32
+/// [count, rows, groups], an act order int64 [count, cols] or none.
 struct quantised_tensor {
   const std::uint8_t* codes = nullptr;  // nullptr: packed from the weights' values instead
   const void* scales = nullptr;
   index_t count = 0, rows = 0, cols = 0;
+  const float* offsets = nullptr;       // group-wise: int4_asym's
+  const std::int64_t* order = nullptr;  // group-wise: an act order per matrix, or none
 };
 
 /// What gather_load returns, without the layer's type.
@@ -161,8 +165,13 @@ class any_layer {
   /// Packs the expert weights in `format` ("fp8" or "mxfp4") from a checkpoint's tensors as
   /// they are (moe_layer::pack_weights with a loader): one per expert tensor, routed then
   /// shared, in the expert's tensors() order (a missing one packed from the weights).
+  /// A group-wise format too. codes_only: the codes are the only copy (moe_layer::pack_codes):
+  /// the tensors given codes are bound to views of no memory (space::unbacked_tensors); a
+  /// missing one (a bias) keeps its values and is packed from them.
   virtual void load_quantised(const std::string& format,
-                              const std::vector<quantised_tensor>& tensors) = 0;
+                              const std::vector<quantised_tensor>& tensors, bool codes_only) = 0;
+  /// Whether the layer's expert views hold values (false: codes only).
+  virtual bool holds_values() const = 0;
   /// Collective: the last pass's rows per logical expert [E] and rows computed per rank [R],
   /// summed over the ranks (moe_layer::gather_load).
   virtual moe_load global_load() = 0;

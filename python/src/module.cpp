@@ -243,10 +243,10 @@ class layer {
   }
 
   /// Local: every local rank packs its experts from a checkpoint's tensors (per rank, a list
-  /// in the expert tensors' order, routed then shared: (codes, scales, cols) or None).
-  void load_quantised(const std::string& format, const ::py::list& per_rank) {
-    if (format != "fp8" && format != "mxfp4")
-      value_error("load_quantised: format = '" + format + "': must be 'fp8' or 'mxfp4'");
+  /// in the expert tensors' order, routed then shared: fp8 / mxfp4 (codes, scales, cols),
+  /// group-wise (q, scales, offsets, order), or None). codes_only: the codes are then the only
+  /// copy of the tensors given them (any_layer::load_quantised).
+  void load_quantised(const std::string& format, const ::py::list& per_rank, bool codes_only) {
     if (static_cast<int>(per_rank.size()) != local_ranks())
       value_error("load_quantised: one list per local rank (" + std::to_string(local_ranks()) +
                   ")");
@@ -258,7 +258,14 @@ class layer {
             h, format, "tensors[" + std::to_string(r) + "][" + std::to_string(i++) + "]"));
     }
     ::py::gil_scoped_release free;
-    for (std::size_t r = 0; r < q.size(); ++r) layers_[r]->load_quantised(format, q[r]);
+    for (std::size_t r = 0; r < q.size(); ++r) layers_[r]->load_quantised(format, q[r], codes_only);
+  }
+
+  /// Per local rank: whether its expert views hold values (False: codes only).
+  std::vector<bool> holds_values() const {
+    std::vector<bool> out;
+    for (const auto& l : layers_) out.push_back(l->holds_values());
+    return out;
   }
 
   /// Each local rank's (rows per logical expert, rows computed per rank) of the last pass,
@@ -550,13 +557,15 @@ PYBIND11_MODULE(_epmoe, m) {
            ::py::arg("offsets") = ::py::none(), ::py::arg("order") = ::py::none())
       .def("packed_values", &ep::layer::packed_values, ::py::arg("rank"), ::py::arg("tensor"),
            ::py::arg("slot"))
-      .def("load_quantised", &ep::layer::load_quantised, ::py::arg("format"), ::py::arg("tensors"))
+      .def("load_quantised", &ep::layer::load_quantised, ::py::arg("format"), ::py::arg("tensors"),
+           ::py::arg("codes_only") = false)
       .def("stats", &ep::layer::stats)
       .def("exchange_copies", &ep::layer::exchange_copies)
       .def("global_load", &ep::layer::global_load)
       .def("update_router", &ep::layer::update_router)
       .def("router_bias", &ep::layer::router_bias)
       .def("losses", &ep::layer::losses)
+      .def_property_readonly("holds_values", &ep::layer::holds_values)
       .def_property_readonly("local_ranks", &ep::layer::local_ranks)
       .def_property_readonly("rank", &ep::layer::rank)
       .def_property_readonly("ranks", &ep::layer::ranks)

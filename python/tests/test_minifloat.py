@@ -273,6 +273,13 @@ def test_from_hf_state_dict_gpt_oss_mxfp4_blocks():
         y, _ = moe(x)
     assert moe.packed
     assert rel(y, want) < TOKENS
+    # Codes only (values=False): the same outputs, no float32 weights; the biases stay values.
+    codes = hf.from_hf_state_dict(sd, c, "gpt_oss", ranks=2, values=False).eval()
+    assert {n for n, _ in codes.named_parameters()} == {"gate", "gate_bias", "b1", "b3", "b2"}
+    with torch.no_grad():
+        assert torch.equal(codes(x)[0], y)
+    with pytest.raises(ValueError, match="values=False.*no quantised experts"):
+        hf.from_hf_state_dict(plain.state_dict(), c, "gpt_oss", ranks=1, values=False)
 
 
 def _fp8_codes(w):
@@ -349,7 +356,9 @@ def test_use_epmoe_runs_a_model_with_fp8_experts():
         # The codes as they are: the tokens' bf16 rounding alone, diluted by the residual.
         assert rel(got, want) < TOKENS, step
         ex = experts.__dict__["_epmoe"]["experts"]
-        assert ex._pack == "fp8" and ex._state.packed is not None
+        # Codes only: the packed codes are epmoe's one copy (no float32 values beside them).
+        assert ex._pack == "fp8" and ex._state.codes == "fp8"
+        assert experts.__dict__["_epmoe"]["fp8"][1] == [] and ex._state.copies is None
         assert torch.equal(ex._layer.packed_values(0, 2, 3),
                            plain.model.layers[1].mlp.experts.down_proj[3])
         checked += 1

@@ -67,6 +67,7 @@ struct split_stages : forward_stages<L> {
     pass = {};
     pass.id = l.passes_, pass.x = x, pass.y = y, pass.token_ids = token_ids;
     try {
+      l.store_.require_readable();
       check();
     } catch (...) {
       pass.make_empty(std::current_exception());

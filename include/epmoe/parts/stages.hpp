@@ -328,6 +328,7 @@ struct forward_stages : stages_base<L> {
     pass.given = routing, pass.routing_given = routing != nullptr;
     pass.saves = l.train_ && opt.keep_for_backward;
     try {
+      l.store_.require_readable();
       check();
     } catch (...) {
       pass.make_empty(std::current_exception());

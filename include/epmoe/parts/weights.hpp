@@ -67,9 +67,14 @@ class weights_store {
 
   /// The views a pass reads (the layer's own copies of its experts once it owns them).
   const weights& views() const { return w_; }
-  /// Other views of the same shapes (checked by the caller); packed again when packed.
+  /// Other views of the same shapes (checked by the caller); packed again when packed. A
+  /// store of codes only keeps them when the experts' views are the same ones (another gate,
+  /// say), else the new views must hold values: it packs them.
   void rebind(const Space& s, const weights& w, index_t input_rows, bool shared) {
+    const bool same = same_experts(w.experts, w_.experts) && same_experts(w.shared, w_.shared);
     w_ = w;
+    if (codes_ != codes::none && same) return;
+    codes_ = codes::none;
     if (packed()) pack(s, pack_as_, input_rows, shared);
   }
 
@@ -92,10 +97,12 @@ class weights_store {
   /// rows of converted inputs (the AVX512-BF16 path). Repacking the same tensors allocates
   /// nothing.
   void pack(const Space& s, packed_precision as, index_t input_rows, bool shared) {
+    require_values("pack_weights");
     pack(s, as, input_rows, shared, [](std::size_t, index_t, auto&) { return false; });
   }
   /// The same, matrix j of tensor t (Expert::tensors order, routed then shared) filled by
-  /// load(t, j, m) where it returns true (weights quantised already: moe_layer::pack_weights).
+  /// load(t, j, m) where it returns true (weights quantised already: moe_layer::pack_weights);
+  /// a store of codes only needs every matrix loaded.
   template <class Load>
   void pack(const Space& s, packed_precision as, index_t input_rows, bool shared, Load&& load) {
     if constexpr (packs) {
@@ -104,11 +111,43 @@ class weights_store {
       for (auto* v : Expert::tensors(w_.experts)) all.at(n++) = *v;
       if (shared)
         for (auto* v : Expert::tensors(w_.shared)) all.at(n++) = *v;
-      packed_.pack_only(std::span(all.data(), n), as, load);
+      packed_.pack_only(std::span(all.data(), n), as, [&](std::size_t t, index_t j, auto& m) {
+        if (load(t, j, m)) return true;
+        detail::require(codes_ == codes::none, "pack_codes",
+                        "tensor " + std::to_string(t) + ", slot " + std::to_string(j),
+                        "was not loaded: the views of a layer of codes only hold no values, so "
+                        "every matrix must be");
+        return false;
+      });
       packed_.reserve_inputs(input_rows, s.kernel_path());
       if (as == packed_precision::bf16) packed_.reserve_unpacked();
       pack_as_ = as;
     }
+  }
+  /// Packs every matrix by load(t, j, m) (which must fill each one), after which the views
+  /// are never read (they may have no memory behind them: space::unbacked_tensors), and the
+  /// store refuses what would read them until rebind binds views that hold values. A load that
+  /// throws leaves copies no pass may read, until a load succeeds.
+  template <class Load>
+  void pack_codes(const Space& s, packed_precision as, index_t input_rows, bool shared,
+                  Load&& load) {
+    codes_ = codes::loading;
+    pack(s, as, input_rows, shared, load);
+    codes_ = codes::loaded;
+  }
+  /// Whether the views hold values (false: codes only, moe_layer::pack_codes).
+  bool holds_values() const { return codes_ == codes::none; }
+  /// config_error unless the packed copies may be read: a store of codes only whose last
+  /// load failed holds some matrices of neither the old nor the new codes.
+  void require_readable() const {
+    detail::require(codes_ != codes::loading, "pack_codes", "failed",
+                    "the last load of codes only threw: load every matrix again before a pass");
+  }
+  /// config_error naming `what` (which would read the views) when the views hold no values.
+  void require_values(const char* what) const {
+    detail::require(codes_ == codes::none, what, "codes only",
+                    "the layer holds its experts as packed codes only (pack_codes): load codes "
+                    "again with pack_codes, or set_weights to views that hold values first");
   }
   packed_precision precision() const { return pack_as_; }
   /// Sizes what the passes read beside the packed copies for `input_rows` rows (after a
@@ -127,6 +166,7 @@ class weights_store {
     return m ? m + j : nullptr;
   }
   void unpack() {
+    require_values("unpack_weights");
     if constexpr (packs) packed_.clear();
   }
   bool packed() const { return !packed_.empty(); }
@@ -135,6 +175,7 @@ class weights_store {
   /// The store's own contiguous copy of its slots' weights, made from the views now (the
   /// caller's, or another layer's: copied in the space's memory), which it then reads.
   void own_experts(const Space& s) {
+    require_values("a copy of the experts (apply_placement, exclude_ranks)");
     auto views = Expert::tensors(w_.experts);
     std::vector<mirror<value_type>> owned;
     std::vector<mirror<index_t>> desc;
@@ -191,11 +232,22 @@ class weights_store {
   template <class T>
   using mirror = typename Space::template mirror<T>;
 
+  static bool same_experts(expert_weights a, expert_weights b) {
+    auto x = Expert::tensors(a), y = Expert::tensors(b);
+    for (std::size_t k = 0; k < x.size(); ++k)
+      if (x[k]->data != y[k]->data || x[k]->count != y[k]->count || x[k]->rows != y[k]->rows ||
+          x[k]->cols != y[k]->cols || x[k]->stride != y[k]->stride ||
+          x[k]->batch_stride != y[k]->batch_stride)
+        return false;
+    return true;
+  }
+
   weights w_;
   [[no_unique_address]] typename epmoe::detail::packed_store_of<Space>::type packed_;
   packed_precision pack_as_ = packed_precision::fp32;
   std::vector<mirror<value_type>> owned_;  // expert weights after a live re-placement
   std::vector<mirror<index_t>> desc_;      // their first copy's block offsets
+  enum class codes { none, loading, loaded } codes_ = codes::none;  // none: views hold values
 };
 
 }  // namespace epmoe::parts

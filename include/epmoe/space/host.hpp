@@ -14,6 +14,7 @@
 #include "epmoe/core/view.hpp"
 #include "epmoe/space/host_gemm.hpp"
 #include "epmoe/space/host_packed_weights.hpp"
+#include "epmoe/space/host_unbacked.hpp"
 
 namespace epmoe::space {
 
