@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._ranks import EXPERT_TENSORS
-from .quantised import FORMATS, Quantised
+from .quantised import Quantised
 
 
 def weight_names(module) -> list:
@@ -65,33 +65,6 @@ def grouped_stacks(module, planned: list, source: str) -> dict:
             torch.stack([o.long() for o in orders]).contiguous()
             if any(t.order is not None for t in ts) else None)
     return out
-
-
-def layer_rows(module, fmt: str, stacks: dict) -> list:
-    """Layer.load_quantised's lists for stacks {name: slot-ordered entry}: per local rank, per
-    expert tensor (routed then shared, EXPERT_TENSORS order), the rank's slots or None. An
-    entry: fp8 / mxfp4 (codes, scales, cols); group-wise Quantised."""
-    kinds = EXPERT_TENSORS[module.expert_kind]
-    names = list(kinds) + ["shared_" + n for n in kinds if getattr(module, "shared_experts", 0)]
-    L = module.experts // module.ranks
-    per_rank = []
-    for r in range(module._layer_ranks()):
-        row = []
-        for name in names:
-            if name not in stacks:
-                row.append(None)
-                continue
-            mine = ((lambda v: v) if name.startswith("shared_") or module._layer_ranks() == 1
-                    else (lambda v: v[r * L:(r + 1) * L].contiguous()))
-            e = stacks[name]
-            if fmt in FORMATS:
-                c, s, k = e
-                row.append((mine(c), mine(s), int(k)))
-            else:
-                row.append(tuple(None if v is None else mine(v)
-                                 for v in (e.q, e.scales, e.offsets, e.order)))
-        per_rank.append(row)
-    return per_rank
 
 
 def drop_values(module, names):

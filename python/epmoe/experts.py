@@ -21,7 +21,7 @@ from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_ta
 from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
 from .quantised import FORMATS as _MINIFLOAT
 from . import _codes
-from .quantised import Quantised, check_grouped, codes_of, give, minifloat_rows, one_format
+from .quantised import Quantised, check_grouped, codes_of, give, layer_rows, one_format
 from .quantised import split_gate_up
 from .quantised import _check as check_minifloat
 
@@ -256,8 +256,7 @@ class Experts(nn.Module):
             plan = {n: (codes_of(t.q).contiguous(), t.scales.contiguous(), K[n])
                     for n, t in kinds.items()}
             self._bind(params)
-            names = EXPERT_TENSORS[self.expert_kind]
-            self._layer.load_quantised(fmt, minifloat_rows(self, names, plan))  # (checks all)
+            self._layer.load_quantised(fmt, layer_rows(self, fmt, plan))  # (checks all)
             self._pack, st.given = fmt, None
         for n, t in kinds.items():
             views[n].copy_(t.dequantise(views[n].shape[2]))
@@ -282,14 +281,12 @@ class Experts(nn.Module):
             self._bind([torch.empty(n, 2 * F, H), torch.empty(n, H, F)] if self.layout == "gate_up"
                        else [torch.empty(n, *(F, H) if k != "w2" else (H, F))
                              for k in EXPERT_TENSORS[self.expert_kind]])
-        names = EXPERT_TENSORS[self.expert_kind]
         if fmt in _MINIFLOAT:
             K = {"w1": self.hidden, "w3": self.hidden, "w2": self.ffn}
-            rows = minifloat_rows(self, names, {n: (codes_of(t.q).contiguous(),
-                                                    t.scales.contiguous(), K[n])
-                                                for n, t in kinds.items()})
+            rows = layer_rows(self, fmt, {n: (codes_of(t.q).contiguous(), t.scales.contiguous(),
+                                              K[n]) for n, t in kinds.items()})
         else:
-            rows = _codes.layer_rows(self, fmt, {n: Quantised(
+            rows = layer_rows(self, fmt, {n: Quantised(
                 fmt, t.q.contiguous(), t.scales.float().contiguous(),
                 None if t.offsets is None else t.offsets.float().contiguous(),
                 None if t.order is None else t.order.long().contiguous())

@@ -272,10 +272,10 @@ def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "
         from . import _codes
 
         _codes.require_routed(_codes.weight_names(moe), plan, source)
-        moe._layer.load_quantised(fmt, minifloat_rows(moe, names, plan), True)
+        moe._layer.load_quantised(fmt, layer_rows(moe, fmt, plan), True)
         moe._pack = fmt
         return _codes.drop_values(moe, list(plan))
-    moe._layer.load_quantised(fmt, minifloat_rows(moe, names, plan))  # (checks them all first)
+    moe._layer.load_quantised(fmt, layer_rows(moe, fmt, plan))  # (checks them all first)
     for name, (c, s, k) in plan.items():
         getattr(moe, name).copy_(dequantise(fmt, c, s, k))
     moe._pack = fmt
@@ -283,22 +283,29 @@ def _load_minifloat(moe, fmt: str, tensors: Mapping[str, tuple], source: str = "
     moe._given = None  # (group-wise matrices given before: replaced)
 
 
-def minifloat_rows(module, names, plan: dict) -> list:
-    """Layer.load_quantised's lists: per local rank, per expert tensor in `names` order, its
-    slots' (codes, scales, cols) from plan {name: slot-ordered stacks} (shared_...: every rank
-    all of them), or None (not given)."""
+def layer_rows(module, fmt: str, stacks: dict) -> list:
+    """Layer.load_quantised's lists for stacks {name: slot-ordered entry}: per local rank, per
+    expert tensor (routed then shared, EXPERT_TENSORS order), the rank's slots or None. An
+    entry: fp8 / mxfp4 (codes, scales, cols); group-wise Quantised."""
+    kinds = EXPERT_TENSORS[module.expert_kind]
+    names = list(kinds) + ["shared_" + n for n in kinds if getattr(module, "shared_experts", 0)]
     L = module.experts // module.ranks
     per_rank = []
     for r in range(module._layer_ranks()):
         row = []
         for name in names:
-            if name not in plan:
+            if name not in stacks:
                 row.append(None)
                 continue
-            c, s, k = plan[name]
-            if not name.startswith("shared_"):
-                c, s = c[r * L:(r + 1) * L].contiguous(), s[r * L:(r + 1) * L].contiguous()
-            row.append((c, s, int(k)))
+            mine = ((lambda v: v) if name.startswith("shared_") or module._layer_ranks() == 1
+                    else (lambda v: v[r * L:(r + 1) * L].contiguous()))
+            e = stacks[name]
+            if fmt in FORMATS:
+                c, s, k = e
+                row.append((mine(c), mine(s), int(k)))
+            else:
+                row.append(tuple(None if v is None else mine(v)
+                                 for v in (e.q, e.scales, e.offsets, e.order)))
         per_rank.append(row)
     return per_rank
 
@@ -422,7 +429,7 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors", values: bool 
     if values:
         return moe._load_grouped(given)
     stacks = _codes.grouped_stacks(moe, plan_given(moe, given, fmt), source)
-    moe._layer.load_quantised(fmt, _codes.layer_rows(moe, fmt, stacks), True)
+    moe._layer.load_quantised(fmt, layer_rows(moe, fmt, stacks), True)
     moe._pack = fmt
     _codes.drop_values(moe, list(stacks))
 

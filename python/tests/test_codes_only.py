@@ -14,29 +14,10 @@ from torch import nn
 
 from epmoe.quantised import Quantised
 from epmoe.torch import MoE
+from test_experts_quantised import _stack  # a hand-made checkpoint stack in a format
 
 H, F, E, S = 160, 72, 4, 40  # S: the shared expert's width
-FP8 = torch.float8_e4m3fn
 SHAPES = {"w1": (F, H), "w3": (F, H), "w2": (H, F)}
-
-
-def _stack(fmt, n, rows, cols, g):
-    """A random checkpoint stack [n, rows, cols] in fmt, as load_quantised takes it."""
-    if fmt == "fp8":  # codes below 0x70 (no NaN), either sign
-        c = torch.randint(0, 0x70, (n, rows, cols), generator=g, dtype=torch.uint8)
-        c |= torch.randint(0, 2, c.shape, generator=g, dtype=torch.uint8) << 7
-        s = 1e-3 * (1 + torch.rand(n, (rows + 127) // 128, (cols + 127) // 128, generator=g))
-        return Quantised(fmt, c.view(FP8), s)
-    if fmt == "mxfp4":
-        nb = (cols + 31) // 32
-        return Quantised(fmt, torch.randint(0, 256, (n, rows, nb * 16), generator=g,
-                                            dtype=torch.uint8),
-                         torch.randint(118, 126, (n, rows, nb), generator=g, dtype=torch.uint8))
-    group = 32
-    G = (cols + group - 1) // group
-    q = torch.randint(0, 16, (n, rows, cols), generator=g, dtype=torch.int8)
-    s = 0.01 * (1 + torch.rand(n, rows, G, generator=g))
-    return Quantised(fmt, q, s, -8 * s, None)
 
 
 def _checkpoint(fmt, seed=4):

@@ -31,7 +31,7 @@ def _stack(fmt, n, rows, cols, g):
         return Quantised(fmt, torch.randint(0, 256, (n, rows, nb * 16), generator=g,
                                             dtype=torch.uint8),
                          torch.randint(118, 124, (n, rows, nb), generator=g, dtype=torch.uint8))
-    G = cols // 32
+    G = (cols + 31) // 32
     if fmt == "int8_g32":
         return Quantised(fmt, torch.randint(-127, 128, (n, rows, cols), generator=g,
                                             dtype=torch.int8),
