@@ -22,11 +22,33 @@ def weight_names(module) -> list:
     return kinds + ["shared_" + n for n in kinds if shared]
 
 
-def refuse_again(module, source: str):
-    if getattr(module, "_codes_only", False):
+def refuse_again(module, source: str, values: bool):
+    state = getattr(module, "_codes_only", False)
+    if state is True:
         raise ValueError(f"epmoe: {source}: this module holds its experts as codes only "
                          "already (values=False): it has no parameters to load into; build "
                          "another module")
+    if state == "pending" and values:
+        raise ValueError(f"epmoe: {source}: this MoE was built with values=False: load its "
+                         "codes with load_quantised(tensors, values=False)")
+
+
+def unloaded(module, name: str) -> bool:
+    """Whether `name` is a routed weight matrix of a module built with values=False (left
+    uninitialised, its memory untouched) that no codes replaced yet."""
+    return module._codes_only == "pending" and name.startswith("w")
+
+
+def require_loaded(module):
+    if module._codes_only == "pending":
+        raise RuntimeError("epmoe: this MoE was built with values=False: its routed experts "
+                           "have no weights until load_quantised(tensors, values=False)")
+
+
+def placeholder(*shape) -> torch.Tensor:
+    """A float32 tensor of `shape` with no memory (one element, expanded): what a state dict's
+    dequantised experts are when only their codes are kept."""
+    return torch.zeros((), dtype=torch.float32).expand(*shape)
 
 
 def require_routed(names, given, source: str):

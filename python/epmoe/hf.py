@@ -557,7 +557,7 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
     o = options(family, hf_config, **_nllb_ffn(family, kw, state_dict, prefix))
     # A quantised checkpoint (GPT-OSS's MXFP4 blocks, FP8 with block scales): the parameters
     # take the values, the packed copies the codes as they are (MoE.load_quantised).
-    quantised = checkpoint_tensors(family, state_dict, prefix, o)
+    quantised = checkpoint_tensors(family, state_dict, prefix, o, values)
     if quantised is None and not values:
         raise ValueError(f"epmoe: from_hf_state_dict(values=False): the {family} state dict "
                          f"under {prefix!r} holds no quantised experts (codes only needs them)")
@@ -569,10 +569,10 @@ def from_hf_state_dict(state_dict: Mapping[str, torch.Tensor], hf_config, family
         o["router_bias"] = tensors["router_bias"].tolist()
     if "router_table" in tensors and "router_table" not in kw:  # DeepSeek-V4's tid2eid
         o["router_table"] = tensors["router_table"]
-    moe = MoE(**o)
+    moe = MoE(**o, values=values)  # (values=False: the routed weights never materialised)
     source = f"{family} state_dict" + (f" {prefix!r}" if prefix else "")
     moe.load_logical(tensors, source=source)
-    if quantised is not None and o["pack_weights"] == quantised[0]:
+    if quantised is not None and (not values or o["pack_weights"] == quantised[0]):
         fmt = quantised[0]
         moe.load_quantised({n: Quantised(fmt, c, s) for n, (c, s) in quantised[2].items()},
                            source=source, values=values)

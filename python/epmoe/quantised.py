@@ -345,16 +345,23 @@ def _fp8_halves(scale: torch.Tensor, F: int, key: str):
 
 
 def checkpoint_tensors(family: str, state_dict: Mapping[str, torch.Tensor], prefix: str,
-                       opts: dict) -> Optional[tuple]:
+                       opts: dict, values: bool = True) -> Optional[tuple]:
     """A block's quantised expert tensors in a state dict, or None: (format, the state dict
     with them dequantised under transformers' unquantised names, {name: (codes, scales)}:
     load_quantised's tensors as Quantised(format, codes, scales)).
     GPT-OSS: experts.gate_up_proj_blocks [E, 2F, H / 32, 16] and _scales [E, 2F, H / 32]
     (gate and up rows interleaved), down_proj_blocks / _scales; FP8Experts (DeepSeek-V3 and
     its clones): experts.gate_up_proj [E, 2F, H] float8_e4m3fn and gate_up_proj_scale_inv,
-    down_proj and down_proj_scale_inv, and the shared MLP's FP8 Linear weights."""
+    down_proj and down_proj_scale_inv, and the shared MLP's FP8 Linear weights.
+    values=False: the routed experts' entries are placeholders of no memory (codes only)."""
     H, F, E = opts["hidden"], opts["ffn"], opts["experts"]
     sd = dict(state_dict)
+    from ._codes import placeholder
+
+    def routed(fmt, codes, scales, cols):  # the values, or a placeholder of their shape
+        return (dequantise(fmt, codes, scales, cols) if values
+                else placeholder(*codes.shape[:-1], cols))
+
     key = prefix + "experts.gate_up_proj"
     if family == "gpt_oss" and key + "_blocks" in sd:
         gb, gs = codes_of(sd[key + "_blocks"]), sd[key + "_scales"]
@@ -363,18 +370,19 @@ def checkpoint_tensors(family: str, state_dict: Mapping[str, torch.Tensor], pref
         q = {"w1": (gb[:, 0::2].reshape(E, F, -1), gs[:, 0::2]),
              "w3": (gb[:, 1::2].reshape(E, F, -1), gs[:, 1::2]),
              "w2": (db.reshape(E, H, -1), ds)}
-        sd[key] = dequantise("mxfp4", gb.reshape(E, 2 * F, -1), gs, H).transpose(1, 2)
-        sd[prefix + "experts.down_proj"] = dequantise("mxfp4", db.reshape(E, H, -1), ds,
-                                                      F).transpose(1, 2)
+        sd[key] = routed("mxfp4", gb.reshape(E, 2 * F, -1), gs, H).transpose(1, 2)
+        sd[prefix + "experts.down_proj"] = routed("mxfp4", db.reshape(E, H, -1), ds,
+                                                  F).transpose(1, 2)
         return "mxfp4", sd, q
     if key + "_scale_inv" in sd:
         gu, gsi = codes_of(sd[key]), sd[key + "_scale_inv"]
         s1, s3 = _fp8_halves(gsi, F, key + "_scale_inv")
         down, dsi = codes_of(sd[prefix + "experts.down_proj"]), sd[prefix + "experts.down_proj_scale_inv"]
         q = {"w1": (gu[:, :F], s1), "w3": (gu[:, F:], s3), "w2": (down, dsi)}
-        sd[key] = torch.cat([dequantise("fp8", gu[:, :F], s1, H),
-                             dequantise("fp8", gu[:, F:], s3, H)], 1)
-        sd[prefix + "experts.down_proj"] = dequantise("fp8", down, dsi, F)
+        sd[key] = (torch.cat([dequantise("fp8", gu[:, :F], s1, H),
+                              dequantise("fp8", gu[:, F:], s3, H)], 1) if values
+                   else placeholder(E, 2 * F, H))
+        sd[prefix + "experts.down_proj"] = routed("fp8", down, dsi, F)
         spec = hf_fused.SPECS.get(family)
         if (spec is None or spec.shared in (None, "sibling")
                 or hf_fused._shared_scale(family, opts) != 1.0):
@@ -400,7 +408,7 @@ def load_quantised(moe, tensors: Mapping, source: str = "tensors", values: bool 
     matrices at once). values=False: codes only (epmoe/_codes.py)."""
     from . import _codes
 
-    _codes.refuse_again(moe, source)
+    _codes.refuse_again(moe, source, values)
     if not tensors:
         return
     fmt = one_format(tensors, source)

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from . import _epmoe, _ops
+from . import _codes, _epmoe, _ops
 from . import split as _split
 from ._packing import (DISPATCH_ROWS, _pack_format, _pack_option, _packs, _refuse_training,
                        _viewable)
@@ -107,6 +107,10 @@ class MoE(nn.Module):
     per row, about a quarter of the bytes; the experts compute on the dequantised rows, the
     combine stays float32; docs/wire.md), inference only:
     a forward in training mode raises (call .eval()).
+
+    values=False: the routed experts' weight matrices are left uninitialised (their memory
+    untouched, so not resident) for load_quantised(tensors, values=False) to replace by codes;
+    a forward before that raises (docs/quantisation.md, "Codes only").
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
@@ -125,7 +129,8 @@ class MoE(nn.Module):
                  max_tokens: int = 4096, max_recv_rows: int = 0, recompute: bool = False,
                  fuse_grad_accumulation: bool = False, pack_weights: Union[bool, str] = "auto",
                  exchange_timeout: float = 600.0, dispatch_rows: str = "activations",
-                 group=None, exchange_group=None, ranks: Optional[int] = None):
+                 group=None, exchange_group=None, ranks: Optional[int] = None,
+                 values: bool = True):
         super().__init__()
         self._key = _ops.register(self)  # (first: it imports torch._dynamo, before any collective)
         R = _check_sizes(hidden, ffn, experts, top_k, max_tokens, expert, group, exchange_group,
@@ -201,6 +206,7 @@ class MoE(nn.Module):
         if output_bias:
             self.output_bias = nn.Parameter(torch.empty(hidden))
         self._param_names = [name for name, _ in self.named_parameters(recurse=False)]
+        self._codes_only = False if values else "pending"  # True: codes only (epmoe/_codes.py)
         self.reset_parameters()
         self.fuse_grad_accumulation = bool(fuse_grad_accumulation)
         self._grad_cache = {}  # fused: the p.grad buffers this module lends
@@ -219,7 +225,6 @@ class MoE(nn.Module):
         self._pack = _pack_option(pack_weights)
         self._packed_versions = None  # packed at the first forward that packs
         self._given = None  # load_quantised: ({(name, expert): Quantised}, versions after)
-        self._codes_only = False  # load_quantised(values=False): no expert weight parameters
 
     @property
     def packed(self) -> bool:
@@ -303,6 +308,8 @@ class MoE(nn.Module):
         generator seed on every rank (the gate is replicated) or load a state dict."""
         for name in self._param_names:
             p = getattr(self, name)
+            if _codes.unloaded(self, name):
+                continue
             if name in ("output_bias", "gate_bias") or name.endswith(("b1", "b2", "b3")):
                 p.zero_()
             else:
@@ -318,6 +325,8 @@ class MoE(nn.Module):
         and a wrong shape ValueError, each naming the key, before anything is copied."""
         planned = []
         for name in self._param_names:
+            if _codes.unloaded(self, name):  # (values=False: the codes come later)
+                continue
             if name not in tensors:
                 raise KeyError(f"epmoe: {source}: no tensor for {name!r} (this MoE needs "
                                f"{', '.join(self._param_names)})")
@@ -515,6 +524,7 @@ class MoE(nn.Module):
     def _prepare(self):
         """Before a pass: the layer reads the parameters there are now, packed as the mode
         says (again after an optimizer step changed them in place)."""
+        _codes.require_loaded(self)
         if self._pointers() != self._bound:  # a parameter was replaced (load_state_dict(assign), .to())
             self._layer.rebind(self._rank_weights())
             self._bound = self._pointers()

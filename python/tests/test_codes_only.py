@@ -202,3 +202,40 @@ def test_experts_codes_only_equals_experts_given_values(fmt, ranks):
     with pytest.raises(ValueError, match="gpt_oss layout's biases are read as values"):
         gpt.load_quantised({"gate_up_proj": _stack("mxfp4", E, 2 * F, H, g),
                             "down_proj": _stack("mxfp4", E, H, F, g)})
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS")
+
+
+def test_a_module_built_without_values_never_materialises_its_routed_experts():
+    """MoE(..., values=False): the routed weights are left untouched (not resident: 200 MiB of
+    float32 here) until load_quantised(values=False) replaces them by codes."""
+    h, f, e = 1024, 2048, 8
+    MoE(64, 32, 8, 2, ranks=1)  # (a first module's imports, not counted)
+    before = _resident_mib()
+    moe = MoE(h, f, e, 2, ranks=2, max_tokens=8, values=False, shared_experts=1,
+              shared_ffn=64).eval()
+    assert _resident_mib() - before < 48  # not the 192 MiB of routed float32 weights
+    before = _resident_mib()
+    held = MoE(h, f, e, 2, ranks=2, max_tokens=8)  # the control: they are resident there
+    assert _resident_mib() - before > 150
+    del held
+    assert torch.isfinite(moe.shared_w1).all()  # (the shared expert: initialised as usual)
+    x = torch.randn(3, h)
+    with pytest.raises(RuntimeError, match="built with values=False"):
+        moe(x)
+    g = torch.Generator().manual_seed(3)
+    ckpt = {n: _stack("int4_asym_g32", e, *s, g)
+            for n, s in (("w1", (f, h)), ("w3", (f, h)), ("w2", (h, f)))}
+    with pytest.raises(ValueError, match="built with values=False"):
+        moe.load_quantised(ckpt)
+    moe.load_logical({"gate": torch.zeros(e, h), "shared_w1": torch.zeros(1, 64, h),
+                      "shared_w3": torch.zeros(1, 64, h), "shared_w2": torch.zeros(1, h, 64)})
+    moe.load_quantised(ckpt, values=False)
+    assert _names(moe) == {"gate", "shared_w1", "shared_w3", "shared_w2"}
+    assert _forward(moe, x).shape == (3, h)

@@ -232,6 +232,12 @@ def test_from_hf_deepseek_v3_with_fp8_experts():
     routed = dequantise("fp8", block.experts.down_proj.detach(),
                         block.experts.down_proj_scale_inv.detach(), 128)
     assert torch.equal(moe.w2.detach(), routed[moe.expert_ids])
+    # Codes only: the routed experts never materialised in float32, the same outputs; the
+    # shared expert's FP8 weights are codes too.
+    codes = hf.from_hf(block, ranks=2, values=False).eval()
+    assert {n for n, _ in codes.named_parameters()} == {"gate"}
+    with torch.no_grad():
+        assert torch.equal(codes(x.reshape(-1, 256))[0], y)
 
 
 def test_from_hf_state_dict_gpt_oss_mxfp4_blocks():
@@ -273,7 +279,14 @@ def test_from_hf_state_dict_gpt_oss_mxfp4_blocks():
         y, _ = moe(x)
     assert moe.packed
     assert rel(y, want) < TOKENS
-    # Codes only (values=False): the same outputs, no float32 weights; the biases stay values.
+    # Codes only (values=False): the experts' entries are placeholders of no memory (the block
+    # is never dequantised), the same outputs, no float32 weights; the biases stay values.
+    from epmoe.quantised import checkpoint_tensors
+
+    o = hf.options("gpt_oss", c)
+    kept = checkpoint_tensors("gpt_oss", sd, "", o, values=False)[1]
+    for k in ("experts.gate_up_proj", "experts.down_proj"):
+        assert kept[k].untyped_storage().nbytes() == 4, k  # (one float, expanded)
     codes = hf.from_hf_state_dict(sd, c, "gpt_oss", ranks=2, values=False).eval()
     assert {n for n, _ in codes.named_parameters()} == {"gate", "gate_bias", "b1", "b3", "b2"}
     with torch.no_grad():
