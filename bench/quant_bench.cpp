@@ -231,8 +231,11 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   for (float& v : x0) v = u(rng);
   std::vector<float> flush_buffer(flush_floats(64), 1.f);
   volatile float sink = 0;
-  std::printf("%s: bf16 against fp8_block and mxfp4 (kernel %s)\n", s.note,
-              sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())));
+  std::printf("%s: bf16 against fp8_block and mxfp4 (kernel %s; mxfp4 %s)\n", s.note,
+              sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())),
+              sp::mxfp4_w4a8(space0.kernel_path())
+                  ? "AVX512-VNNI W4A8"
+                  : sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())));
   std::printf("%6s %6s %6s | %9s %9s %9s | %8s %8s | %8s %8s %8s | %6s %6s %6s\n", "T", "active",
               "GB/s", "bf16 ms", "fp8 ms", "mxfp4 ms", "bf16/fp8", "bf16/mx4", "fp8 MB", "roof8 ms",
               "roof4 ms", "%roof16", "%roof8", "%roof4");

@@ -1,6 +1,6 @@
 # SPDX-FileCopyrightText: 2026 The epmoe authors
 # SPDX-License-Identifier: Apache-2.0
-"""Codes only (docs/quantisation.md, "Codes only"): a module serving a quantised checkpoint
+"""Codes only (docs/codes-only.md): a module serving a quantised checkpoint
 keeps the packed codes as the only copy of its expert weights. The layer reads views of
 address space with no memory behind it (C++ space::unbacked_tensors) and its packed copies
 hold the codes; the module's float32 copies of the matrices given are dropped (4 bytes a

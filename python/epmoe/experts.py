@@ -241,7 +241,7 @@ class Experts(nn.Module):
         the same, unchanged params read the checkpoint's values; once they change (an
         optimizer step, an in-place write) their values are packed again. A wrong name, shape,
         dtype, format or value raises before anything is written.
-        Without params: codes only (docs/quantisation.md, "Codes only"): the layer's packed
+        Without params: codes only (docs/codes-only.md): the layer's packed
         codes are the only copy of the weights and forwards are given no tensors (inference
         only; not the gpt_oss layout, whose biases are values); a later forward given tensors
         reads their values instead."""

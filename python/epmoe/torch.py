@@ -110,7 +110,7 @@ class MoE(nn.Module):
 
     values=False: the routed experts' weight matrices are left uninitialised (their memory
     untouched, so not resident) for load_quantised(tensors, values=False) to replace by codes;
-    a forward before that raises (docs/quantisation.md, "Codes only").
+    a forward before that raises (docs/codes-only.md).
     """
 
     def __init__(self, hidden: int, ffn: int, experts: int, top_k: int, *,
@@ -259,7 +259,7 @@ class MoE(nn.Module):
         time: every expert held here); the module then packs as that format. A wrong name, shape, dtype or format raises ValueError (KeyError:
         an fp8 / mxfp4 name that is no expert tensor); a NaN code or scale, ValueError from the
         layer. A later change of the parameters packs their values again (quantising them).
-        values=False: codes only, for serving (docs/quantisation.md, "Codes only"): every
+        values=False: codes only, for serving (docs/codes-only.md): every
         expert weight matrix given, the packed codes become the only copy and the expert
         weight parameters are dropped (biases stay); inference only, once per module."""
         from .quantised import load_quantised

@@ -243,6 +243,66 @@ TEMPLATE_TEST_CASE("minifloat gemm: zero, ±max and tiny blocks, zero rows, long
   CHECK(cells == index_t(kernels_here().size()) * M * N);
 }
 
+TEST_CASE("mxfp4 W4A8 (AVX512-VNNI): the definition over the tokens quantised per row") {
+  // Twice an E2M1 value is an integer: int8 dot products per block of 32, exact, times the
+  // block's scale / 2 and the row's (reference::int8_token: the W8A8 rows' rounding), summed
+  // in fp32: |c - want| <= (K + 4) u Σ|a8 w| as the other kernels'.
+  if (!epmoe::space::mxfp4_w4a8(epmoe::space::cpu_path::avx512)) {
+    WARN("no AVX512-VNNI with VBMI here: the W4A8 kernel is not run");
+    return;
+  }
+  index_t cells = 0;
+  for (index_t M : {1, 2, 5, 7, 13, 64})
+    for (index_t N : {1, 17, 33, 130})
+      for (index_t K : {1, 3, 31, 33, 64, 129, 257, 4099}) {
+        CAPTURE(M, N, K);
+        auto a = test::uniform(std::size_t(M * K), 7 + M + K);
+        auto b = test::uniform(std::size_t(N * K), 9 + N + K);
+        for (std::size_t i = 0; i < b.size(); i += 7) b[i] *= 1e-3f;  // subnormal codes
+        if (N > 1)
+          for (index_t k = 0; k < K; ++k) b[std::size_t(K + k)] = k % 2 ? -3e4f : 3e4f;  // ±max
+        const index_t ldc = N + 3;
+        const epmoe::space::packed_nt packed({b.data(), N, K}, weights_format::mxfp4);
+        const auto w = ref::mxfp4::quantise({b.data(), N, K});
+        std::vector<float> c(std::size_t(M * ldc), nan_f);
+        epmoe::space::gemm_nt_mxfp4_w4a8({a.data(), M, K}, packed, {c.data(), M, N, ldc});
+        for (index_t i = 0; i < M; ++i) {
+          const auto t = ref::int8_token(a.data() + i * K, K);
+          for (index_t j = 0; j < ldc; ++j) {
+            const float got = c[std::size_t(i * ldc + j)];
+            if (j >= N) {
+              CHECK(std::isnan(got));  // the padding columns untouched
+              continue;
+            }
+            double want = 0, mag = 0;
+            for (index_t k = 0; k < K; ++k) {
+              want += t[std::size_t(k)] * w.value(j, k);
+              mag += std::abs(t[std::size_t(k)] * w.value(j, k));
+            }
+            CAPTURE(i, j, got, want);
+            CHECK(std::abs(got - want) <= (K + 4) * 0x1p-24 * mag);  // false for NaN
+            ++cells;
+          }
+        }
+      }
+  CHECK(cells == (1 + 2 + 5 + 7 + 13 + 64) * (1 + 17 + 33 + 130) * 8);  // Σ M x Σ N x Ks
+  // Activations: a row holding NaN or Inf is all NaN (int8_token's rule), the others clean.
+  const index_t N = 20, K = 45;
+  const auto b = test::uniform(std::size_t(N * K), 31);
+  const epmoe::space::packed_nt packed({b.data(), N, K}, weights_format::mxfp4);
+  for (float bad : {nan_f, std::numeric_limits<float>::infinity()}) {
+    auto a = test::uniform(std::size_t(3 * K), 32);
+    std::vector<float> c(std::size_t(3 * N), 0.f), clean(c.size(), 0.f);
+    epmoe::space::gemm_nt_mxfp4_w4a8({a.data(), 3, K}, packed, {clean.data(), 3, N});
+    a[std::size_t(K + 2)] = bad;
+    epmoe::space::gemm_nt_mxfp4_w4a8({a.data(), 3, K}, packed, {c.data(), 3, N});
+    for (index_t j = 0; j < N; ++j) {
+      CHECK(std::isnan(c[std::size_t(N + j)]));
+      for (index_t i : {0, 2}) CHECK(c[std::size_t(i * N + j)] == clean[std::size_t(i * N + j)]);
+    }
+  }
+}
+
 TEST_CASE("minifloat: NaN and Inf (weights refused at pack time, activations spread per row)") {
   const index_t N = 20, K = 9;
   auto b = test::uniform(std::size_t(N * K), 31);

@@ -86,14 +86,23 @@ double weight_rounding(const weights_format& format, const std::vector<float>& w
 // 2^-7 / sqrt(12) |x| (0 on the fp32 kernels, which read the tokens as they are).
 double token_rounding(bool bf16) { return bf16 ? std::ldexp(1.0, -7) / std::sqrt(12.0) : 0; }
 
+// mxfp4 as W4A8 (AVX512-VNNI: space::mxfp4_w4a8) quantises each token to int8 per row, as the
+// group-wise formats' W4A8 (test_layer_int4.cpp): at most sqrt(K) / (127 sqrt(12)) of a
+// projection's output, whatever the row. Else the bf16 tokens' rounding above.
+double token_rounding(const weights_format& f, cpu_path path, index_t K) {
+  if (f == weights_format::mxfp4 && space::mxfp4_w4a8(path))
+    return std::sqrt(double(K)) / (127 * std::sqrt(12.0));
+  return token_rounding(space::minifloat_kernel_for(path) == space::minifloat_kernel::avx512_bf16);
+}
+
 // The layer's relative rms error bound, as the int8 test's: the projections' errors e1 (gate),
 // e3 (up), e2 (down), each sqrt(weight² + token²); the gate's passes silu with a gain <= 2;
 // independent errors add in quadrature; x3: a first-order, statistical estimate's margin.
 double layer_bound(const weights_format& f, const layer_config& cfg,
-                   const reference::full_weights& w, bool bf16) {
+                   const reference::full_weights& w, cpu_path path) {
   const index_t H = cfg.hidden, F = cfg.ffn, Fs = cfg.shared_ffn, E = cfg.experts;
   const index_t N = cfg.shared_experts;
-  const double t = token_rounding(bf16);
+  const double t = token_rounding(f, path, std::max(H, std::max(F, Fs)));
   const auto e = [&](double rw) { return std::sqrt(rw * rw + t * t); };
   const auto layer = [&](double e1, double e3, double e2) {
     return 3 * std::sqrt(4 * e1 * e1 + e3 * e3 + e2 * e2);
@@ -121,7 +130,6 @@ template <cpu_path Path, const weights_format& Format>
 int check_path() {
   if (!space::cpu_runs(Path)) return 0;
   using P = minifloat_policies<host_on<Path>, Format>;
-  const bool bf16 = space::minifloat_kernel_for(Path) == space::minifloat_kernel::avx512_bf16;
   int runs = 0;
   for (int R : {1, 2, 4})
     for (index_t T : {1, 7, 61, 200}) {
@@ -137,8 +145,11 @@ int check_path() {
       const auto g = test::make_tokens(std::vector<index_t>(R, T), cfg.hidden, 5 * R + T);
       const auto got = test::run_layer<P>(cfg, w, g);
       const auto want = test::run_reference<P>(cfg, w, g);
-      const double err = rms_error(got.y, want), bound = layer_bound(Format, cfg, w, bf16);
-      INFO(Format.name() << " on " << space::name_of(space::minifloat_kernel_for(Path))
+      const double err = rms_error(got.y, want), bound = layer_bound(Format, cfg, w, Path);
+      INFO(Format.name() << " on "
+                         << (Format == weights_format::mxfp4 && space::mxfp4_w4a8(Path)
+                                 ? "AVX512-VNNI W4A8"
+                                 : space::name_of(space::minifloat_kernel_for(Path)))
                          << " R=" << R << " T=" << T << " error " << err << " bound " << bound);
       CHECK(err <= bound);
       CHECK(err >= bound / 100);  // the rounding shows: the format did run
@@ -230,9 +241,8 @@ TEST_CASE("minifloat layer: a checkpoint's tensors loaded as they are, forward o
     });
     CHECK(loads == 3 * E);
     const std::vector<float> loaded = run();
-    const bool bf16 =
-        space::minifloat_kernel_for(space::best_cpu_path()) == space::minifloat_kernel::avx512_bf16;
-    const double tokens = 3 * std::sqrt(6.0) * std::max(token_rounding(bf16), 1e-6);
+    const double tokens =
+        3 * std::sqrt(6.0) * std::max(token_rounding(*f, space::best_cpu_path(), H), 1e-6);
     const double err = rms_error(loaded, want);
     INFO("loaded error " << err << ", the tokens' bound " << tokens);
     CHECK(err <= tokens);

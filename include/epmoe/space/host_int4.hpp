@@ -118,12 +118,15 @@ inline index_t group_input_words(weights_format f, index_t K) {
 
 /// The rows of a quantised per token (quantise_u8_row's scale and rounding) for the VNNI
 /// kernel: row i at out + i * stride: its int8 quads (zero past K), then per group the int32
-/// its sum starts at, -z Σ qx (z = 8: int4, 128: int8_group), or for int4_asym Σ qx as fp32
-/// bits; its scale at scales[i].
+/// its sum starts at, -z Σ qx (z = 8: int4, 128: int8_group, 12: mxfp4 as W4A8), or for
+/// int4_asym Σ qx as fp32 bits; its scale at scales[i].
 inline void quantise_group_rows(matrix_view<const float> a, weights_format f, std::uint32_t* out,
                                 index_t stride, float* scales, int8_kernel kernel) {
   const index_t G = group_count(f, a.cols), per = f.group / 4, words = G * per;
-  const std::int32_t z = f.id == wkind::int4 ? 8 : f.id == wkind::int8_group ? 128 : 0;
+  const std::int32_t z = f.id == wkind::int4         ? 8
+                         : f.id == wkind::int8_group ? 128
+                         : f.id == wkind::mxfp4      ? 12  // (host_mxfp4_vnni.hpp's 2 e2m1 + 12)
+                                                     : 0;
   for (index_t i = 0; i < a.rows; ++i) {
     std::uint32_t* o = out + i * stride;
     quantise_u8_rows(a.rows_slice(i, 1), o, words, scales + i, kernel);

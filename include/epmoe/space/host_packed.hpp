@@ -28,6 +28,7 @@
 #include "epmoe/space/host_int4.hpp"
 #include "epmoe/space/host_int8.hpp"
 #include "epmoe/space/host_mxfp4.hpp"
+#include "epmoe/space/host_mxfp4_vnni.hpp"
 #include "epmoe/space/host_packed_kernels.hpp"
 
 namespace epmoe::space {
@@ -382,19 +383,24 @@ inline void gemm_nt_group_panels(matrix_view<const float> a, converted_rows a8, 
   }
 }
 
-// The same for fp8_block and mxfp4 panels with `kernel` (a16: a as bf16 pairs, avx512_bf16).
+// The same for fp8_block and mxfp4 panels with `kernel` (a16: a as bf16 pairs, avx512_bf16),
+// or mxfp4 as W4A8 (w4a8: a16 the rows quantised per token, quantise_group_rows).
 inline void gemm_nt_minifloat_panels(matrix_view<const float> a, converted_rows a16,
                                      const packed_nt& b, matrix_view<float> c, index_t p0,
-                                     index_t p1, minifloat_kernel kernel) {
+                                     index_t p1, minifloat_kernel kernel, bool w4a8) {
   const index_t K = b.cols(), N = b.rows(), chunk = packed_row_chunk(K);
   const auto panel = b.precision() == weights_format::fp8_block ? fp8_panel : mxfp4_panel;
   for (index_t i0 = 0; i0 < a.rows; i0 += chunk) {
-    const matrix_view<const float> ai = a.rows_slice(i0, std::min(chunk, a.rows - i0));
-    const converted_rows ai16{a16.data ? a16.data + i0 * a16.stride : nullptr, a16.stride};
+    const index_t n = std::min(chunk, a.rows - i0);
+    const matrix_view<const float> ai = a.rows_slice(i0, n);
+    const converted_rows ai16{a16.data ? a16.data + i0 * a16.stride : nullptr, a16.stride,
+                              a16.scales ? a16.scales + i0 : nullptr};
     for (index_t p = p0; p < p1; ++p) {
-      const index_t j0 = p * packed_nt::panel_cols;
-      panel(ai, ai16, b.panel<std::byte>(p), K, c.row(i0) + j0, c.stride,
-            std::min(packed_nt::panel_cols, N - j0), kernel);
+      const index_t j0 = p * packed_nt::panel_cols, cols = std::min(packed_nt::panel_cols, N - j0);
+      if (w4a8)
+        mxfp4_panel_vnni(ai16, n, b.panel<std::byte>(p), K, c.row(i0) + j0, c.stride, cols);
+      else
+        panel(ai, ai16, b.panel<std::byte>(p), K, c.row(i0) + j0, c.stride, cols, kernel);
     }
   }
 }
@@ -414,6 +420,7 @@ inline bool packed_reads_bf16_pairs(const packed_nt& b, cpu_path path) {
 /// converted on `path` (converted_rows: bf16 pairs, u8 quads); 0 when it reads a itself.
 inline index_t packed_input_words(weights_format as, index_t K, cpu_path path) {
   if (as == weights_format::bf16 && path == cpu_path::avx512_bf16) return (K + 1) / 2;
+  if (as == weights_format::mxfp4 && mxfp4_w4a8(path)) return group_input_words(as, K);
   if (is_minifloat(as) && minifloat_kernel_for(path) == minifloat_kernel::avx512_bf16)
     return (K + 1) / 2;
   if (as == weights_format::int8_channel && int8_kernel_for(path) == int8_kernel::avx512_vnni)
@@ -427,7 +434,7 @@ inline index_t packed_input_words(weights_format as, index_t K, cpu_path path) {
 /// into out (row stride `stride` words) and, for u8 quads, one scale per row into scales.
 inline void convert_inputs(matrix_view<const float> a, const packed_nt& b, cpu_path path,
                            std::uint32_t* out, index_t stride, float* scales) {
-  if (b.precision().grouped())
+  if (b.precision().grouped() || (b.precision() == weights_format::mxfp4 && mxfp4_w4a8(path)))
     quantise_group_rows(a, b.precision(), out, stride, scales, int8_kernel_for(path));
   else if (b.precision() == weights_format::int8_channel)
     quantise_u8_rows(a, out, stride, scales, int8_kernel_for(path));
@@ -451,7 +458,8 @@ inline void gemm_nt_packed(matrix_view<const float> a, converted_rows a16, const
   else if (b.precision() == weights_format::int8_channel)
     detail::gemm_nt_int8_panels(a, a16, b, c, p0, p1, int8_kernel_for(path));
   else if (is_minifloat(b.precision()))
-    detail::gemm_nt_minifloat_panels(a, a16, b, c, p0, p1, minifloat_kernel_for(path));
+    detail::gemm_nt_minifloat_panels(a, a16, b, c, p0, p1, minifloat_kernel_for(path),
+                                     b.precision() == weights_format::mxfp4 && mxfp4_w4a8(path));
   else if (b.precision() == weights_format::bf16)
     detail::gemm_nt_panels<std::uint16_t>(a, a16, b, c, p0, p1, path);
   else
@@ -528,7 +536,19 @@ inline void gemm_nt_minifloat(matrix_view<const float> a, const packed_nt& b, ma
     words.resize(static_cast<std::size_t>(a.rows * w));
     to_bf16_pairs(a, words.data(), w, cpu_path::avx512_bf16);
   }
-  detail::gemm_nt_minifloat_panels(a, {words.data(), w}, b, c, 0, b.panels(), kernel);
+  detail::gemm_nt_minifloat_panels(a, {words.data(), w}, b, c, 0, b.panels(), kernel, false);
+}
+
+/// mxfp4 panels as W4A8 (mxfp4_w4a8 must hold), a quantised per token (tests, benchmarks).
+inline void gemm_nt_mxfp4_w4a8(matrix_view<const float> a, const packed_nt& b,
+                               matrix_view<float> c) {
+  const index_t w = group_input_words(weights_format::mxfp4, b.cols());
+  std::vector<std::uint32_t> words(static_cast<std::size_t>(a.rows * w));
+  std::vector<float> scales(static_cast<std::size_t>(a.rows));
+  quantise_group_rows(a, weights_format::mxfp4, words.data(), w, scales.data(),
+                      int8_kernel::avx512_vnni);
+  detail::gemm_nt_minifloat_panels(a, {words.data(), w, scales.data()}, b, c, 0, b.panels(),
+                                   minifloat_kernel::portable, true);
 }
 
 }  // namespace epmoe::space
