@@ -20,7 +20,6 @@ from . import _epmoe, _ops
 from ._ranks import EXPERT_TENSORS, _check_sizes, _exchange_group, _placement_table
 from ._packing import _pack_format, _pack_option, _packs, _refuse_training, _viewable
 from .quantised import FORMATS as _MINIFLOAT
-from . import _codes
 from .quantised import Quantised, check_grouped, codes_of, give, layer_rows, one_format
 from .quantised import split_gate_up
 from .quantised import _check as check_minifloat

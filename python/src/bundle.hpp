@@ -259,7 +259,7 @@ class layer_of final : public any_layer {
     return views<typename layer::weights, typename layer::expert_weights>(w, "weights");
   }
 
-  layer_args args_;  // the router's bias points into it
+  layer_args args_;                   // the router's bias points into it
   rank_weights bound_;                // the caller's views (load_quantised's biases)
   space::unbacked_tensors unbacked_;  // codes only: the views of the experts (before layer_)
   std::vector<char> coded_;           // codes only: which expert tensors' views are unbacked

@@ -60,7 +60,7 @@ struct split_stages : forward_stages<L> {
   /// round: every rank throws in finish instead, and nothing is written).
   template <class Check>
   static split_handle start_pass(L& l, matrix_view<const value_type> x, matrix_view<value_type> y,
-                            std::span<const std::int64_t> token_ids, Check&& check) {
+                                 std::span<const std::int64_t> token_ids, Check&& check) {
     l.life_.usable();
     l.split_.idle("start");
     auto& pass = l.pass_;
