@@ -57,8 +57,10 @@ def parse_quant_bench(text, H, F):
     for line in text.splitlines():
         if "group-wise formats," in line:
             path["group"] = line.split("group-wise formats, ", 1)[1]
-        if "against fp8_block and mxfp4 (kernel" in line:
-            path["minifloat"] = line.split("(kernel ", 1)[1][:-1]
+        if "against fp8_block and mxfp4 (kernel" in line:  # "(kernel K; mxfp4 M)" or "(kernel K)"
+            kernels = line.split("(kernel ", 1)[1][:-1]
+            path["fp8"], _, mx = kernels.partition("; mxfp4 ")
+            path["mxfp4"] = mx or path["fp8"]
         if line.lstrip().startswith("T active"):
             table = "main" if "fp32 ms" in line else "group" if "format" in line else "mini"
             continue
@@ -78,9 +80,9 @@ def parse_quant_bench(text, H, F):
             if fmt != "bf16" and not fmt.endswith("_ao"):  # (act order: no anchor has it)
                 rec(fmt, parts[1][1], float(parts[1][3]) * 1e6, path.get("group", ""))
         else:
-            rec("fp8_block", parts[1][1], float(parts[3][0]) * 1e6, path.get("minifloat", ""))
+            rec("fp8_block", parts[1][1], float(parts[3][0]) * 1e6, path.get("fp8", ""))
             # MXFP4: half a byte a weight and one e8m0 byte per 32 (quantisation.md)
-            rec("mxfp4", parts[1][2], dense * (0.5 + 1 / 32), path.get("minifloat", ""))
+            rec("mxfp4", parts[1][2], dense * (0.5 + 1 / 32), path.get("mxfp4", ""))
     return out
 
 
