@@ -28,8 +28,9 @@ constexpr float nan_f = std::numeric_limits<float>::quiet_NaN();
 
 std::vector<minifloat_kernel> kernels_here() {
   std::vector<minifloat_kernel> out;
-  for (minifloat_kernel k : {minifloat_kernel::portable, minifloat_kernel::avx2,
-                             minifloat_kernel::avx512, minifloat_kernel::avx512_bf16})
+  for (minifloat_kernel k :
+       {minifloat_kernel::portable, minifloat_kernel::avx2, minifloat_kernel::avx512,
+        minifloat_kernel::avx512_vbmi, minifloat_kernel::avx512_bf16})
     if (epmoe::space::cpu_runs(k)) out.push_back(k);
   return out;
 }
@@ -207,6 +208,10 @@ TEMPLATE_TEST_CASE("minifloat gemm: every kernel this CPU runs equals the defini
                                   << name_of(epmoe::space::minifloat_kernel_for(
                                          epmoe::space::best_cpu_path())));
   CHECK(epmoe::space::cpu_runs(epmoe::space::minifloat_kernel_for(epmoe::space::best_cpu_path())));
+  // The best path picks the best kernel the CPU runs (kernels_here: best last).
+  CHECK(epmoe::space::minifloat_kernel_for(epmoe::space::best_cpu_path()) == kernels.back());
+  CHECK(epmoe::space::minifloat_kernel_for(epmoe::space::cpu_path::portable) ==
+        minifloat_kernel::portable);
 }
 
 TEMPLATE_TEST_CASE("minifloat gemm: zero, ±max and tiny blocks, zero rows, long sums", "", fp8_case,

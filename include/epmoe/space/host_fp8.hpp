@@ -5,10 +5,11 @@
 // weights_format::fp8_block on the host (docs/quantisation.md): FP8 e4m3fn weights with one
 // fp32 scale per 128 x 128 block (w = fp8 * scale_inv, as DeepSeek-V3's checkpoints), how a
 // packed_nt panel holds them, the quantisation from fp32, and the micro-kernels, chosen at
-// run time (minifloat_kernel): on AVX512-BF16 (+VBMI) each fp8 byte becomes bf16 in registers
-// (two 128-entry byte lookups, vpermi2b) for dot products with the tokens as bf16 pairs, the
-// block's scale applied to the block's fp32 sums; elsewhere fp8 -> fp16 by shifts -> fp32
-// (vcvtph2ps, exact for subnormals whatever MXCSR says), times the scale, fp32 FMA.
+// run time (minifloat_kernel): with VBMI each fp8 byte becomes bf16 in registers (two
+// 128-entry byte lookups, vpermi2b), for dot products with the tokens as bf16 pairs on
+// AVX512-BF16, else widened to fp32 by a shift or a mask for fp32 FMAs; the block's scale
+// applied to the block's fp32 sums. Elsewhere fp8 -> fp16 by shifts -> fp32 (vcvtph2ps,
+// exact for subnormals whatever MXCSR says), times the scale, fp32 FMA.
 //
 // A panel of 32 output columns (one 128-row block: the panels start at multiples of 32):
 // ceil(K / 2) pairs of 64 bytes, pair p holding column j's inputs 2p and 2p + 1 at
@@ -27,50 +28,10 @@
 
 #include "epmoe/core/error.hpp"
 #include "epmoe/core/view.hpp"
+#include "epmoe/space/host_minifloat_kernels.hpp"
 #include "epmoe/space/host_packed_kernels.hpp"
 
 namespace epmoe::space {
-
-/// The kernels of the minifloat formats (fp8_block, mxfp4), best last: weights converted to
-/// fp32 in registers and multiplied with fp32 tokens (portable, AVX2+FMA+F16C, AVX-512), or
-/// to bf16 and multiplied with the tokens as bf16 pairs (AVX512-BF16 with VBMI).
-enum class minifloat_kernel { portable, avx2, avx512, avx512_bf16 };
-
-inline const char* name_of(minifloat_kernel k) {
-  switch (k) {
-    case minifloat_kernel::avx512_bf16:
-      return "AVX512-BF16 (bf16 dot products)";
-    case minifloat_kernel::avx512:
-      return "AVX-512 (fp32 FMA)";
-    case minifloat_kernel::avx2:
-      return "AVX2+FMA (fp32 FMA)";
-    default:
-      return "portable (fp32)";
-  }
-}
-
-inline bool cpu_runs(minifloat_kernel k) {
-#if defined(EPMOE_HOST_PACKED_X86)
-  if (k == minifloat_kernel::avx512_bf16) {  // (asked once: every GEMM chooses its kernel)
-    static const bool bf16 =
-        __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
-    return bf16;
-  }
-  if (k == minifloat_kernel::avx512)
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  if (k == minifloat_kernel::avx2)
-    return cpu_runs(cpu_path::avx2) && __builtin_cpu_supports("f16c");
-#endif
-  return k == minifloat_kernel::portable;
-}
-
-/// The minifloat kernel of a float path (the best one below it that the CPU runs).
-inline minifloat_kernel minifloat_kernel_for(cpu_path p) {
-  for (int k = static_cast<int>(p); k > 0; --k)
-    if (cpu_runs(static_cast<minifloat_kernel>(k))) return static_cast<minifloat_kernel>(k);
-  return minifloat_kernel::portable;
-}
 
 /// e4m3fn bits -> fp32, exactly: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
 /// is subnormal (m * 2^-9); 0x7f and 0xff are NaN (the format has no infinity).
@@ -338,7 +299,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void fp8_panel_avx2(matrix_view<
   if (cols > 16) half.template operator()<1>();
 }
 
-// AVX512-BF16: the bf16 bits of e4m3fn magnitude m (0..127) as two byte tables of 128
+// AVX512-VBMI: the bf16 bits of e4m3fn magnitude m (0..127) as two byte tables of 128
 // entries (hi: sign clear; lo), looked up with vpermi2b (index bits 0..6; bit 7, the sign,
 // is ORed into the high byte).
 inline constexpr auto fp8_bf16_bytes = [] {
@@ -350,74 +311,6 @@ inline constexpr auto fp8_bf16_bytes = [] {
   }
   return t;
 }();
-
-// Bytes ahead of the pair in use that the bf16 kernels prefetch: the few instructions per
-// byte leave the hardware prefetcher behind (a pass read 15-25% of the bandwidth without).
-#ifndef EPMOE_MINIFLOAT_PREFETCH
-#define EPMOE_MINIFLOAT_PREFETCH 1024
-#endif
-inline constexpr index_t minifloat_prefetch = EPMOE_MINIFLOAT_PREFETCH;
-
-// MR rows (<= 8) of bf16 pairs x 32 columns of a minifloat panel whose scales change every
-// Block pairs: per pair, convert(p, w0, w1) makes its bf16 pairs (columns 0..15, 16..31),
-// then 2 MR dot products; per block the sums times convert.scales(block) (one per column) are
-// added to the totals, in registers (a masked store read back by the next block would wait
-// for the store to retire, and with it every load from memory before it). Few rows keep U
-// sums per accumulator, pairs taken in turn, so that 8 or more dot products are in flight.
-template <int MR, index_t Block, class Convert>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void minifloat_rows_bf16(
-    const std::uint32_t* a, index_t lda, const Convert& convert, index_t K, float* c, index_t ldc,
-    __mmask16 m0, __mmask16 m1) {
-  constexpr int U = MR == 1 ? 4 : MR <= 3 ? 2 : 1;
-  const index_t pairs = (K + 1) / 2;
-  __m512 tlo[MR], thi[MR];
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) tlo[i] = thi[i] = _mm512_setzero_ps();
-  for (index_t p0 = 0; p0 < pairs; p0 += Block) {
-    __m512 lo[U][MR], hi[U][MR];
-    EPMOE_PACKED_UNROLL
-    for (int u = 0; u < U; ++u) {
-      EPMOE_PACKED_UNROLL
-      for (int i = 0; i < MR; ++i) lo[u][i] = hi[u][i] = _mm512_setzero_ps();
-    }
-    const index_t p1 = std::min(pairs, p0 + Block);
-    index_t p = p0;
-    for (; p + U <= p1; p += U) {
-      EPMOE_PACKED_UNROLL
-      for (int u = 0; u < U; ++u) {
-        __m512bh w0, w1;
-        convert(p + u, w0, w1);
-        EPMOE_PACKED_UNROLL
-        for (int i = 0; i < MR; ++i) {
-          const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p + u]));
-          lo[u][i] = _mm512_dpbf16_ps(lo[u][i], x, w0);
-          hi[u][i] = _mm512_dpbf16_ps(hi[u][i], x, w1);
-        }
-      }
-    }
-    for (; p < p1; ++p) {
-      __m512bh w0, w1;
-      convert(p, w0, w1);
-      EPMOE_PACKED_UNROLL
-      for (int i = 0; i < MR; ++i) {
-        const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
-        lo[0][i] = _mm512_dpbf16_ps(lo[0][i], x, w0);
-        hi[0][i] = _mm512_dpbf16_ps(hi[0][i], x, w1);
-      }
-    }
-    __m512 s0, s1;
-    convert.scales(p0 / Block, s0, s1);
-    EPMOE_PACKED_UNROLL
-    for (int i = 0; i < MR; ++i) {
-      EPMOE_PACKED_UNROLL
-      for (int u = 1; u < U; ++u)
-        lo[0][i] = _mm512_add_ps(lo[0][i], lo[u][i]), hi[0][i] = _mm512_add_ps(hi[0][i], hi[u][i]);
-      tlo[i] = _mm512_fmadd_ps(lo[0][i], s0, tlo[i]);
-      thi[i] = _mm512_fmadd_ps(hi[0][i], s1, thi[i]);
-    }
-  }
-  store_rows_avx512<MR>(c, ldc, m0, m1, tlo, thi);
-}
 
 // fp8 pairs -> bf16 pairs: one load, two lookups, an OR (the sign) and two unpacks; one
 // scale per block of 64 pairs.
@@ -434,15 +327,15 @@ struct fp8_to_bf16 {
     lo0 = _mm512_loadu_si512(t + 128), lo1 = _mm512_loadu_si512(t + 192);
     sign = _mm512_set1_epi8(static_cast<char>(0x80));
   }
-  __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"), always_inline)) void operator()(
-      index_t p, __m512bh& w0, __m512bh& w1) const {
+  __attribute__((target("avx512f,avx512bw,avx512vbmi"), always_inline)) void operator()(
+      index_t p, __m512i& w0, __m512i& w1) const {
     _mm_prefetch(reinterpret_cast<const char*>(q + 64 * p + minifloat_prefetch), _MM_HINT_T0);
     const __m512i c8 = _mm512_load_si512(q + 64 * p);
     const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi0, c8, hi1), c8, sign,
                                                 0xF8);  // table | (c8 & sign)
     const __m512i l = _mm512_permutex2var_epi8(lo0, c8, lo1);
-    w0 = (__m512bh)_mm512_unpacklo_epi8(l, h);
-    w1 = (__m512bh)_mm512_unpackhi_epi8(l, h);
+    w0 = _mm512_unpacklo_epi8(l, h);
+    w1 = _mm512_unpackhi_epi8(l, h);
   }
   __attribute__((target("avx512f"), always_inline)) void scales(index_t block, __m512& s0,
                                                                 __m512& s1) const {
@@ -450,88 +343,20 @@ struct fp8_to_bf16 {
   }
 };
 
-// One block of np pairs already in bf16 (w: pair p's 32 columns at w + 64 p) times MR rows
-// (<= 12) of bf16 pairs: the sums times the block's scales, added to the rows' totals (tot:
-// 32 floats a row, on the stack: plain stores, which the next block's loads take at once).
-// The scales by reference: the caller is a lambda, compiled without AVX-512, and a __m512 by
-// value would cross two calling conventions where the call is not inlined (-Og).
-template <int MR>
-__attribute__((target("avx512f,avx512bf16"))) inline void minifloat_block_bf16(
-    const std::uint32_t* a, index_t lda, const std::uint16_t* w, index_t np, const __m512& s0,
-    const __m512& s1, float* tot) {
-  __m512 lo[MR], hi[MR];
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-  for (index_t p = 0; p < np; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_load_si512(w + 64 * p);
-    const __m512bh w1 = (__m512bh)_mm512_load_si512(w + 64 * p + 32);
-    EPMOE_PACKED_UNROLL
-    for (int i = 0; i < MR; ++i) {
-      const __m512bh x = (__m512bh)_mm512_set1_epi32(static_cast<int>(a[i * lda + p]));
-      lo[i] = _mm512_dpbf16_ps(lo[i], x, w0);
-      hi[i] = _mm512_dpbf16_ps(hi[i], x, w1);
-    }
-  }
-  EPMOE_PACKED_UNROLL
-  for (int i = 0; i < MR; ++i) {
-    float* t = tot + 32 * i;
-    _mm512_store_ps(t, _mm512_fmadd_ps(lo[i], s0, _mm512_load_ps(t)));
-    _mm512_store_ps(t + 16, _mm512_fmadd_ps(hi[i], s1, _mm512_load_ps(t + 16)));
-  }
-}
-
-// c rows [0, rows) x columns [0, cols) of a minifloat panel on AVX512-BF16. Up to 8 rows: each
-// pair converted in registers as it is used (minifloat_rows_bf16). More: each block of pairs
-// converted once into bf16 pairs on the stack for every 48 rows, then read by every 12 of them
-// (else the conversion, repeated per 8 rows, costs more than the dot products).
-template <index_t Block, class Convert>
-__attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void minifloat_panel_bf16(
-    converted_rows a, index_t rows, const Convert& convert, index_t K, float* c, index_t ldc,
-    index_t cols) {
-  const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
-  if (rows <= 8) {
-    with_rows<8>(rows, [&]<int MR>() {
-      minifloat_rows_bf16<MR, Block>(a.data, a.stride, convert, K, c, ldc, m0, m1);
-    });
-    return;
-  }
-  constexpr index_t max_rows = 48;
-  alignas(64) std::uint16_t w[Block * 64];
-  alignas(64) float tot[max_rows * 32];
-  const index_t pairs = (K + 1) / 2;
-  for (index_t r0 = 0; r0 < rows; r0 += max_rows) {
-    const index_t n = std::min(max_rows, rows - r0);
-    std::fill_n(tot, n * 32, 0.f);
-    for (index_t p0 = 0; p0 < pairs; p0 += Block) {
-      const index_t np = std::min(pairs - p0, Block);
-      for (index_t p = 0; p < np; ++p) {
-        __m512bh w0, w1;
-        convert(p0 + p, w0, w1);
-        _mm512_store_si512(w + 64 * p, (__m512i)w0);
-        _mm512_store_si512(w + 64 * p + 32, (__m512i)w1);
-      }
-      __m512 s0, s1;
-      convert.scales(p0 / Block, s0, s1);
-      row_blocks<12>(n, [&](index_t i, index_t m) {
-        with_rows<12>(m, [&]<int MR>() {
-          minifloat_block_bf16<MR>(a.data + (r0 + i) * a.stride + p0, a.stride, w, np, s0, s1,
-                                   tot + 32 * i);
-        });
-      });
-    }
-    for (index_t i = 0; i < n; ++i) {
-      _mm512_mask_storeu_ps(c + (r0 + i) * ldc, m0, _mm512_load_ps(tot + 32 * i));
-      _mm512_mask_storeu_ps(c + (r0 + i) * ldc + 16, m1, _mm512_load_ps(tot + 32 * i + 16));
-    }
-  }
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void fp8_panel_bf16(
     converted_rows a, index_t rows, const std::byte* panel, index_t K, float* c, index_t ldc,
     index_t cols) {
   const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
   const fp8_to_bf16 convert(q, reinterpret_cast<const float*>(panel + (K + 1) / 2 * 64));
   minifloat_panel_bf16<64>(a, rows, convert, K, c, ldc, cols);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void fp8_panel_vbmi(
+    matrix_view<const float> a, const std::byte* panel, index_t K, float* c, index_t ldc,
+    index_t cols) {
+  const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
+  const fp8_to_bf16 convert(q, reinterpret_cast<const float*>(panel + (K + 1) / 2 * 64));
+  minifloat_panel_fma<64>(a, convert, K, c, ldc, cols);
 }
 #endif
 
@@ -542,6 +367,7 @@ inline void fp8_panel(matrix_view<const float> a, converted_rows a16, const std:
 #if defined(EPMOE_HOST_PACKED_X86)
   if (kernel == minifloat_kernel::avx512_bf16)
     return fp8_panel_bf16(a16, a.rows, panel, K, c, ldc, cols);
+  if (kernel == minifloat_kernel::avx512_vbmi) return fp8_panel_vbmi(a, panel, K, c, ldc, cols);
   if (kernel == minifloat_kernel::avx512) return fp8_panel_avx512(a, panel, K, c, ldc, cols);
   if (kernel == minifloat_kernel::avx2) return fp8_panel_avx2(a, panel, K, c, ldc, cols);
 #endif

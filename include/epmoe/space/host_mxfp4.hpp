@@ -297,14 +297,14 @@ struct mxfp4_to_bf16 {
     values = _mm512_mask_or_epi32(table, 0xF0F0, table, signs);  // words 8..15: negative
     times = _mm512_set1_epi32(4097);
   }
-  __attribute__((target("avx512f,avx512bw"), always_inline)) __m512bh pairs(
+  __attribute__((target("avx512f,avx512bw"), always_inline)) __m512i pairs(
       const std::uint8_t* bytes) const {
     const __m512i d = _mm512_maskz_cvtepu8_epi32(
         0xFFFF, _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
-    return (__m512bh)_mm512_permutexvar_epi16(_mm512_madd_epi16(d, times), values);
+    return _mm512_permutexvar_epi16(_mm512_madd_epi16(d, times), values);
   }
-  __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline)) void operator()(
-      index_t p, __m512bh& w0, __m512bh& w1) const {
+  __attribute__((target("avx512f,avx512bw"), always_inline)) void operator()(index_t p, __m512i& w0,
+                                                                             __m512i& w1) const {
     _mm_prefetch(reinterpret_cast<const char*>(q + 32 * p + minifloat_prefetch), _MM_HINT_T0);
     w0 = pairs(q + 32 * p);
     w1 = pairs(q + 32 * p + 16);
@@ -322,6 +322,14 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void mx
   const mxfp4_to_bf16 convert(q, q + mxfp4_scale_offset(K));
   minifloat_panel_bf16<16>(a, rows, convert, K, c, ldc, cols);
 }
+
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void mxfp4_panel_vbmi(
+    matrix_view<const float> a, const std::byte* panel, index_t K, float* c, index_t ldc,
+    index_t cols) {
+  const auto* q = reinterpret_cast<const std::uint8_t*>(panel);
+  const mxfp4_to_bf16 convert(q, q + mxfp4_scale_offset(K));
+  minifloat_panel_fma<16>(a, convert, K, c, ldc, cols);
+}
 #endif
 
 // c rows [0, a.rows) x columns [0, cols) of one mxfp4 panel on `kernel` (a16 as fp8_panel's).
@@ -330,6 +338,7 @@ inline void mxfp4_panel(matrix_view<const float> a, converted_rows a16, const st
 #if defined(EPMOE_HOST_PACKED_X86)
   if (kernel == minifloat_kernel::avx512_bf16)
     return mxfp4_panel_bf16(a16, a.rows, panel, K, c, ldc, cols);
+  if (kernel == minifloat_kernel::avx512_vbmi) return mxfp4_panel_vbmi(a, panel, K, c, ldc, cols);
   if (kernel == minifloat_kernel::avx512) return mxfp4_panel_avx512(a, panel, K, c, ldc, cols);
   if (kernel == minifloat_kernel::avx2) return mxfp4_panel_avx2(a, panel, K, c, ldc, cols);
 #endif
