@@ -7,7 +7,9 @@
 // random. Prints the time per pass (the three formats back to back in every rep), the ratios,
 // and the bytes roofline: the packed bytes (weights + scales) of the experts the pass
 // activates / the read bandwidth (the faster of the run's start and a read beside the point),
-// and the share of it each format reaches. Weights come from memory before every timed pass
+// and the share of it each format reaches; and the compute roofline of each format's own dot
+// product (peak_rates.hpp: T k 3 H F multiply-adds at the rate this CPU retires it, measured at
+// the start on every thread) and its share. Weights come from memory before every timed pass
 // (a 64 MB read evicts the caches).
 //
 // Then the group-wise formats (int4, int4_asym groups 32 and 128, int8_g32) against bf16 in a
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "peak_rates.hpp"
 #include <epmoe/expert/swiglu.hpp>
 #include <epmoe/space/host.hpp>
 #include <epmoe/space/host_int4.hpp>
@@ -99,13 +102,27 @@ std::vector<index_t> offsets_of(const std::vector<index_t>& rows) {
   return offsets;
 }
 
+// The dot product format f's kernel runs on `path` (its compute roofline's instruction).
+bench::dot dot_of(weights_format f, sp::cpu_path path) {
+  if (f == weights_format::int8_channel || f.grouped() ||
+      (f == weights_format::mxfp4 && sp::mxfp4_w4a8(path)))
+    return sp::int8_kernel_for(path) == sp::int8_kernel::avx512_vnni ? bench::dot::vnni
+                                                                     : bench::dot::fp32_fma;
+  if (f == weights_format::bf16)
+    return path == sp::cpu_path::avx512_bf16 ? bench::dot::bf16 : bench::dot::fp32_fma;
+  if (sp::is_minifloat(f) && sp::minifloat_kernel_for(path) == sp::minifloat_kernel::avx512_bf16)
+    return bench::dot::bf16;
+  return bench::dot::fp32_fma;
+}
+
 // The group-wise formats against bf16: per point, the formats back to back in every rep
 // (caches evicted before each pass: a 512 MB read), the time, the ratio to bf16 and the share of
 // the bytes roofline (the active experts' weights + scales + offsets / the faster of `gbs` and a
 // read beside the point). Returns false on a non-finite output.
 bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
                  const std::vector<index_t>& tokens, int reps, const sp::host& space0, double gbs,
-                 int streams, bool prefetch, double given_gbs, int cpus) {
+                 int streams, bool prefetch, double given_gbs, int cpus,
+                 const bench::peaks& peaks) {
   // The last entry: int4_asym_g128 with an act order (GPTQ's desc_act) on every matrix, whose
   // products gather their inputs first (packed_nt::set_input_order).
   const weights_format formats[] = {weights_format::bf16,           weights_format::int4_g32,
@@ -149,8 +166,8 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
   std::printf("%s: group-wise formats, %s (int8_g32: %s)\n", s.note,
               sp::name_of(kernel, weights_format::int4_g32),
               sp::name_of(kernel, weights_format::int8_g32));
-  std::printf("%6s %6s %6s | %-15s %9s %8s %8s %9s %6s\n", "T", "active", "GB/s", "format", "ms",
-              "x bf16", "MB", "roof ms", "%roof");
+  std::printf("%6s %6s %6s | %-15s %9s %8s %8s %9s %6s | %8s %6s\n", "T", "active", "GB/s",
+              "format", "ms", "x bf16", "MB", "roof ms", "%roof", "comp ms", "%comp");
   for (index_t T : tokens) {
     const auto rows = route(T, E, s.k, 11 + T);
     index_t active = 0;
@@ -192,9 +209,12 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
           std::string(formats[f].name()) +
           (formats[f].grouped() ? "_g" + std::to_string(formats[f].group) : "") +
           (act_order(f) ? "_ao" : "");
-      std::printf("%6lld %6lld %6.1f | %-15s %9.3f %7.2fx %8.1f %9.3f %5.0f%%\n",
+      const double comp =
+          peaks.floor_ms(dot_of(formats[f], space0.kernel_path()), double(n) * 3 * H * F);
+      std::printf("%6lld %6lld %6.1f | %-15s %9.3f %7.2fx %8.1f %9.3f %5.0f%% | %8.3f %5.0f%%\n",
                   static_cast<long long>(T), static_cast<long long>(active), here, label.c_str(),
-                  ms[f], ms[0] / ms[f], bytes / 1e6, roof, 100 * roof / ms[f]);
+                  ms[f], ms[0] / ms[f], bytes / 1e6, roof, 100 * roof / ms[f], comp,
+                  100 * comp / ms[f]);
     }
   }
   std::printf("\n");
@@ -206,7 +226,7 @@ bool group_table(const shape& s, const epmoe::expert::swiglu::weights& w,
 // at the start, or beside each point when it is faster, measured the same way).
 void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
                      const std::vector<index_t>& tokens, int reps, double start_gbs,
-                     double given_gbs, int streams, bool prefetch) {
+                     double given_gbs, int streams, bool prefetch, const bench::peaks& peaks) {
   const index_t H = s.H, F = s.F, E = s.E;
   constexpr int n_formats = 3;
   const weights_format formats[n_formats] = {weights_format::bf16, weights_format::fp8_block,
@@ -236,9 +256,10 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
               sp::mxfp4_w4a8(space0.kernel_path())
                   ? "AVX512-VNNI W4A8"
                   : sp::name_of(sp::minifloat_kernel_for(space0.kernel_path())));
-  std::printf("%6s %6s %6s | %9s %9s %9s | %8s %8s | %8s %8s %8s | %6s %6s %6s\n", "T", "active",
-              "GB/s", "bf16 ms", "fp8 ms", "mxfp4 ms", "bf16/fp8", "bf16/mx4", "fp8 MB", "roof8 ms",
-              "roof4 ms", "%roof16", "%roof8", "%roof4");
+  std::printf("%6s %6s %6s | %9s %9s %9s | %8s %8s | %8s %8s %8s | %6s %6s %6s | %6s %6s %6s\n",
+              "T", "active", "GB/s", "bf16 ms", "fp8 ms", "mxfp4 ms", "bf16/fp8", "bf16/mx4",
+              "fp8 MB", "roof8 ms", "roof4 ms", "%roof16", "%roof8", "%roof4", "%comp16", "%comp8",
+              "%comp4");
   for (index_t T : tokens) {
     const auto rows = route(T, E, s.k, 11 + T);
     std::vector<index_t> offsets(std::size_t(E + 1), 0);
@@ -277,12 +298,17 @@ void minifloat_table(const shape& s, const epmoe::expert::swiglu::weights& w,
                                      : bench::read_bandwidth(std::size_t(std::max(bytes[0], 64e6)),
                                                              cpus, streams, prefetch);
     const auto roof = [&](int f) { return bytes[f] / (std::max(gbs, start_gbs) * 1e9); };
+    const auto comp = [&](int f) {
+      return 100 * peaks.floor_ms(dot_of(formats[f], space0.kernel_path()), double(n) * 3 * H * F) /
+             (1e3 * sec[f]);
+    };
     std::printf(
         "%6lld %6lld %6.1f | %9.3f %9.3f %9.3f | %7.2fx %7.2fx | %8.1f %8.3f %8.3f | %5.0f%% "
-        "%5.0f%% %5.0f%%\n",
+        "%5.0f%% %5.0f%% | %5.0f%% %5.0f%% %5.0f%%\n",
         static_cast<long long>(T), static_cast<long long>(active), gbs, 1e3 * sec[0], 1e3 * sec[1],
         1e3 * sec[2], sec[0] / sec[1], sec[0] / sec[2], bytes[1] / 1e6, 1e3 * roof(1),
-        1e3 * roof(2), 100 * roof(0) / sec[0], 100 * roof(1) / sec[1], 100 * roof(2) / sec[2]);
+        1e3 * roof(2), 100 * roof(0) / sec[0], 100 * roof(1) / sec[1], 100 * roof(2) / sec[2],
+        comp(0), comp(1), comp(2));
   }
   std::printf("\n");
 }
@@ -363,10 +389,17 @@ int main(int argc, char** argv) {
               path == sp::cpu_path::avx512_bf16 ? "AVX512-BF16 dot (inputs rounded to bf16)"
                                                 : "widened to fp32",
               sp::name_of(sp::int8_kernel_for(path)));
+  const bench::peaks peaks(cpus);
+  std::printf(
+      "compute: fp32 FMA %.1f, vpdpbusd %.1f, vdpbf16ps %.1f GMAC/s (%d threads at once; 0: "
+      "not here)\n",
+      peaks.fp32_fma, peaks.vnni, peaks.bf16, cpus);
   std::printf(
       "times: median of %d passes, the three formats back to back in each, caches "
       "evicted before each pass; roof: the active experts' packed bytes (weights + "
-      "scales) / the faster read bandwidth (start, or beside the point)\n\n",
+      "scales) / the faster read bandwidth (start, or beside the point); comp: T k 3 H F "
+      "multiply-adds at the rate of the format's dot product (its kernel's: fp32 FMA, "
+      "vpdpbusd or vdpbf16ps)\n\n",
       reps);
 
   for (const std::string& name : [&] {
@@ -397,10 +430,11 @@ int main(int argc, char** argv) {
         {w13.data(), E, F, H}, {w13.data() + E * F * H, E, F, H}, {w2.data(), E, H, F}};
     if (group_only || minifloat_only) {
       if (group_only && !group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams,
-                                     probe.prefetch, given_gbs, cpus))
+                                     probe.prefetch, given_gbs, cpus, peaks))
         return 1;
       if (minifloat_only)
-        minifloat_table(*s, w, tokens, reps, probe.gbs, given_gbs, probe.streams, probe.prefetch);
+        minifloat_table(*s, w, tokens, reps, probe.gbs, given_gbs, probe.streams, probe.prefetch,
+                        peaks);
       continue;
     }
     std::vector<point> pts;
@@ -472,26 +506,33 @@ int main(int argc, char** argv) {
                                                     probe.streams, probe.prefetch);
     }
     std::printf("%s\n", s->note);
-    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s | %8s %8s %8s | %6s %6s %6s\n", "T", "active",
-                "GB/s", "fp32 ms", "bf16 ms", "int8 ms", "int8/bf16", "int8/fp32", "int8 MB",
-                "roof8 ms", "roof16ms", "%roof32", "%roof16", "%roof8");
+    std::printf("%6s %6s %6s | %9s %9s %9s | %9s %9s | %8s %8s %8s | %6s %6s %6s | %6s %6s %6s\n",
+                "T", "active", "GB/s", "fp32 ms", "bf16 ms", "int8 ms", "int8/bf16", "int8/fp32",
+                "int8 MB", "roof8 ms", "roof16ms", "%roof32", "%roof16", "%roof8", "%comp32",
+                "%comp16", "%comp8");
     for (const point& p : pts) {
       // The faster of the run's start and the point's own: the shorter (stricter) roof.
       const auto roof = [&](int f) { return p.bytes[f] / (std::max(p.gbs, probe.gbs) * 1e9); };
+      const auto comp = [&](int f) {
+        return 100 * peaks.floor_ms(dot_of(formats[f], path), double(p.T * s->k) * 3 * H * F) /
+               (1e3 * p.seconds[f]);
+      };
       std::printf(
           "%6lld %6lld %6.1f | %9.3f %9.3f %9.3f | %8.2fx %8.2fx | %8.1f %8.3f %8.3f | %5.0f%% "
-          "%5.0f%% %5.0f%%\n",
+          "%5.0f%% %5.0f%% | %5.0f%% %5.0f%% %5.0f%%\n",
           static_cast<long long>(p.T), static_cast<long long>(p.active), p.gbs, 1e3 * p.seconds[0],
           1e3 * p.seconds[1], 1e3 * p.seconds[2], p.seconds[1] / p.seconds[2],
           p.seconds[0] / p.seconds[2], p.bytes[2] / 1e6, 1e3 * roof(2), 1e3 * roof(1),
-          100 * roof(0) / p.seconds[0], 100 * roof(1) / p.seconds[1], 100 * roof(2) / p.seconds[2]);
+          100 * roof(0) / p.seconds[0], 100 * roof(1) / p.seconds[1], 100 * roof(2) / p.seconds[2],
+          comp(0), comp(1), comp(2));
     }
     std::printf("\n");
     for (auto& copy : packed) copy.clear();  // (room for the group-wise copies)
     if (!group_table(*s, w, tokens, reps, space0, probe.gbs, probe.streams, probe.prefetch,
-                     given_gbs, cpus))
+                     given_gbs, cpus, peaks))
       return 1;
-    minifloat_table(*s, w, tokens, reps, probe.gbs, given_gbs, probe.streams, probe.prefetch);
+    minifloat_table(*s, w, tokens, reps, probe.gbs, given_gbs, probe.streams, probe.prefetch,
+                    peaks);
   }
   return 0;
 }
