@@ -288,18 +288,94 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void minifloat_row
   store_rows_avx512<MR>(c, ldc, m0, m1, tlo, thi);
 }
 
-// c rows [0, a.rows) x columns [0, cols) of a minifloat panel on AVX512-VBMI, 8 rows at a
-// time (each 8 convert the panel again: 10 instructions a pair against their 32 FMAs).
+// One block of np pairs already widened to fp32 (w: pair p's even inputs, columns 0..15 and
+// 16..31, then its odd ones, at w + 64 p) times MR rows (<= 12) of fp32 tokens, the last pair
+// without its odd input when `half` (K odd): the sums times the block's scales, added to the
+// rows' totals (tot: 32 floats a row). Scales by reference, as minifloat_block_bf16's.
+template <int MR>
+__attribute__((target("avx512f"))) inline void minifloat_block_fma(const float* a, index_t lda,
+                                                                   const float* w, index_t np,
+                                                                   bool half, const __m512& s0,
+                                                                   const __m512& s1, float* tot) {
+  __m512 lo[MR], hi[MR];
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  for (index_t p = 0; p < np; ++p) {
+    const float* wp = w + 64 * p;
+    const __m512 e0 = _mm512_load_ps(wp), e1 = _mm512_load_ps(wp + 16);
+    EPMOE_PACKED_UNROLL
+    for (int i = 0; i < MR; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + 2 * p]);
+      lo[i] = _mm512_fmadd_ps(x, e0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(x, e1, hi[i]);
+    }
+    if (half && p + 1 == np) break;  // (a has no input K)
+    const __m512 o0 = _mm512_load_ps(wp + 32), o1 = _mm512_load_ps(wp + 48);
+    EPMOE_PACKED_UNROLL
+    for (int i = 0; i < MR; ++i) {
+      const __m512 x = _mm512_set1_ps(a[i * lda + 2 * p + 1]);
+      lo[i] = _mm512_fmadd_ps(x, o0, lo[i]);
+      hi[i] = _mm512_fmadd_ps(x, o1, hi[i]);
+    }
+  }
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    float* t = tot + 32 * i;
+    _mm512_store_ps(t, _mm512_fmadd_ps(lo[i], s0, _mm512_load_ps(t)));
+    _mm512_store_ps(t + 16, _mm512_fmadd_ps(hi[i], s1, _mm512_load_ps(t + 16)));
+  }
+}
+
+// c rows [0, a.rows) x columns [0, cols) of a minifloat panel on AVX512-VBMI. Up to 8 rows:
+// each pair converted in registers as it is used (minifloat_rows_fma). More: each block of
+// pairs converted once per 48 rows into fp32 on the stack (16 KB for fp8's 64 pairs) and read
+// by every 12 of them, so that the FMAs are nearly all a pair costs (converting again for
+// every 8 rows cost a quarter more).
 template <index_t Block, class Convert>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void minifloat_panel_fma(
     matrix_view<const float> a, const Convert& convert, index_t K, float* c, index_t ldc,
     index_t cols) {
   const __mmask16 m0 = column_mask(cols), m1 = column_mask(cols - 16);
-  row_blocks<8>(a.rows, [&](index_t i, index_t n) {
-    with_rows<8>(n, [&]<int MR>() {
-      minifloat_rows_fma<MR, Block>(a.row(i), a.stride, convert, K, c + i * ldc, ldc, m0, m1);
+  if (a.rows <= 8) {
+    with_rows<8>(a.rows, [&]<int MR>() {
+      minifloat_rows_fma<MR, Block>(a.data, a.stride, convert, K, c, ldc, m0, m1);
     });
-  });
+    return;
+  }
+  constexpr index_t max_rows = 48;
+  alignas(64) float w[Block * 64];
+  alignas(64) float tot[max_rows * 32];
+  const index_t pairs = (K + 1) / 2;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (index_t r0 = 0; r0 < a.rows; r0 += max_rows) {
+    const index_t n = std::min(max_rows, a.rows - r0);
+    std::fill_n(tot, n * 32, 0.f);
+    for (index_t p0 = 0; p0 < pairs; p0 += Block) {
+      const index_t np = std::min(pairs - p0, Block);
+      for (index_t p = 0; p < np; ++p) {
+        __m512i w0, w1;
+        convert(p0 + p, w0, w1);
+        float* wp = w + 64 * p;
+        _mm512_store_ps(wp, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, w0, 16)));
+        _mm512_store_ps(wp + 16, _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, w1, 16)));
+        _mm512_store_ps(wp + 32, _mm512_castsi512_ps(_mm512_and_si512(w0, high)));
+        _mm512_store_ps(wp + 48, _mm512_castsi512_ps(_mm512_and_si512(w1, high)));
+      }
+      __m512 s0, s1;
+      convert.scales(p0 / Block, s0, s1);
+      const bool half = K % 2 == 1 && p0 + np == pairs;
+      row_blocks<12>(n, [&](index_t i, index_t m) {
+        with_rows<12>(m, [&]<int MR>() {
+          minifloat_block_fma<MR>(a.row(r0 + i) + 2 * p0, a.stride, w, np, half, s0, s1,
+                                  tot + 32 * i);
+        });
+      });
+    }
+    for (index_t i = 0; i < n; ++i) {
+      _mm512_mask_storeu_ps(c + (r0 + i) * ldc, m0, _mm512_load_ps(tot + 32 * i));
+      _mm512_mask_storeu_ps(c + (r0 + i) * ldc + 16, m1, _mm512_load_ps(tot + 32 * i + 16));
+    }
+  }
 }
 #endif
 
