@@ -241,17 +241,20 @@ TEST_CASE("low latency: slots filled exactly, left empty, every token to one ran
   CHECK(checks == 3 * 3 * 3 + 3 * 6 * (1 + 2 + 4));
 }
 
+namespace {  // (at namespace scope: GCC takes a local class's comm for an unused typedef)
+struct slow : ll_policies<2> {
+  using comm = epmoe::comm::throttled<epmoe::comm::threads>;
+};
+struct any : ll_policies<2> {
+  using comm = epmoe::comm::any;
+};
+struct local : ll_policies<2> {
+  using comm = epmoe::comm::local;
+};
+}  // namespace
+
 TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and comm::local",
           "[layer][low_latency]") {
-  struct slow : ll_policies<2> {
-    using comm = epmoe::comm::throttled<epmoe::comm::threads>;
-  };
-  struct any : ll_policies<2> {
-    using comm = epmoe::comm::any;
-  };
-  struct local : ll_policies<2> {
-    using comm = epmoe::comm::local;
-  };
   const auto none = [](int, std::vector<std::int32_t>&) {};
   int checks = 0;
   for (int R : {1, 2, 4}) {

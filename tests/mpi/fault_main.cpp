@@ -5,8 +5,9 @@
 // rank prints one line, "epmoe-fault rank R: KIND after S s, y untouched|WRITTEN: WHAT", and
 // ends without MPI_Finalize (a collective cannot be cancelled). tests/mpi/faults.sh runs it
 // and checks the lines. EPMOE_FAULT_EXCHANGE=low_latency runs the low-latency exchange
-// (issue 38: its point-to-point round) instead of the default one; EPMOE_FAULT_SPLIT=1 runs
-// the pass split, start then finish (the low-latency round posted by start).
+// (issue 38: its writes into the peers' windows) instead of the default one, and with
+// EPMOE_FAULT_MESSAGES=1 its point-to-point round (comm::mpi without windows);
+// EPMOE_FAULT_SPLIT=1 runs the pass split, start then finish (the round posted by start).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -33,7 +34,8 @@ struct low_latency_policies : policies {
 
 template <class policies>
 int run(test::faulty_host::fault f, double timeout, bool split) {
-  comm::mpi c(MPI_COMM_WORLD);
+  const char* messages = std::getenv("EPMOE_FAULT_MESSAGES");
+  comm::mpi c(MPI_COMM_WORLD, 8, !(messages && std::string(messages) == "1"));
   const int me = c.rank(), R = c.size(), culprit = R - 1;
   layer_config cfg{
       .hidden = 16, .ffn = 24, .experts = 2 * R, .top_k = 2, .ranks = R, .max_tokens = 24};

@@ -278,6 +278,89 @@ TEST_CASE("mpi: a timed-out low-latency round cancels its receives: a late messa
   }
 }
 
+// The low-latency exchange's windows: every rank's memory, written by stores, read after one
+// meeting; none when built with windows = false (any rank's choice holds on every rank).
+TEST_CASE("mpi: a shared window takes every rank's stores; the meeting orders them",
+          "[mpi][comm][low_latency]") {
+  mpi c(MPI_COMM_WORLD);
+  const int R = c.size(), me = c.rank();
+  constexpr int n = 1000;  // ints per writer
+  const mpi::window w = c.open_window(static_cast<std::size_t>(R) * n * sizeof(int));
+  REQUIRE(static_cast<int>(w.peers.size()) == R);
+  for (int round = 0; round < 3; ++round) {
+    {
+      [[maybe_unused]] const auto writing = c.put();
+      for (int r = 0; r < R; ++r) {
+        int* at = reinterpret_cast<int*>(w.peers[r]) + me * n;
+        for (int i = 0; i < n; ++i) at[i] = tag(me, r, i) + round;
+      }
+    }
+    if (round == 1) {  // posted: nothing is read before the wait
+      c.post_barrier();
+      CHECK_THROWS_WITH(c.post_barrier(), Contains("already posted"));
+      c.wait_barrier();
+    } else {
+      c.barrier();
+    }
+    const int* mine = reinterpret_cast<const int*>(w.peers[me]);
+    int wrong = 0, checked = 0;
+    for (int s = 0; s < R; ++s)
+      for (int i = 0; i < n; ++i, ++checked) wrong += mine[s * n + i] != tag(s, me, i) + round;
+    CHECK(checked == R * n);
+    CHECK(wrong == 0);
+    c.barrier();  // every rank read before the next round writes
+  }
+  CHECK(c.posted(epmoe::exchange_level::all) == 0);  // stores, not messages
+
+  // One rank without windows: none anywhere (the caller sends messages instead).
+  mpi d(MPI_COMM_WORLD, 8, me != R - 1);
+  CHECK(d.open_window(64).peers.empty());
+}
+
+TEST_CASE("mpi: a rank that never meets makes the others' barrier time out; puts are refused after",
+          "[mpi][comm][low_latency][timeout]") {
+  mpi c(MPI_COMM_WORLD);
+  const int R = c.size(), me = c.rank();
+  if (R < 2) {
+    SUCCEED("needs two ranks");
+    return;
+  }
+  const mpi::window w = c.open_window(sizeof(int));
+  c.set_timeout(0.2);
+  const auto t0 = std::chrono::steady_clock::now();
+  bool timed_out = false;
+  if (me != 1) {
+    try {
+      c.barrier();
+    } catch (const epmoe::comm_timeout&) {
+      timed_out = true;
+    }
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(timed_out);
+    CHECK(waited < 5);
+    CHECK(c.broken());
+    CHECK_THROWS_AS(c.put(), epmoe::comm_timeout);  // a broken comm writes nothing
+    c.abort("timed out in the test");
+  } else {
+    std::this_thread::sleep_for(std::chrono::milliseconds(600));
+    // The peers gave up and told this rank: its late put is refused, nothing is written.
+    bool refused = false;
+    for (int i = 0; i < 1000 && !refused; ++i) {  // (up to 5 s: a loaded machine's skew)
+      try {
+        (void)c.put();
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      } catch (const epmoe::comm_aborted&) {
+        refused = true;
+      } catch (const epmoe::comm_timeout&) {
+        refused = true;
+      }
+    }
+    CHECK(refused);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);  // (the window stays: a broken comm never frees it)
+}
+
 TEST_CASE("mpi: a failing MPI call throws comm_error with the call and MPI's text",
           "[mpi][errors]") {
   mpi c(MPI_COMM_WORLD);

@@ -1,9 +1,11 @@
 // SPDX-FileCopyrightText: 2026 The epmoe authors
 // SPDX-License-Identifier: Apache-2.0
-// The low-latency exchange on MPI processes (issue 38): one round of MPI_Isend / MPI_Irecv
-// into fixed slots per direction; outputs equal the default exchange on threads and the reference (uneven ranks, a
-// rank with T = 0, every token to one rank's experts); a rejected input on one process makes
-// every process throw, with y untouched.
+// The low-latency exchange on MPI processes (issue 38), both ways it moves the slots: writes
+// into the peers' shared-memory windows and one meeting per direction (the processes share a
+// node), and one round of MPI_Isend / MPI_Irecv per direction (comm::mpi built with
+// windows = false, as across nodes). Outputs equal the default exchange on threads and the
+// reference (uneven ranks, a rank with T = 0, every token to one rank's experts); a rejected
+// input on one process makes every process throw, with y untouched.
 #include <bit>
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -68,14 +70,18 @@ reference::full_weights hand_gate(const layer_config& cfg, std::uint64_t seed) {
 // One pass on the MPI ranks; on rank 0, the outputs against the default exchange on threads
 // and the reference. Returns this rank's stats.
 pass_stats check(const layer_config& cfg, const reference::full_weights& w,
-                 const test::global_tokens& g) {
+                 const test::global_tokens& g, bool windows) {
   const int me = world_rank();
   const index_t H = cfg.hidden, T = g.per_rank[me];
   const placement::block where(cfg);
   const auto mine = reference::slice(w, where, me);
-  moe_layer<ll_mpi> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
+  moe_layer<ll_mpi> layer(cfg, comm::mpi(MPI_COMM_WORLD, 8, windows),
+                          {w.gate_view(), mine.experts()});
   std::vector<float> y(T * H, std::numeric_limits<float>::quiet_NaN());
   layer.forward({g.x.data() + g.offset(me) * H, T, H}, {y.data(), T, H});
+  // Windows: rows move by stores and meetings, no message; else the dispatch's two parts
+  // (heads, rows) and the combine.
+  CHECK(layer.comm().posted(exchange_level::all) == (windows ? 0 : 3));
   const std::vector<float> all = gather(y, g, H);
   if (me == 0) {
     const auto flat = test::run_layer<flat_threads>(cfg, w, g).y;
@@ -95,7 +101,8 @@ TEST_CASE("mpi low latency: equals the default exchange and the reference; fixed
   const auto w = reference::full_weights::random(cfg, 91);
   std::vector<index_t> per_rank;
   for (int r = 0; r < R; ++r) per_rank.push_back(r == 1 ? 0 : 10 - r);  // rank 1: T = 0
-  const pass_stats s = check(cfg, w, test::make_tokens(per_rank, cfg.hidden, 92));
+  const bool windows = GENERATE(true, false);
+  const pass_stats s = check(cfg, w, test::make_tokens(per_rank, cfg.hidden, 92), windows);
   // One MPI_Isend / MPI_Irecv round per direction: the used rows (H floats each) and, with
   // the dispatch, a head per peer (the counts message: 4 + 2 * 4 + 2 int64).
   index_t rows = 0;
@@ -120,7 +127,7 @@ TEST_CASE("mpi low latency: every token to the last rank's experts", "[mpi][laye
     g.x[t * cfg.hidden + first + t % 4] = 2.f;
     g.x[t * cfg.hidden + first + (t + 1) % 4] = 1.f;
   }
-  const pass_stats s = check(cfg, w, g);
+  const pass_stats s = check(cfg, w, g, GENERATE(true, false));
   index_t received = 0;
   for (index_t n : s.rows_received) received += n;
   CHECK(received == (me == R - 1 ? 2 * g.total() : 0));
@@ -134,7 +141,9 @@ TEST_CASE("mpi low latency: a rejected input on one process makes every process 
   const auto w = reference::full_weights::random(cfg, 95);
   const placement::block where(cfg);
   const auto mine = reference::slice(w, where, me);
-  moe_layer<ll_mpi> layer(cfg, comm::mpi(MPI_COMM_WORLD), {w.gate_view(), mine.experts()});
+  const bool windows = GENERATE(true, false);
+  moe_layer<ll_mpi> layer(cfg, comm::mpi(MPI_COMM_WORLD, 8, windows),
+                          {w.gate_view(), mine.experts()});
   const index_t T = 5, H = cfg.hidden;
   const auto g = test::make_tokens(std::vector<index_t>(R, T), H, 96);
   std::vector<std::int32_t> ids(T * 2);
@@ -177,9 +186,10 @@ TEST_CASE(
   const auto mine = reference::slice(w, placement::block(cfg), me);
   const moe_layer<P>::weights ws{w.gate_view(), mine.experts()};
   moe_layer<P> plain(cfg, comm::mpi(MPI_COMM_WORLD), ws);
+  const bool windows = GENERATE(true, false);
   std::vector<comm::mpi> lanes;  // a communicator per lane: two passes' messages never meet
-  lanes.emplace_back(MPI_COMM_WORLD);
-  lanes.emplace_back(MPI_COMM_WORLD);
+  lanes.emplace_back(MPI_COMM_WORLD, 8, windows);
+  lanes.emplace_back(MPI_COMM_WORLD, 8, windows);
   split_layer<P> split(cfg, std::move(lanes), ws);
   const index_t H = cfg.hidden;
   const float nan = std::numeric_limits<float>::quiet_NaN();

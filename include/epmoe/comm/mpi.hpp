@@ -54,14 +54,17 @@ namespace epmoe::comm {
 class mpi {
  public:
   class request;
+  class window;     // mpi_window.hpp
+  class put_guard;  // mpi_window.hpp
   /// Parts one low-latency round may have (post_at_most).
   static constexpr int at_most_parts = 2;
 
   /// `max_in_flight`: how many ialltoallv may be pending at once (their int counts are kept
   /// in slots allocated here, so posting allocates nothing). 8: a pipelined hierarchical pass
   /// holds up to 5 (chunk c+1's rows, masks and metadata; the combines of c-1 and c), and a
-  /// backward adds its gradient exchanges.
-  explicit mpi(MPI_Comm comm, int max_in_flight = 8) {
+  /// backward adds its gradient exchanges. `windows`: false makes open_window() open none
+  /// (the low-latency exchange then sends messages, as across nodes).
+  explicit mpi(MPI_Comm comm, int max_in_flight = 8, bool windows = true) : windows_(windows) {
     if (max_in_flight < 0)
       throw config_error("max_in_flight", std::to_string(max_in_flight), "must be >= 0");
     detail::mpi_check(MPI_Comm_dup(comm, &comm_), "MPI_Comm_dup");
@@ -76,7 +79,7 @@ class mpi {
       busy_.resize(static_cast<std::size_t>(max_in_flight));
       p2p_.resize(2 * at_most_parts * static_cast<std::size_t>(size_));
       // A receive for a peer's abort message, pending for the comm's life.
-      state_ = std::make_unique<failure>();
+      state_ = std::make_shared<failure>();
       detail::mpi_check(MPI_Irecv(state_->inbox, sizeof state_->inbox, MPI_CHAR, MPI_ANY_SOURCE,
                                   abort_tag, comm_, &state_->listen),
                         "MPI_Irecv");
@@ -98,6 +101,8 @@ class mpi {
         busy_(std::move(o.busy_)),
         p2p_(std::move(o.p2p_)),
         p2p_posted_(std::exchange(o.p2p_posted_, 0)),
+        barrier_(std::exchange(o.barrier_, MPI_REQUEST_NULL)),
+        windows_(o.windows_),
         state_(std::move(o.state_)),
         timeout_(o.timeout_) {}
   mpi& operator=(mpi&& o) noexcept {
@@ -114,6 +119,8 @@ class mpi {
       busy_ = std::move(o.busy_);
       p2p_ = std::move(o.p2p_);
       p2p_posted_ = std::exchange(o.p2p_posted_, 0);
+      barrier_ = std::exchange(o.barrier_, MPI_REQUEST_NULL);
+      windows_ = o.windows_;
       state_ = std::move(o.state_);
       timeout_ = o.timeout_;
     }
@@ -215,6 +222,7 @@ class mpi {
           MPI_Isend(send + send_d[r], bytes(send_n[r]), MPI_BYTE, r, tag, comm_, q + size_ + r),
           "MPI_Isend");
     ++p2p_posted_;
+    ++posted_[0];
   }
   /// Completes the posted round (none posted: returns), under the deadline and the peers'
   /// aborts.
@@ -236,7 +244,23 @@ class mpi {
     }
   }
 
-  /// Exchanges posted at each level so far (all, node, cross).
+  /// `bytes` of shared memory for this rank that every rank writes into (the low-latency
+  /// exchange's puts; collective): one MPI_Win_allocate_shared window. Empty (no peers) when
+  /// the ranks do not all share one node's memory, or a rank's comm was built with
+  /// windows = false. See mpi_window.hpp.
+  window open_window(std::size_t bytes);
+  /// Held while this rank writes into peers' windows: refused (throws) once this comm failed
+  /// or a peer's abort message arrived.
+  [[nodiscard]] put_guard put();
+  /// Meets every rank (MPI_Ibarrier, under the deadline and the peers' aborts); orders the
+  /// writes into windows before it ahead of the peers' reads after it.
+  void barrier();
+  /// The same meeting, posted: wait_barrier() completes it (one posted at a time).
+  void post_barrier();
+  void wait_barrier();
+
+  /// Exchanges posted at each level so far (all, node, cross): all-to-alls, and the parts of
+  /// low-latency rounds (not meetings: a window's rows move by stores).
   long posted(exchange_level level) const { return posted_[static_cast<int>(level)]; }
 
   /// Seconds an exchange may wait for its peers before it throws comm_timeout (0: no limit,
@@ -256,7 +280,8 @@ class mpi {
   void abort(const std::string& why) {
     if (!state_ || !state_->outbox.empty()) return;
     // The first byte says which: 'T' a timeout, 'A' any other failure.
-    state_->outbox = (state_->timed_out ? "T" : "A") + why.substr(0, 400);
+    state_->outbox.assign(1, state_->timed_out ? 'T' : 'A');
+    state_->outbox.append(why, 0, 400);
     state_->outbox.push_back('\0');
     for (int r = 0; r < size_; ++r) {
       if (r == rank_) continue;
@@ -460,112 +485,14 @@ class mpi {
   std::vector<unsigned char> busy_;  // one flag per non-blocking slot
   std::vector<MPI_Request> p2p_;     // a low-latency round's 2R requests per part
   int p2p_posted_ = 0;               // parts posted, waiting for wait_at_most
-  std::unique_ptr<failure> state_;
+  MPI_Request barrier_ = MPI_REQUEST_NULL;  // a posted barrier (post_barrier)
+  bool windows_ = true;                     // open_window may open one
+  std::shared_ptr<failure> state_;          // shared with the windows (whose free it may skip)
   double timeout_ = 0;
   static constexpr double spin_seconds = 2e-3;  // a wait polls without sleeping this long
 };
 
-/// A pending ialltoallv. Move-only; wait() completes it (throws comm_error on failure),
-/// test() says whether it has; the destructor waits for one still pending.
-class mpi::request {
- public:
-  request() = default;
-  request(request&& o) noexcept
-      : req_(std::exchange(o.req_, MPI_REQUEST_NULL)),
-        busy_(std::exchange(o.busy_, nullptr)),
-        comm_(o.comm_) {}
-  request& operator=(request&& o) noexcept {
-    if (this != &o) {
-      finish_quietly();
-      req_ = std::exchange(o.req_, MPI_REQUEST_NULL);
-      busy_ = std::exchange(o.busy_, nullptr);
-      comm_ = o.comm_;
-    }
-    return *this;
-  }
-  request(const request&) = delete;
-  request& operator=(const request&) = delete;
-  // Buffers in use by MPI must not be freed under it: wait, but a destructor cannot throw.
-  ~request() { finish_quietly(); }
-
-  /// True while the exchange may still be running.
-  bool pending() const { return busy_ != nullptr; }
-
-  void wait() {
-    if (!pending()) return;
-    try {
-      comm_->wait_for(req_, "MPI_Ialltoallv");
-    } catch (...) {
-      abandon();
-      throw;
-    }
-    done();
-  }
-
-  bool test() {
-    if (!pending()) return true;
-    comm_->usable();
-    int flag = 0;
-    const int code = MPI_Test(&req_, &flag, MPI_STATUS_IGNORE);
-    if (code != MPI_SUCCESS) done();
-    detail::mpi_check(code, "MPI_Test");
-    if (flag) done();
-    return flag != 0;
-  }
-
- private:
-  friend class mpi;
-  request(MPI_Request req, unsigned char* busy, mpi* comm) : req_(req), busy_(busy), comm_(comm) {}
-
-  void done() noexcept {
-    *busy_ = 0;  // the slot's int counts may be reused
-    busy_ = nullptr;
-    req_ = MPI_REQUEST_NULL;
-  }
-  // A failed comm: the collective stays with MPI (it cannot be cancelled), never waited for.
-  void abandon() noexcept {
-    busy_ = nullptr;
-    req_ = MPI_REQUEST_NULL;
-  }
-  void finish_quietly() noexcept {
-    if (!pending()) return;
-    if (comm_->broken()) return abandon();
-    try {
-      comm_->wait_for(req_, "MPI_Ialltoallv");
-      done();
-    } catch (...) {
-      abandon();
-    }
-  }
-
-  MPI_Request req_ = MPI_REQUEST_NULL;
-  unsigned char* busy_ = nullptr;
-  mpi* comm_ = nullptr;
-};
-
-template <class T>
-mpi::request mpi::ialltoallv(const T* send, const index_t* send_counts, const index_t* send_displs,
-                             T* recv, const index_t* recv_counts, const index_t* recv_displs,
-                             exchange_level level) {
-  std::size_t slot = 0;
-  while (slot < busy_.size() && busy_[slot]) ++slot;
-  if (slot == busy_.size())
-    throw comm_error("epmoe: comm::mpi: more than " + std::to_string(busy_.size()) +
-                     " ialltoallv pending; wait() for one, or construct comm::mpi with a "
-                     "larger max_in_flight");
-  // MPI reads the count arrays until the exchange completes: they live in the slot till then.
-  usable();
-  int* c = ints_.data() + 8 * static_cast<std::size_t>(size_) * (slot + 1);
-  const detail::mpi_block_type<T> type(
-      to_ints(send_counts, send_displs, recv_counts, recv_displs, c));
-  int n = size_;
-  const MPI_Comm on = at_level(level, c, n);
-  MPI_Request req = MPI_REQUEST_NULL;
-  detail::mpi_check(
-      MPI_Ialltoallv(send, c, c + n, type.get(), recv, c + 2 * n, c + 3 * n, type.get(), on, &req),
-      "MPI_Ialltoallv");
-  busy_[slot] = 1;
-  return request(req, &busy_[slot], this);
-}
-
 }  // namespace epmoe::comm
+
+#include "epmoe/comm/mpi_request.hpp"
+#include "epmoe/comm/mpi_window.hpp"

@@ -326,21 +326,24 @@ class threads {
           "exchange");
   }
 
-  /// Every rank's buffer registered by open_window: ranks write straight into a peer's.
+  /// `bytes` of this rank's memory (zeroed) and the address of every rank's: ranks write
+  /// straight into a peer's. The window owns this rank's part.
   struct window {
-    std::vector<std::byte*> peers;  // [rank]: that rank's buffer
+    std::vector<std::byte*> peers;     // [rank]: that rank's memory
+    std::unique_ptr<std::byte[]> own;  // this rank's
   };
-  /// Registers `base` with every rank; collective, once per buffer (the low-latency exchange
-  /// opens two at construction). A rank then writes into a peer's buffer and meets the others
-  /// (barrier) before the peer reads it: one copy and one meeting per exchange, where
-  /// alltoall publishes, copies and meets twice. The writer must never write where a peer may
-  /// still read (the layer writes each direction into its own buffer: the other direction's
-  /// meeting separates a read from the next write).
-  window open_window(void* base) {
+  /// Collective, once per buffer (the low-latency exchange opens two at construction). A
+  /// rank then writes into a peer's memory and meets the others (barrier) before the peer
+  /// reads it: one copy and one meeting per exchange, where alltoall publishes, copies and
+  /// meets twice. The writer must never write where a peer may still read (the layer writes
+  /// each direction into its own window: the other direction's meeting separates a read from
+  /// the next write).
+  window open_window(std::size_t bytes) {
     threads_world& w = *world_;
-    w.slots_[rank_] = {base, nullptr, nullptr, 0};
+    window out{std::vector<std::byte*>(static_cast<std::size_t>(size())),
+               std::make_unique<std::byte[]>(std::max<std::size_t>(bytes, 1))};
+    w.slots_[rank_] = {out.own.get(), nullptr, nullptr, 0};
     w.barrier(rank_);  // every rank published
-    window out{std::vector<std::byte*>(static_cast<std::size_t>(size()))};
     for (int r = 0; r < size(); ++r)
       out.peers[r] = static_cast<std::byte*>(const_cast<void*>(w.slots_[r].send));
     w.barrier(rank_);  // every rank read the slots: the next exchange may reuse them

@@ -79,6 +79,7 @@ class exchange_core {
       : tr_(comm, space), w_(w), me_(comm.rank()), slots_(slots) {
     const index_t R = w.ranks, H = w.row_stride;
     x_send_ = space.template allocate<value_type>(w.send_rows * H);
+    send_ = x_send_.data();
     if (receive) x_recv_ = space.template allocate<value_type>(w.recv_buffer_rows * H);
     x_expert_ = space.template allocate<value_type>(w.expert_rows * H);
     msg_ = {static_cast<int>(R), w.local_experts, w.chunks, w.ranks_per_node};
@@ -112,7 +113,12 @@ class exchange_core {
 
   /// Rows of the receive buffer (bounded: units in flight x ranks x per-pair quota rows).
   index_t receive_buffer_rows() const { return w_.recv_buffer_rows; }
-  value_type* send_buffer() const { return x_send_.data(); }
+  value_type* send_buffer() const { return send_; }
+  /// A mode whose send rows live elsewhere (low latency: a comm's window) frees the buffer.
+  void use_send_buffer(value_type* rows) {
+    x_send_ = {};
+    send_ = rows;
+  }
   /// 8-bit rows: the tokens' wire rows [max_tokens] and the send buffer's [send rows], one
   /// wire stride apart (layout().wire_stride; nullptr without 8-bit rows).
   std::uint8_t* wire_tokens() const { return q_tokens_.data(); }
@@ -253,8 +259,7 @@ class exchange_core {
       if constexpr (moves_bytes)
         tr_.start(dispatch_req_[k], q_send_.data(), b.sn, b.sd, q_recv_.data(), b.rn, b.rd);
     } else {
-      tr_.start(dispatch_req_[k], x_send_.data(), n.send_n, n.send_d, x_recv_.data(), n.recv_n,
-                n.recv_d);
+      tr_.start(dispatch_req_[k], send_, n.send_n, n.send_d, x_recv_.data(), n.recv_n, n.recv_d);
     }
   }
   // Wire rows of a buffer as a view (`rows` of them).
@@ -377,6 +382,7 @@ class exchange_core {
   int me_ = 0;
   int slots_ = 1;
   buffer<value_type> x_send_, x_recv_, x_expert_;
+  value_type* send_ = nullptr;  // x_send_, or a mode's own (low latency: a comm's window)
   buffer<std::uint8_t> q_tokens_, q_send_, q_recv_;  // 8-bit rows: tokens, send, receive
   std::vector<index_t> wire_table_;                  // [slots][12][R]: in_wire_bytes' arrays
   message_layout msg_{};

@@ -108,8 +108,8 @@ class dedup_exchange : public exchange_core<Comm, Space> {
           start_at(exchange_level::cross, this->dispatch_req_[k], this->q_send_.data(), b.sn, b.sd,
                    lv_.q_relay.data(), b.rn, b.rd);
       } else {
-        start_at(exchange_level::cross, this->dispatch_req_[k], this->x_send_.data(), n.a_send_n,
-                 n.a_send_d, lv_.x_relay.data(), n.a_recv_n, n.a_recv_d);
+        start_at(exchange_level::cross, this->dispatch_req_[k], this->send_, n.a_send_n, n.a_send_d,
+                 lv_.x_relay.data(), n.a_recv_n, n.a_recv_d);
       }
       start_at(exchange_level::cross, this->mask_req_[k], x.plan.node_mask, n.m_send_n, n.m_send_d,
                lv_.mask_relay.data(), n.m_recv_n, n.m_recv_d);
@@ -153,8 +153,8 @@ class dedup_exchange : public exchange_core<Comm, Space> {
       start_at(exchange_level::node, this->combine_req_[k], this->x_recv_.data(), n.b_recv_n,
                n.b_recv_d, lv_.x_fan.data(), n.b_send_n, n.b_send_d);
     else
-      this->tr_.start(this->combine_req_[k], this->x_recv_.data(), n.recv_n, n.recv_d,
-                      this->x_send_.data(), n.send_n, n.send_d);
+      this->tr_.start(this->combine_req_[k], this->x_recv_.data(), n.recv_n, n.recv_d, this->send_,
+                      n.send_n, n.send_d);
     if constexpr (Backward)
       this->tr_.start(this->gback_req_[k], g_recv_.data(), n.meta_recv_n, n.meta_recv_d,
                       g_send_.data(), n.meta_send_n, n.meta_send_d);
@@ -343,8 +343,8 @@ class dedup_exchange : public exchange_core<Comm, Space> {
     const rank_counts& n = this->counts_[k];
     lv_.fan_in(x.space, lv_.fan_of(c, shift_of(x.plan, c), Units::windows ? k : -1));
     typename base::request back;
-    start_at(exchange_level::cross, back, lv_.x_relay.data(), n.a_recv_n, n.a_recv_d,
-             this->x_send_.data(), n.a_send_n, n.a_send_d);
+    start_at(exchange_level::cross, back, lv_.x_relay.data(), n.a_recv_n, n.a_recv_d, this->send_,
+             n.a_send_n, n.a_send_d);
     return this->tr_.wait(back);
   }
   // An exchange of one level: on the comm's communicator of it when the comm's nodes are the

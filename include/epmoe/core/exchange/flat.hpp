@@ -103,8 +103,8 @@ class flat_exchange : public exchange_core<Comm, Space> {
     copy_blocks(x, from, recv_view(p), m + L, b + this->w_.ranks * L, x.dev.regroup_offsets,
                 x.dev.recv_offsets);
     const rank_counts& n = this->counts_[u];
-    this->tr_.start(this->combine_req_[u], this->x_recv_.data(), n.recv_n, n.recv_d,
-                    this->x_send_.data(), n.send_n, n.send_d);
+    this->tr_.start(this->combine_req_[u], this->x_recv_.data(), n.recv_n, n.recv_d, this->send_,
+                    n.send_n, n.send_d);
     this->marks_[4 * u + 3] = x.clock.now();
   }
 
@@ -143,7 +143,7 @@ class flat_exchange : public exchange_core<Comm, Space> {
     return {this->x_recv_.data(), p.recv_rows(), this->w_.hidden, this->w_.row_stride};
   }
   matrix_view<value_type> send_view(const dispatch_plan& p) const {
-    return {this->x_send_.data(), p.send_rows(), this->w_.hidden, this->w_.row_stride};
+    return {this->send_, p.send_rows(), this->w_.hidden, this->w_.row_stride};
   }
 
  private:
@@ -294,8 +294,8 @@ class flat_rounds_exchange : public exchange_core<Comm, Space> {
                         dev);
     this->release_expert_buffer();
     const rank_counts& n = this->counts_[k];
-    this->tr_.start(this->combine_req_[k], this->x_recv_.data(), n.recv_n, n.recv_d,
-                    this->x_send_.data(), n.send_n, n.send_d);
+    this->tr_.start(this->combine_req_[k], this->x_recv_.data(), n.recv_n, n.recv_d, this->send_,
+                    n.send_n, n.send_d);
     this->marks_[4 * k + 3] = x.clock.now();
   }
 

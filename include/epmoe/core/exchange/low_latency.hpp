@@ -23,15 +23,16 @@
 // weights never leave home: a slot's rows are sorted by local expert, so its per-expert
 // counts name every row's expert, and the combine returns each row to the slot position it
 // left from, where the home's plan finds it. How the slots move, by comm (host memory):
-// - comm::threads (puts): each rank writes its head and used rows straight into the peers'
-//   registered receive slots, and its outputs straight into the home's send buffer rows (the
-//   head names them), then meets the others once per direction; the writes hold the comm's
-//   put guard, so a peer that gave up (deadline, abort) leaves only after they land, and a
-//   rank that wakes late writes nothing;
-// - comm::mpi (at most): one round of MPI_Isend / MPI_Irecv, each receive posted for the
-//   whole slot and each message only its head and used rows (a collective must receive what
-//   is sent, point-to-point may receive less), posted (post_at_most) and waited under the
-//   deadline in the wait call (posts);
+// - windows (puts: comm::threads, and comm::mpi when its ranks share a node): the receive
+//   slots and the send buffer live in the comm's windows; each rank writes its head and used
+//   rows straight into the peers' receive slots, and its outputs straight into the home's
+//   send buffer rows (the head names them), then meets the others once per direction; the
+//   writes hold the comm's put guard (comm::threads: a peer that gave up leaves only after
+//   they land; both: a rank that wakes late writes nothing);
+// - comm::mpi across nodes (at most): one round of MPI_Isend / MPI_Irecv, each receive posted
+//   for the whole slot and each message only its head and used rows (a collective must
+//   receive what is sent, point-to-point may receive less), posted (post_at_most) and waited
+//   under the deadline in the wait call (posts);
 // - any other comm (comm::any and torch.distributed, throttled, local, NCCL, a device space):
 //   the comm's all-to-all of whole slots, on the host posted where the comm has a
 //   non-blocking one (posts).
@@ -90,26 +91,33 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   using typename base::mark;
   using typename base::value_type;
 
-  /// Whether the comm takes writes into registered buffers (comm::threads on the host).
-  static constexpr bool puts = !device_space<Space> && requires(Comm & c, void* p) {
-    c.open_window(p).peers[0];
+  /// Whether the comm opens windows, memory every rank writes into (comm::threads, comm::mpi;
+  /// host memory): windows() says whether it did.
+  static constexpr bool puts = !device_space<Space> && requires(Comm & c, std::size_t n) {
+    c.open_window(n).peers[0];
     c.put();
     c.barrier();
   };
   /// Whether it exchanges messages shorter than their receives, posted then waited for
-  /// (comm::mpi on the host).
+  /// (comm::mpi on the host: across nodes, where it opens no window).
   static constexpr bool at_most =
-      !puts && !device_space<Space> &&
+      !device_space<Space> &&
       requires(Comm & c, const value_type* s, value_type* r, const index_t* n) {
     c.post_at_most(s, n, n, r, n, n);
     c.wait_at_most();
   };
 
+  /// Whether the comm posts its meeting too (comm::mpi): with windows, a split start returns
+  /// with its dispatch's meeting posted, and each meeting is waited for in the wait call.
+  static constexpr bool posts_meeting = puts && requires(Comm & c) {
+    c.post_barrier();
+    c.wait_barrier();
+  };
   /// Whether each round is posted and waited for in the wait call: comm::mpi's messages, or
   /// the comm's non-blocking all-to-all of whole slots (comm::throttled, comm::any and
   /// torch.distributed). A deferred dispatch (a split start) then returns with its round on
   /// the wire, and wait_dispatch reads the heads.
-  static constexpr bool posts = !puts && !device_space<Space> && (at_most || base::async);
+  static constexpr bool posts = !device_space<Space> && (at_most || base::async);
 
   low_latency_exchange(Comm& comm, const Space& space, const workspace_layout& w)
       : base(comm, space, w, 1, 8, false), comm_(&comm) {
@@ -130,15 +138,34 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     head_rows_ = (head_bytes + row_bytes - 1) / row_bytes;
     slot_rows_ = head_rows_ + w.from_one_rank;
     const index_t R = w.ranks, L = w.local_experts;
-    if constexpr (!puts && !at_most)  // (puts and messages go from the send buffer)
-      slots_send_ = space.template allocate<value_type>(R * slot_rows_ * w.row_stride);
-    slots_recv_ = space.template allocate_mirror<value_type>(R * slot_rows_ * w.row_stride);
+    const index_t slots = R * slot_rows_ * w.row_stride;
+    if constexpr (puts) {  // collective: every rank builds its layer's exchange here
+      const auto bytes = [](index_t n) { return static_cast<std::size_t>(n) * sizeof(value_type); };
+      to_recv_ = comm.open_window(bytes(slots));
+      windows_ = !to_recv_.peers.empty();
+      if (windows_) {
+        to_send_ = comm.open_window(bytes(w.send_rows * w.row_stride));
+        this->use_send_buffer(reinterpret_cast<value_type*>(to_send_.peers[this->me_]));
+      }
+    }
+    if (!windows()) {
+      if constexpr (!at_most)  // (messages go from the send buffer)
+        slots_send_ = space.template allocate<value_type>(slots);
+      slots_recv_ = space.template allocate_mirror<value_type>(slots);
+    }
     at_ = space.template allocate_mirror<index_t>(2 * R * L);
     sizes_.assign(static_cast<std::size_t>(4 * R), 0);
-    if constexpr (puts) {  // collective: every rank builds its layer's exchange here
-      to_recv_ = comm.open_window(slots_recv_.device());
-      to_send_ = comm.open_window(this->x_send_.data());
-    }
+  }
+
+  /// Whether the slots move by writes into the comm's windows (comm::threads; comm::mpi when
+  /// its ranks share one node), else by its messages or all-to-all.
+  bool windows() const {
+    if constexpr (!puts)
+      return false;
+    else if constexpr (!at_most)
+      return true;
+    else
+      return windows_;
   }
 
   /// Elements of one (source, destination) slot: its head and S rows, at the row stride.
@@ -178,21 +205,37 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     x.space.for_each(index_t{R} * L, exchange_ops::slot_rows_of{x.dev.send_offsets, L, slot_rows_,
                                                                 head_rows_, at_.device()});
     const index_t stride = w.row_stride, me = this->me_;
-    if constexpr (puts) {  // the head and the used rows straight into each peer's slot
-      const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
-      {
-        const auto writing = comm_->put();  // released before the meeting
-        for (int r = 0; r < R; ++r) {
-          std::byte* at = to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
-          std::memcpy(at, this->msg_send_.data() + r * P,
-                      static_cast<std::size_t>(P) * sizeof(index_t));
-          if (const index_t n = p.send_rows_to(0, r); n > 0)
-            std::memcpy(at + head_rows_ * row,
-                        this->x_send_.data() + p.send_offsets[r * L] * stride,
-                        static_cast<std::size_t>(n) * row);
+    if (windows()) {  // the head and the used rows straight into each peer's slot
+      if constexpr (puts) {
+        const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
+        {
+          const auto writing = comm_->put();  // released before the meeting
+          for (int r = 0; r < R; ++r) {
+            std::byte* at =
+                to_recv_.peers[r] + static_cast<std::size_t>(me * E) * sizeof(value_type);
+            std::memcpy(at, this->msg_send_.data() + r * P,
+                        static_cast<std::size_t>(P) * sizeof(index_t));
+            // (its own rows stay in the send buffer: wait_dispatch reads them there)
+            if (const index_t n = p.send_rows_to(0, r); n > 0 && r != me)
+              std::memcpy(at + head_rows_ * row,
+                          this->send_buffer() + p.send_offsets[r * L] * stride,
+                          static_cast<std::size_t>(n) * row);
+          }
+        }
+        if constexpr (posts_meeting) {
+          this->marks_[0] = t0;
+          comm_->post_barrier();
+          this->marks_[1] = x.clock.now();
+          if (defer) {
+            pending_ = true;
+            return verdict_pending;
+          }
+          comm_->wait_barrier();
+          this->dispatch_done(x, 0, this->marks_[1], x.clock.now(), 0);
+        } else {
+          comm_->barrier();
         }
       }
-      comm_->barrier();
     } else {
       if constexpr (!at_most) {  // whole slots: heads and rows into the send slots
         x.space.for_each(R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P,
@@ -205,7 +248,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         if constexpr (at_most)
           post_heads_and_rows(p);
         else
-          post(slots_send_.data(), slots_recv_.device());
+          post(slots_send_.data(), recv_slots());
         this->marks_[1] = x.clock.now();
         if (defer) {
           pending_ = true;
@@ -214,7 +257,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         const double modeled = wait_round();
         this->dispatch_done(x, 0, this->marks_[1], x.clock.now(), modeled);
       } else {
-        this->tr_.alltoall(slots_send_.data(), slots_recv_.device(), E);
+        this->tr_.alltoall(slots_send_.data(), recv_slots(), E);
       }
     }
     return arrived(x, t0);
@@ -237,12 +280,14 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const workspace_layout& w = this->w_;
     const int R = w.ranks, L = p.local_experts;
     const index_t P = this->msg_.per_peer(), E = slot_elements();
-    for (int r = 0; r < R; ++r) x.space.to_host(slots_recv_, r * E, head_elements());
-    this->synchronize(x.space);
+    if (!windows()) {
+      for (int r = 0; r < R; ++r) x.space.to_host(slots_recv_, r * E, head_elements());
+      this->synchronize(x.space);
+    }
     for (int r = 0; r < R; ++r)
-      std::memcpy(this->msg_recv_.host() + r * P, slots_recv_.host() + r * E,
+      std::memcpy(this->msg_recv_.host() + r * P, recv_host() + r * E,
                   static_cast<std::size_t>(P) * sizeof(index_t));
-    if constexpr (!posts) {  // (posted: dispatch_done noted the round)
+    if (!posted()) {  // (posted: dispatch_done noted the round)
       const mark t1 = x.clock.now();
       x.clock.exchange(t0, t1, t1, t1, 0);
     }
@@ -287,6 +332,10 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   }
   // Completes the posted round; the link model's seconds where the comm has one.
   double wait_round() {
+    if (windows()) {
+      if constexpr (posts_meeting) comm_->wait_barrier();
+      return 0;
+    }
     if constexpr (at_most) {
       comm_->wait_at_most();
       return 0;
@@ -303,8 +352,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const index_t P = this->msg_.per_peer(), E = slot_elements(), stride = this->w_.row_stride;
     const index_t head = P * static_cast<index_t>(sizeof(index_t));
     const index_t row0 = head_rows_ * stride;  // a slot's first row, in elements
-    value_type* recv = slots_recv_.device();
-    const value_type* rows = this->x_send_.data();
+    value_type* recv = recv_slots();
+    const value_type* rows = this->send_buffer();
     index_t* n = sizes_.data();
     for (int r = 0; r < R; ++r) {  // the heads, in bytes
       n[r] = n[2 * R + r] = head;
@@ -321,9 +370,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
       n[2 * R + r] = E - row0;
       n[3 * R + r] = r * E + row0;
     }
-    std::memcpy(recv + n[3 * R + me], rows + n[R + me],
-                static_cast<std::size_t>(n[me]) * sizeof(value_type));
-    n[me] = n[2 * R + me] = 0;
+    n[me] = n[2 * R + me] = 0;  // (its own rows stay in the send buffer)
     comm_->post_at_most(rows, n, n + R, recv, n + 2 * R, n + 3 * R);
   }
   // Every rank's slots as one all-to-all of whole slots, started (waited in the wait call).
@@ -341,7 +388,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   /// dispatch stage regroups them by local expert.
   void start_dispatch(context&, int) {}
   void wait_dispatch(context& x, int) {
-    if constexpr (posts)
+    if constexpr (posts || posts_meeting)
       if (std::exchange(pending_, false)) {
         const mark w0 = x.clock.now();
         const double modeled = wait_round();
@@ -355,9 +402,23 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         if (verdict_ >= 0) empty_receive(x);
       }
     const mark a = x.clock.now();
-    copy_rows(x, slots_view(slots_recv_.device()), this->expert_view(), recv_at_device(),
-              x.dev.regroup_offsets, x.dev.recv_counts);
     const dispatch_plan& p = x.plan;
+    if (windows() || at_most) {  // this rank's own rows never left its send buffer
+      const index_t L = p.local_experts, first = this->me_ * L, n = this->w_.ranks * L;
+      const auto slots = [&](index_t b, index_t e) {
+        x.space.copy_blocks(matrix_view<const value_type>(slots_view(recv_slots())),
+                            this->expert_view(), e - b, recv_at_device() + b,
+                            x.dev.regroup_offsets + b, x.dev.recv_counts + b);
+      };
+      slots(0, first);
+      x.space.copy_blocks(matrix_view<const value_type>(send_view(p)), this->expert_view(), L,
+                          x.dev.send_offsets + first, x.dev.regroup_offsets + first,
+                          x.dev.recv_counts + first);
+      slots(first + L, n);
+    } else {
+      copy_rows(x, slots_view(recv_slots()), this->expert_view(), recv_at_device(),
+                x.dev.regroup_offsets, x.dev.recv_counts);
+    }
     x.clock.event(0, stage_kind::dispatch, 0,
                   p.expert_offsets[p.local_experts] - p.expert_offsets[0],
                   x.stats.dispatch_bytes_received, a, x.clock.now());
@@ -375,25 +436,30 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const dispatch_plan& p = x.plan;
     const int R = this->w_.ranks, L = p.local_experts;
     const index_t stride = this->w_.row_stride, P = this->msg_.per_peer(), me = this->me_;
-    if constexpr (puts) {  // each output row straight into its home's send-buffer row
-      const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
-      {
-        const auto writing = comm_->put();  // released before the meeting
-        for (int q = 0; q < R; ++q) {
-          const index_t home = this->msg_recv_.host()[q * P + this->msg_.chunk_at(0) + 2 * L];
-          for (int j = 0; j < L; ++j) {
-            const int b = p.block(0, q, j);
-            if (p.recv_counts[b] == 0) continue;
-            const index_t at = home + p.recv_offsets[b] - p.recv_offsets[q * L];  // home row
-            std::memcpy(to_send_.peers[q] + static_cast<std::size_t>(at) * row,
-                        this->x_expert_.data() + p.regroup_offsets[b] * stride,
-                        static_cast<std::size_t>(p.recv_counts[b]) * row);
+    if (windows()) {  // each output row straight into its home's send-buffer row
+      if constexpr (puts) {
+        const std::size_t row = static_cast<std::size_t>(stride) * sizeof(value_type);
+        {
+          const auto writing = comm_->put();  // released before the meeting
+          for (int q = 0; q < R; ++q) {
+            const index_t home = this->msg_recv_.host()[q * P + this->msg_.chunk_at(0) + 2 * L];
+            for (int j = 0; j < L; ++j) {
+              const int b = p.block(0, q, j);
+              if (p.recv_counts[b] == 0) continue;
+              const index_t at = home + p.recv_offsets[b] - p.recv_offsets[q * L];  // home row
+              std::memcpy(to_send_.peers[q] + static_cast<std::size_t>(at) * row,
+                          this->x_expert_.data() + p.regroup_offsets[b] * stride,
+                          static_cast<std::size_t>(p.recv_counts[b]) * row);
+            }
           }
         }
+        if constexpr (posts_meeting)
+          comm_->post_barrier();  // (waited for in wait_combine)
+        else
+          comm_->barrier();
       }
-      comm_->barrier();
     } else {
-      copy_rows(x, this->const_view(this->expert_view()), slots_view(slots_recv_.device()),
+      copy_rows(x, this->const_view(this->expert_view()), slots_view(recv_slots()),
                 x.dev.regroup_offsets, recv_at_device(), x.dev.recv_counts);
       if constexpr (at_most) {  // each peer's rows back, received straight into the send buffer
         index_t* n = sizes_.data();
@@ -403,15 +469,14 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
           n[2 * R + r] = p.send_rows_to(0, r) * stride;
           n[3 * R + r] = p.send_offsets[r * L] * stride;
         }
-        std::memcpy(this->x_send_.data() + n[3 * R + me], slots_recv_.device() + n[R + me],
+        std::memcpy(this->send_buffer() + n[3 * R + me], recv_slots() + n[R + me],
                     static_cast<std::size_t>(n[me]) * sizeof(value_type));  // its own rows
         n[me] = n[2 * R + me] = 0;
-        comm_->post_at_most(slots_recv_.device(), n, n + R, this->x_send_.data(), n + 2 * R,
-                            n + 3 * R);
+        comm_->post_at_most(recv_slots(), n, n + R, this->send_buffer(), n + 2 * R, n + 3 * R);
       } else if constexpr (posts) {
-        post(slots_recv_.device(), slots_send_.data());
+        post(recv_slots(), slots_send_.data());
       } else {
-        this->tr_.alltoall(slots_recv_.device(), slots_send_.data(), slot_elements());
+        this->tr_.alltoall(recv_slots(), slots_send_.data(), slot_elements());
       }
     }
     this->marks_[3] = x.clock.now();
@@ -422,7 +487,8 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const mark w0 = x.clock.now();
     const dispatch_plan& p = x.plan;
     double modeled = 0;
-    if constexpr (posts) modeled = wait_round();
+    if constexpr (posts || posts_meeting)
+      if (posted()) modeled = wait_round();
     if constexpr (!puts && !at_most)  // the rows from their slots to their send-buffer rows
       copy_rows(x, this->const_view(slots_view(slots_send_.data())), send_view(p), at_.device(),
                 x.dev.send_offsets, x.dev.send_counts);
@@ -434,8 +500,22 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   // A pass that stops after the dispatch (rejected inputs, different calls): with puts, every
   // rank has read its heads before any rank's next dispatch writes them again.
   void settle() {
-    if constexpr (puts) comm_->barrier();
+    if constexpr (puts)
+      if (windows()) comm_->barrier();
   }
+  // The receive slots (in this rank's window, or the slot buffer) and their host copy.
+  value_type* recv_slots() const {
+    if constexpr (puts)
+      if (windows()) return reinterpret_cast<value_type*>(to_recv_.peers[this->me_]);
+    return slots_recv_.device();
+  }
+  const value_type* recv_host() const {
+    if constexpr (puts)
+      if (windows()) return recv_slots();
+    return slots_recv_.host();
+  }
+  // Whether the rounds are posted and waited for in the wait calls.
+  bool posted() const { return windows() ? posts_meeting : posts; }
   index_t head_elements() const { return head_rows_ * this->w_.row_stride; }
   const index_t* recv_at_device() const {
     return at_.device() + index_t{this->w_.ranks} * this->w_.local_experts;
@@ -444,7 +524,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     return {s, this->w_.ranks * slot_rows_, this->w_.hidden, this->w_.row_stride};
   }
   matrix_view<value_type> send_view(const dispatch_plan& p) const {
-    return {this->x_send_.data(), p.send_rows(), this->w_.hidden, this->w_.row_stride};
+    return {this->send_buffer(), p.send_rows(), this->w_.hidden, this->w_.row_stride};
   }
   // The R*L blocks of the pass: count[b] rows from src row src_at[b] to dst row dst_at[b].
   template <class Src>
@@ -472,7 +552,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   int verdict_ = -1;             // a deferred dispatch's verdict
   std::exception_ptr mismatch_;  // ... or the different calls it found
   std::vector<index_t> sizes_;   // at most: [4][R] counts and displacements of one exchange
-  typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts
+  typename detail::window_of<Comm, puts>::type to_recv_{}, to_send_{};  // puts: the receive
+                                                                        // slots, the send rows
+  bool windows_ = false;   // puts: the comm opened them (comm::mpi: its ranks share a node)
   index_t head_rows_ = 0;  // rows of a slot's head (the counts message to one peer)
   index_t slot_rows_ = 0;  // head + S rows
   typename base::template buffer<value_type> slots_send_;
