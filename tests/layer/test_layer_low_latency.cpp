@@ -293,8 +293,7 @@ TEST_CASE("low latency: a rejected input on one rank makes every rank throw, y u
           "[layer][low_latency]") {
   int checks = 0;
   for (int R : {2, 4}) {
-    layer_config cfg{
-        .hidden = 8, .ffn = 6, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 6};
+    layer_config cfg{.hidden = 8, .ffn = 6, .experts = 8, .top_k = 2, .ranks = R, .max_tokens = 6};
     cfg.exchange_timeout = 20;  // a rank left waiting fails in seconds, not minutes
     const auto w = reference::full_weights::random(cfg, 41);
     const auto g = test::make_tokens(std::vector<index_t>(R, 6), cfg.hidden, 42);

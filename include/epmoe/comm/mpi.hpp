@@ -482,9 +482,9 @@ class mpi {
   std::vector<int> ints_;  // 8R ints per slot: counts, displs (send, then receive); then the
                            //   same for the ranks of one level
   long posted_[3] = {0, 0, 0};
-  std::vector<unsigned char> busy_;  // one flag per non-blocking slot
-  std::vector<MPI_Request> p2p_;     // a low-latency round's 2R requests per part
-  int p2p_posted_ = 0;               // parts posted, waiting for wait_at_most
+  std::vector<unsigned char> busy_;         // one flag per non-blocking slot
+  std::vector<MPI_Request> p2p_;            // a low-latency round's 2R requests per part
+  int p2p_posted_ = 0;                      // parts posted, waiting for wait_at_most
   MPI_Request barrier_ = MPI_REQUEST_NULL;  // a posted barrier (post_barrier)
   bool windows_ = true;                     // open_window may open one
   std::shared_ptr<failure> state_;          // shared with the windows (whose free it may skip)
