@@ -47,13 +47,25 @@ struct nccl_policies : default_policies {
 // Issue 24: both levels over NCCL, each on its own communicator (comm::nccl splits them): nodes
 // of 2 GPUs when their count is even, else of 1; the layer takes the nodes from the comm.
 using hier_policies = nccl_policies<capacity::dropless, schedule::pipelined<2>, true, true>;
-// Issue 38: the low-latency exchange (fixed slots, one NCCL all-to-all per direction).
+// Issue 38: the low-latency exchange (fixed slots, one exchange per direction): its slots in
+// NCCL windows that a kernel stores into (one NVLink domain), or registered for
+// ncclSend/ncclRecv (symmetric_slots = false, the way across nodes).
 struct low_latency_policies : nccl_policies<capacity::dropless> {
   static constexpr layer_options options{.low_latency = true};
+};
+struct low_latency_registered : low_latency_policies {
+  static constexpr bool symmetric_slots = false;
 };
 template <class P>
 int ranks_per_node(int gpus) {
   return P::options.hierarchical ? (gpus % 2 == 0 ? 2 : 1) : 0;
+}
+template <class P>
+comm::nccl make_comm(ncclComm_t c, cudaStream_t s, int gpus) {
+  if constexpr (requires { P::symmetric_slots; })
+    return comm::nccl(c, s, ranks_per_node<P>(gpus), P::symmetric_slots);
+  else
+    return comm::nccl(c, s, ranks_per_node<P>(gpus));
 }
 
 template <class T>
@@ -118,6 +130,8 @@ struct gpu_weights {
   }
 };
 
+// Passes of the layer (3 for the low-latency exchange: its slots' flags count passes); y is
+// NaN before each.
 template <class P>
 double run(int gpus, int max_recv_rows = 0) {
   using Capacity = typename P::capacity;
@@ -134,12 +148,14 @@ double run(int gpus, int max_recv_rows = 0) {
     const gpu_weights weights(cfg, w, d);
     auto xd = upload<float>(x.data() + d * T * H, T * H);
     device_buffer<float> yd(T * H);
-    // 0xff bytes are NaN: a row the layer leaves unwritten fails the comparison.
-    EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
-    moe_layer<P> layer(cfg, comm::nccl(nccl, s, ranks_per_node<P>(gpus)), weights.views<P>(), {},
-                       {}, placement::block(cfg), epmoe::space::cuda<float>(s));
-    layer.forward({xd.data(), T, H}, {yd.data(), T, H});
-    layer.synchronize();
+    moe_layer<P> layer(cfg, make_comm<P>(nccl, s, gpus), weights.views<P>(), {}, {},
+                       placement::block(cfg), epmoe::space::cuda<float>(s));
+    for (int pass = 0; pass < (P::options.low_latency ? 3 : 1); ++pass) {
+      // 0xff bytes are NaN: a row the layer leaves unwritten fails the comparison.
+      EPMOE_CUDA_CHECK(cudaMemsetAsync(yd.data(), 0xff, sizeof(float) * T * H, s));
+      layer.forward({xd.data(), T, H}, {yd.data(), T, H});
+      layer.synchronize();
+    }
     EPMOE_CUDA_CHECK(
         cudaMemcpy(y.data() + d * T * H, yd.data(), sizeof(float) * T * H, cudaMemcpyDeviceToHost));
   });
@@ -219,12 +235,17 @@ struct faulty_swiglu : expert::swiglu {
 struct faulty_policies : nccl_policies<capacity::dropless> {
   using expert = faulty_swiglu;
 };
+// ... with the low-latency exchange: the peers' store kernels wait for the culprit's flags
+// until their host's deadline or NCCL's error aborts the comm, which stops them.
+struct faulty_low_latency : faulty_policies {
+  static constexpr layer_options options{.low_latency = true};
+};
 
 // The last GPU's experts throw in the first pass: it ends with that error, every other GPU
 // with comm_aborted (NCCL reported the peer's abort) or comm_timeout (exchange_timeout 5 s),
 // within the deadline + 2 s, y untouched on all. Prints each; returns whether all held.
+template <class P>
 bool run_faults(int gpus) {
-  using P = faulty_policies;
   layer_config cfg = nccl_layer(gpus, 64);
   cfg.exchange_timeout = 5;
   const auto w = reference::full_weights::random(cfg, 9);
@@ -270,7 +291,8 @@ bool run_faults(int gpus) {
                                : kind[d] == "comm_aborted" || kind[d] == "comm_timeout";
     const bool in_time = secs[d] < cfg.exchange_timeout + 2;
     ok = ok && right && in_time && untouched[d];
-    std::printf("NCCL fault: GPU %d: %s after %.2f s, y %s: %s%s\n", d, kind[d].c_str(), secs[d],
+    std::printf("NCCL fault%s: GPU %d: %s after %.2f s, y %s: %s%s\n",
+                P::options.low_latency ? " (low latency)" : "", d, kind[d].c_str(), secs[d],
                 untouched[d] ? "untouched" : "WRITTEN", what[d].c_str(),
                 right && in_time ? "" : "  <- FAILED");
   }
@@ -284,9 +306,17 @@ int main() {
   const cudaError_t e = cudaGetDeviceCount(&gpus);
   if (e != cudaSuccess || gpus == 0)
     return test::no_usable_gpu("cuda.nccl", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
-  if (gpus < 2) {  // one GPU that works: this test needs two
-    std::printf("cuda.nccl: needs two GPUs (found %d): skipped\n", gpus);
-    return test::skip_code;
+  // The low-latency exchange's slots, both ways, also on one GPU (its own window).
+  const double slots_symmetric = run<low_latency_policies>(gpus);
+  const double slots_registered = run<low_latency_registered>(gpus);
+  std::printf(
+      "NCCL on %d GPUs: low-latency exchange relative error %.2e (symmetric slots), "
+      "%.2e (registered slots)\n",
+      gpus, slots_symmetric, slots_registered);
+  const bool slots_ok = slots_symmetric <= 1e-4 && slots_registered <= 1e-4;
+  if (gpus < 2) {  // one GPU that works: the rest needs two
+    std::printf("cuda.nccl: the rest needs two GPUs (found %d): skipped\n", gpus);
+    return slots_ok ? test::skip_code : 1;
   }
   const double dynamic = run<nccl_policies<capacity::dropless>>(gpus);
   const double fixed = run<nccl_policies<capacity::factor<true>>>(gpus);
@@ -299,17 +329,16 @@ int main() {
   const double hier = run<hier_policies>(gpus);
   const double hier_rounds = run<hier_policies>(gpus, 3 * gpus * 16);  // windows of 16 tokens
   const double train_hier = run_backward<hier_policies>(gpus);
-  const double fixed_slots = run<low_latency_policies>(gpus);
-  std::printf("NCCL on %d GPUs: low-latency exchange relative error %.2e\n", gpus, fixed_slots);
   std::printf(
       "NCCL on %d GPUs: relative error dynamic %.2e, static %.2e, pipelined+dedup %.2e, "
       "rounds %.2e; backward %.2e, backward pipelined+dedup %.2e; hierarchical %.2e, with "
       "rounds %.2e, its backward %.2e\n",
       gpus, dynamic, fixed, piped, rounds, train, train_piped, hier, hier_rounds, train_hier);
-  const bool faults = run_faults(gpus);  // last: it aborts its communicators
+  // Last: they abort their communicators.
+  const bool faults = run_faults<faulty_policies>(gpus) && run_faults<faulty_low_latency>(gpus);
   return dynamic <= 1e-4 && fixed <= 1e-4 && piped <= 1e-4 && rounds <= 1e-4 && train <= 1e-4 &&
                  train_piped <= 1e-4 && hier <= 1e-4 && hier_rounds <= 1e-4 && train_hier <= 1e-4 &&
-                 fixed_slots <= 1e-4 && faults
+                 slots_ok && faults
              ? 0
              : 1;
 }

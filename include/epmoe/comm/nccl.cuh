@@ -47,10 +47,16 @@ namespace comm {
 /// local index. The constructor is then collective (every rank constructs at once, with the
 /// same G: agreed first, a differing or bad G throws config_error on every rank); the split
 /// communicators live as long as the last copy of this comm::nccl.
+///
+/// Slots (issue 38): open_slots gives the low-latency exchange its fixed slots in NCCL's
+/// memory, symmetric windows stored into by a kernel when every rank is in one NVLink domain
+/// (unless `symmetric_slots` is false on some rank), else registered buffers (nccl_slots.cuh).
+class nccl_slots;
 class nccl {
  public:
-  explicit nccl(ncclComm_t comm, cudaStream_t stream = nullptr, int ranks_per_node = 0)
-      : comm_(comm), stream_(stream) {
+  explicit nccl(ncclComm_t comm, cudaStream_t stream = nullptr, int ranks_per_node = 0,
+                bool symmetric_slots = true)
+      : comm_(comm), stream_(stream), symmetric_slots_(symmetric_slots) {
     EPMOE_CUDA_CHECK(ncclCommUserRank(comm, &rank_));
     EPMOE_CUDA_CHECK(ncclCommCount(comm, &size_));
     if (ranks_per_node != 0) split(ranks_per_node);
@@ -137,6 +143,7 @@ class nccl {
   /// peers' waits instead of leaving their kernels waiting for this rank's rows.
   void abort(const std::string& /*why*/) {
     if (std::exchange(aborted_, true)) return;
+    stop_->raise();  // (a slots kernel waiting for a peer's flag stops)
     ncclCommAbort(comm_);
     if (levels_) {  // a peer may wait on a level's communicator
       ncclComm_t* on[2] = {&levels_->node, &levels_->cross};
@@ -190,6 +197,22 @@ class nccl {
     EPMOE_CUDA_CHECK(ncclGroupEnd());
   }
 
+  /// Collective: the low-latency exchange's two sides of `bytes` each (nccl_slots.cuh).
+  nccl_slots open_slots(std::size_t bytes);
+
+  /// Set when this comm aborts: a word in pinned host memory that the slots kernel polls while
+  /// it waits for a peer, shared by the copies of this comm and the slots opened on it.
+  struct stop {
+    bool aborted = false;
+    pinned_buffer<int> host{1};
+    void raise() {
+      aborted = true;
+      *static_cast<volatile int*>(host.data()) = 1;
+    }
+    const volatile int* word() const { return host.data(); }
+  };
+  const std::shared_ptr<stop>& stop_word() const { return stop_; }
+
  private:
   // The levels' communicators, shared by the copies; destroyed with the last one (or aborted).
   struct levels {
@@ -241,6 +264,8 @@ class nccl {
   int rank_ = 0, size_ = 1;
   double timeout_ = 0;
   bool aborted_ = false;
+  bool symmetric_slots_ = true;
+  std::shared_ptr<stop> stop_ = std::make_shared<stop>();
   std::shared_ptr<device_buffer<char>> staging_;  // grows on first host alltoall
   std::shared_ptr<levels> levels_;                // with nodes: the levels' communicators
 };
@@ -321,3 +346,5 @@ class transport<comm::nccl, space::cuda<T>> {
 };
 
 }  // namespace epmoe
+
+#include "epmoe/comm/nccl_slots.cuh"

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "epmoe/core/exchange/core.hpp"
+#include "epmoe/core/exchange/low_latency_ops.hpp"
 
 // The low-latency exchange (layer_options::low_latency, docs/decode.md): every (source,
 // destination) pair owns a fixed slot of S = from_one_rank rows (min(T*min(K, L), L * the
@@ -33,52 +34,16 @@
 //   for the whole slot and each message only its head and used rows (a collective must
 //   receive what is sent, point-to-point may receive less), posted (post_at_most) and waited
 //   under the deadline in the wait call (posts);
-// - any other comm (comm::any and torch.distributed, throttled, local, NCCL, a device space):
-//   the comm's all-to-all of whole slots, on the host posted where the comm has a
-//   non-blocking one (posts).
+// - comm::nccl (comm_slots): both sides of slots in NCCL's memory, moved by the comm: a kernel
+//   that stores each slot into the peer's window and flags it (one NVLink domain), else
+//   grouped ncclSend/ncclRecv of registered buffers (comm/nccl_slots.cuh);
+// - any other comm (comm::any and torch.distributed, throttled, local, a device space): the
+//   comm's all-to-all of whole slots, on the host posted where the comm has a non-blocking
+//   one (posts).
 // A posted round is waited for in the wait call, and a split start (defer) returns with its
 // dispatch on the wire: the heads are read in wait_dispatch, the verdict after the pass
 // (resolve), and a pass some rank rejected receives no rows and writes no y.
 namespace epmoe {
-
-namespace exchange_ops {
-/// Copies the counts message to peer r into the head of slot r (the head is whole rows of
-/// the slot buffer's element type; memcpy keeps the index_t bits as they are).
-template <class T>
-struct slot_head {
-  const index_t* msg;
-  index_t per_peer;
-  T* slots;
-  index_t slot_elems;
-  EPMOE_HD void operator()(index_t r) const {
-    memcpy(slots + r * slot_elems, msg + r * per_peer,
-           static_cast<std::size_t>(per_peer) * sizeof(index_t));
-  }
-};
-/// Block b's first row in the slots (chunk 0: b = r * L + j): peer r's slot, past its head,
-/// at the block's offset among the rows to r. Computed where the plan is: on a device the
-/// host's copy of the send offsets lands only at the next synchronisation.
-struct slot_rows_of {
-  const index_t* send_offsets;
-  index_t local_experts, slot_rows, head_rows;
-  index_t* at;
-  EPMOE_HD void operator()(index_t b) const {
-    const index_t r = b / local_experts;
-    at[b] = r * slot_rows + head_rows + send_offsets[b] - send_offsets[r * local_experts];
-  }
-};
-}  // namespace exchange_ops
-
-namespace detail {
-template <class Comm, bool Puts>
-struct window_of {
-  using type = char;  // none
-};
-template <class Comm>
-struct window_of<Comm, true> {
-  using type = typename Comm::window;
-};
-}  // namespace detail
 
 /// One unit per pass (one chunk, no receive bound), one all-to-all per direction; the verdict
 /// of every rank arrives with the rows, so counts() is the dispatch itself.
@@ -118,6 +83,11 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   /// torch.distributed). A deferred dispatch (a split start) then returns with its round on
   /// the wire, and wait_dispatch reads the heads.
   static constexpr bool posts = !device_space<Space> && (at_most || base::async);
+  /// Whether the comm gives the slots memory of its own and moves them itself (comm::nccl:
+  /// NCCL windows a kernel stores into, or buffers registered with the communicator).
+  static constexpr bool comm_slots = device_space<Space> && requires(Comm & c, std::size_t n) {
+    c.open_slots(n).template data<value_type>(0);
+  };
 
   low_latency_exchange(Comm& comm, const Space& space, const workspace_layout& w)
       : base(comm, space, w, 1, 8, false), comm_(&comm) {
@@ -148,7 +118,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         this->use_send_buffer(reinterpret_cast<value_type*>(to_send_.peers[this->me_]));
       }
     }
-    if (!windows()) {
+    if constexpr (comm_slots) {
+      slots_ = comm.open_slots(static_cast<std::size_t>(slots) * sizeof(value_type));
+    } else if (!windows()) {
       if constexpr (!at_most)  // (messages go from the send buffer)
         slots_send_ = space.template allocate<value_type>(slots);
       slots_recv_ = space.template allocate_mirror<value_type>(slots);
@@ -238,9 +210,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
       }
     } else {
       if constexpr (!at_most) {  // whole slots: heads and rows into the send slots
-        x.space.for_each(R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P,
-                                                                slots_send_.data(), E});
-        copy_rows(x, send_view(p), slots_view(slots_send_.data()), x.dev.send_offsets, at_.device(),
+        x.space.for_each(
+            R, exchange_ops::slot_head<value_type>{this->msg_send_.data(), P, send_slots(), E});
+        copy_rows(x, send_view(p), slots_view(send_slots()), x.dev.send_offsets, at_.device(),
                   x.dev.send_counts);
       }
       if constexpr (posts) {
@@ -248,7 +220,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         if constexpr (at_most)
           post_heads_and_rows(p);
         else
-          post(slots_send_.data(), recv_slots());
+          post(send_slots(), recv_slots());
         this->marks_[1] = x.clock.now();
         if (defer) {
           pending_ = true;
@@ -257,7 +229,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         const double modeled = wait_round();
         this->dispatch_done(x, 0, this->marks_[1], x.clock.now(), modeled);
       } else {
-        this->tr_.alltoall(slots_send_.data(), recv_slots(), E);
+        move_slots(x, 0, E);
       }
     }
     return arrived(x, t0);
@@ -281,7 +253,12 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     const int R = w.ranks, L = p.local_experts;
     const index_t P = this->msg_.per_peer(), E = slot_elements();
     if (!windows()) {
-      for (int r = 0; r < R; ++r) x.space.to_host(slots_recv_, r * E, head_elements());
+      for (int r = 0; r < R; ++r)
+        if constexpr (comm_slots)
+          slots_.to_host(sizeof(value_type) * r * E, sizeof(value_type) * head_elements(),
+                         x.space.stream());
+        else
+          x.space.to_host(slots_recv_, r * E, head_elements());
       this->synchronize(x.space);
     }
     for (int r = 0; r < R; ++r)
@@ -474,9 +451,9 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
         n[me] = n[2 * R + me] = 0;
         comm_->post_at_most(recv_slots(), n, n + R, this->send_buffer(), n + 2 * R, n + 3 * R);
       } else if constexpr (posts) {
-        post(recv_slots(), slots_send_.data());
+        post(recv_slots(), send_slots());
       } else {
-        this->tr_.alltoall(recv_slots(), slots_send_.data(), slot_elements());
+        move_slots(x, 1, slot_elements());
       }
     }
     this->marks_[3] = x.clock.now();
@@ -490,7 +467,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
     if constexpr (posts || posts_meeting)
       if (posted()) modeled = wait_round();
     if constexpr (!puts && !at_most)  // the rows from their slots to their send-buffer rows
-      copy_rows(x, this->const_view(slots_view(slots_send_.data())), send_view(p), at_.device(),
+      copy_rows(x, this->const_view(slots_view(send_slots())), send_view(p), at_.device(),
                 x.dev.send_offsets, x.dev.send_counts);
     this->combine_done(x, 0, w0, x.clock.now(), modeled, 0, 0, p.send_rows(),
                        x.stats.combine_bytes_received);
@@ -505,14 +482,30 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   }
   // The receive slots (in this rank's window, or the slot buffer) and their host copy.
   value_type* recv_slots() const {
+    if constexpr (comm_slots) return slots_.template data<value_type>(1);
     if constexpr (puts)
       if (windows()) return reinterpret_cast<value_type*>(to_recv_.peers[this->me_]);
     return slots_recv_.device();
   }
   const value_type* recv_host() const {
+    if constexpr (comm_slots) return slots_.template host<value_type>();
     if constexpr (puts)
       if (windows()) return recv_slots();
     return slots_recv_.host();
+  }
+  value_type* send_slots() const {
+    if constexpr (comm_slots) return slots_.template data<value_type>(0);
+    return slots_send_.data();
+  }
+  // Side `from`'s slots (0: send, 1: receive) to the peers' other side, n elements a slot.
+  void move_slots(context& x, int from, index_t n) {
+    if constexpr (comm_slots)
+      slots_.alltoall(from, static_cast<std::size_t>(n) * sizeof(value_type), x.space.stream(),
+                      *comm_);
+    else if (from == 0)
+      this->tr_.alltoall(send_slots(), recv_slots(), n);
+    else
+      this->tr_.alltoall(recv_slots(), send_slots(), n);
   }
   // Whether the rounds are posted and waited for in the wait calls.
   bool posted() const { return windows() ? posts_meeting : posts; }
@@ -557,6 +550,7 @@ class low_latency_exchange : public exchange_core<Comm, Space> {
   bool windows_ = false;   // puts: the comm opened them (comm::mpi: its ranks share a node)
   index_t head_rows_ = 0;  // rows of a slot's head (the counts message to one peer)
   index_t slot_rows_ = 0;  // head + S rows
+  typename detail::slots_of<Comm, comm_slots>::type slots_{};  // comm_slots: both sides
   typename base::template buffer<value_type> slots_send_;
   typename base::template mirror<value_type> slots_recv_;
   typename base::template mirror<index_t> at_;  // [2][R*L]: each block's first slot row, send
