@@ -251,10 +251,33 @@ struct any : ll_policies<2> {
 struct local : ll_policies<2> {
   using comm = epmoe::comm::local;
 };
+// A comm of blocking all-to-alls only (no windows, no ialltoallv): the slots move in its
+// alltoall, one call per direction, from the send slots and back from the receive slots.
+struct blocking_comm {
+  comm::threads c;
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  template <class T>
+  void alltoall(const T* send, T* recv, index_t n) {
+    c.alltoall(send, recv, n);
+  }
+  template <class T>
+  void alltoallv(const T* send, const index_t* sn, const index_t* sd, T* recv, const index_t* rn,
+                 const index_t* rd) {
+    c.alltoallv(send, sn, sd, recv, rn, rd);
+  }
+};
+struct blocking : ll_policies<2> {
+  using comm = blocking_comm;
+};
+static_assert(!low_latency_exchange<blocking_comm, space::host>::puts &&
+              !low_latency_exchange<blocking_comm, space::host>::posts);
 }  // namespace
 
-TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and comm::local",
-          "[layer][low_latency]") {
+TEST_CASE(
+    "low latency: the same outputs over comm::throttled, comm::any, comm::local and a "
+    "blocking comm",
+    "[layer][low_latency]") {
   const auto none = [](int, std::vector<std::int32_t>&) {};
   int checks = 0;
   for (int R : {1, 2, 4}) {
@@ -270,15 +293,20 @@ TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and com
       comm::endpoint_of<comm::threads> ep(std::move(c));
       use(comm::any(ep));
     });
+    const auto b = run<blocking>(cfg, w, g, nullptr, none, [](comm::threads c, auto&& use) {
+      use(blocking_comm{std::move(c)});
+    });
     INFO("R=" << R);
     CHECK(s.y == base.y);
     CHECK(a.y == base.y);
+    CHECK(b.y == base.y);
+    CHECK(b.stats[0].alltoalls == 2);
     // comm::any and comm::throttled: an all-to-all of whole slots (S = 6 x min(2, L) rows).
     const index_t fixed = (R - 1) * slot_bytes(cfg, 6 * std::min(2, cfg.experts / R));
     CHECK(a.stats[0].dispatch_bytes_sent == fixed);
     CHECK(s.stats[0].combine_bytes_received == fixed);
     CHECK(s.stats[0].alltoalls == 2);
-    checks += 5;
+    checks += 7;
     if (R == 1) {
       const auto l = run<local>(cfg, w, g, nullptr, none,
                                 [](comm::threads, auto&& use) { use(comm::local{}); });
@@ -286,7 +314,7 @@ TEST_CASE("low latency: the same outputs over comm::throttled, comm::any and com
       ++checks;
     }
   }
-  CHECK(checks == 3 * 5 + 1);
+  CHECK(checks == 3 * 7 + 1);
 }
 
 TEST_CASE("low latency: a rejected input on one rank makes every rank throw, y untouched",
