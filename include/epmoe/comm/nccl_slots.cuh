@@ -102,6 +102,7 @@ class nccl_slots {
     // After an abort the communicator is gone (and a late peer may still store here): the
     // memory is left to the process's end rather than freed under a peer's mapping.
     if (!comm_ || stop_->aborted) return;
+    cudaDeviceSynchronize();  // (no store kernel may still run into memory being unmapped)
     for (part& p : side_) {
       if (p.window) ncclCommWindowDeregister(comm_, p.window);
       if (p.handle) ncclCommDeregister(comm_, p.handle);
