@@ -210,6 +210,10 @@ TEMPLATE_TEST_CASE("minifloat gemm: every kernel this CPU runs equals the defini
   CHECK(epmoe::space::cpu_runs(epmoe::space::minifloat_kernel_for(epmoe::space::best_cpu_path())));
   // The best path picks the best kernel the CPU runs (kernels_here: best last).
   CHECK(epmoe::space::minifloat_kernel_for(epmoe::space::best_cpu_path()) == kernels.back());
+  // fp32 tokens (the AVX-512 path) take the VBMI kernel wherever the CPU has it, BF16 CPUs too.
+  if (epmoe::space::cpu_runs(minifloat_kernel::avx512_vbmi))
+    CHECK(epmoe::space::minifloat_kernel_for(epmoe::space::cpu_path::avx512) ==
+          minifloat_kernel::avx512_vbmi);
   CHECK(epmoe::space::minifloat_kernel_for(epmoe::space::cpu_path::portable) ==
         minifloat_kernel::portable);
 }

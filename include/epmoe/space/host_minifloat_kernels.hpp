@@ -76,6 +76,34 @@ namespace detail {
 #endif
 inline constexpr index_t minifloat_prefetch = EPMOE_MINIFLOAT_PREFETCH;
 
+// The rows kernels' U x MR partial sums per accumulator: zeroed per block, then folded and
+// times the block's scales (one per column) added to the rows' totals. Inlined into each
+// kernel (AVX-512F is in every caller's target).
+template <int U, int MR>
+__attribute__((target("avx512f"), always_inline)) inline void zero_sums(__m512 (&lo)[U][MR],
+                                                                        __m512 (&hi)[U][MR]) {
+  EPMOE_PACKED_UNROLL
+  for (int u = 0; u < U; ++u) {
+    EPMOE_PACKED_UNROLL
+    for (int i = 0; i < MR; ++i) lo[u][i] = hi[u][i] = _mm512_setzero_ps();
+  }
+}
+template <int U, int MR>
+__attribute__((target("avx512f"), always_inline)) inline void fold_sums(__m512 (&lo)[U][MR],
+                                                                        __m512 (&hi)[U][MR],
+                                                                        const __m512& s0,
+                                                                        const __m512& s1,
+                                                                        __m512* tlo, __m512* thi) {
+  EPMOE_PACKED_UNROLL
+  for (int i = 0; i < MR; ++i) {
+    EPMOE_PACKED_UNROLL
+    for (int u = 1; u < U; ++u)
+      lo[0][i] = _mm512_add_ps(lo[0][i], lo[u][i]), hi[0][i] = _mm512_add_ps(hi[0][i], hi[u][i]);
+    tlo[i] = _mm512_fmadd_ps(lo[0][i], s0, tlo[i]);
+    thi[i] = _mm512_fmadd_ps(hi[0][i], s1, thi[i]);
+  }
+}
+
 // MR rows (<= 8) of bf16 pairs x 32 columns of a minifloat panel whose scales change every
 // Block pairs: per pair, convert(p, w0, w1) makes its bf16 pairs (columns 0..15, 16..31),
 // then 2 MR dot products; per block the sums times convert.scales(block) (one per column) are
@@ -93,11 +121,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void mi
   for (int i = 0; i < MR; ++i) tlo[i] = thi[i] = _mm512_setzero_ps();
   for (index_t p0 = 0; p0 < pairs; p0 += Block) {
     __m512 lo[U][MR], hi[U][MR];
-    EPMOE_PACKED_UNROLL
-    for (int u = 0; u < U; ++u) {
-      EPMOE_PACKED_UNROLL
-      for (int i = 0; i < MR; ++i) lo[u][i] = hi[u][i] = _mm512_setzero_ps();
-    }
+    zero_sums(lo, hi);
     const index_t p1 = std::min(pairs, p0 + Block);
     index_t p = p0;
     for (; p + U <= p1; p += U) {
@@ -125,14 +149,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi,avx512bf16"))) inline void mi
     }
     __m512 s0, s1;
     convert.scales(p0 / Block, s0, s1);
-    EPMOE_PACKED_UNROLL
-    for (int i = 0; i < MR; ++i) {
-      EPMOE_PACKED_UNROLL
-      for (int u = 1; u < U; ++u)
-        lo[0][i] = _mm512_add_ps(lo[0][i], lo[u][i]), hi[0][i] = _mm512_add_ps(hi[0][i], hi[u][i]);
-      tlo[i] = _mm512_fmadd_ps(lo[0][i], s0, tlo[i]);
-      thi[i] = _mm512_fmadd_ps(hi[0][i], s1, thi[i]);
-    }
+    fold_sums(lo, hi, s0, s1, tlo, thi);
   }
   store_rows_avx512<MR>(c, ldc, m0, m1, tlo, thi);
 }
@@ -259,11 +276,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void minifloat_row
   for (int i = 0; i < MR; ++i) tlo[i] = thi[i] = _mm512_setzero_ps();
   for (index_t p0 = 0; p0 < pairs; p0 += Block) {
     __m512 lo[U][MR], hi[U][MR];
-    EPMOE_PACKED_UNROLL
-    for (int u = 0; u < U; ++u) {
-      EPMOE_PACKED_UNROLL
-      for (int i = 0; i < MR; ++i) lo[u][i] = hi[u][i] = _mm512_setzero_ps();
-    }
+    zero_sums(lo, hi);
     const index_t p1 = std::min(full, p0 + Block);
     index_t p = p0;
     for (; p + U <= p1; p += U) {
@@ -276,14 +289,7 @@ __attribute__((target("avx512f,avx512bw,avx512vbmi"))) inline void minifloat_row
       minifloat_pair_fma<MR>(a, lda, convert, full, lo[0], hi[0], false);
     __m512 s0, s1;
     convert.scales(p0 / Block, s0, s1);
-    EPMOE_PACKED_UNROLL
-    for (int i = 0; i < MR; ++i) {
-      EPMOE_PACKED_UNROLL
-      for (int u = 1; u < U; ++u)
-        lo[0][i] = _mm512_add_ps(lo[0][i], lo[u][i]), hi[0][i] = _mm512_add_ps(hi[0][i], hi[u][i]);
-      tlo[i] = _mm512_fmadd_ps(lo[0][i], s0, tlo[i]);
-      thi[i] = _mm512_fmadd_ps(hi[0][i], s1, thi[i]);
-    }
+    fold_sums(lo, hi, s0, s1, tlo, thi);
   }
   store_rows_avx512<MR>(c, ldc, m0, m1, tlo, thi);
 }
